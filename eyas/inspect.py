@@ -1,0 +1,93 @@
+"""`eyas inspect`: what a target, shard folder or draft checkpoint holds, layouts in every convention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .layout import engine_ids_table
+from .target import load_target
+
+INSPECT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain speculative decoding in one paragraph.",
+]
+
+
+def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu") -> dict[str, Any]:
+    t = load_target(spec, dtype=dtype, device=device)
+    cfg = getattr(t.config, "text_config", None) or t.config
+    layout = t.default_layout()
+    L = t.num_layers
+    ids = [t.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"].to(t.device)
+           for p in INSPECT_PROMPTS]
+    from .target import stream_norms
+
+    norms = stream_norms(t.model, ids, [0, *layout.aux_indices])
+    return {
+        "kind": "target",
+        "source": spec,
+        "path": str(t.path),
+        "architecture": t.identity.architecture,
+        "model_type": t.identity.model_type,
+        "num_layers": L,
+        "hidden_size": t.hidden_size,
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)),
+        "vocab_size": t.identity.vocab_size,
+        "fingerprint": t.identity.fingerprint,
+        "dtype": str(t.dtype).replace("torch.", ""),
+        "load_seconds": round(t.load_seconds, 2),
+        "layout": layout.to_dict(),
+        "aux_stream_indices": layout.aux_indices,
+        "engine_ids": engine_ids_table(layout.aux_indices, L),
+        "sglang_ids": engine_ids_table(layout.aux_indices, L)["sglang"],
+        "vllm_ids": engine_ids_table(layout.aux_indices, L)["vllm"],
+        "mean_l2_norm": {("embedding (0)" if k == "0" else (f"final pre-norm ({L})" if k == "final" else k)): v
+                         for k, v in norms.items()},
+    }
+
+
+def inspect_path(path: Path) -> dict[str, Any] | None:
+    """A shard folder or a draft folder: its manifest; None if `path` is neither."""
+    for name in ("manifest.json", "eyas_manifest.json"):
+        m = path / name
+        if m.exists():
+            data = json.loads(m.read_text())
+            if str(data.get("kind", "")).startswith("eyas"):
+                return data
+    return None
+
+
+def render(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if info.get("kind") != "target":
+        con.print_json(json.dumps(info, default=str))
+        return
+    t = Table(title=f"target {info['source']}", show_header=False)
+    for k in ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "fingerprint", "dtype", "load_seconds", "path"):
+        t.add_row(k, str(info[k]))
+    con.print(t)
+    lt = Table(title="default EAGLE-3 layout, one layout in each engine's convention")
+    lt.add_column("engine")
+    lt.add_column("ids")
+    lt.add_column("meaning")
+    meaning = {"eyas": "stream index (0 = embedding, L = final pre-norm)", "eagle": "input of layer x",
+               "sglang": "output of layer x (eagle_config)", "vllm": "input of layer x (top level)",
+               "speculators": "input of layer x"}
+    for eng, ids in info["engine_ids"].items():
+        lt.add_row(eng, str(ids), meaning[eng])
+    con.print(lt)
+    nt = Table(title="mean L2 norm per captured stream index (chat prompts)")
+    nt.add_column("stream index")
+    nt.add_column("mean L2 norm", justify="right")
+    for k, v in info["mean_l2_norm"].items():
+        nt.add_row(k, f"{v:.2f}")
+    con.print(nt)

