@@ -1,0 +1,156 @@
+"""The on-disk hidden-state dump: packed safetensors shards + one manifest.json per folder.
+
+A shard packs many samples back to back (one tensor per field, sliced by `offsets`):
+  input_ids [N] int32, loss_mask [N] uint8, aux [N, n_aux*H] (bf16 default), final [N, H] (pre-norm,
+  stream index L), offsets [n+1] int64, row_ids [n] int64 (index of the source row each sample came from).
+The manifest (kind "eyas-shards") holds the layout, the datagen config, the committed shard list and
+counts. Writers commit a shard file first (tmp + rename), then the manifest (tmp + rename): a shard
+file the manifest does not list is an orphan of a kill and is ignored (and removed on resume).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .layout import Layout, check_layouts
+
+MANIFEST = "manifest.json"
+KIND = "eyas-shards"
+FORMAT_VERSION = 1
+
+
+class ShardError(ValueError):
+    pass
+
+
+@dataclass
+class Sample:
+    row_id: int
+    input_ids: torch.Tensor  # [S] long
+    loss_mask: torch.Tensor  # [S] bool
+    aux: torch.Tensor  # [S, n_aux*H]
+    final: torch.Tensor  # [S, H] pre-norm final state
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+
+def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Write samples packed into one safetensors file atomically; returns its manifest entry."""
+    if not samples:
+        raise ShardError("refusing to write an empty shard")
+    lens = [len(s) for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor(lens).cumsum(0)
+    tensors = {
+        "input_ids": torch.cat([s.input_ids.reshape(-1) for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask.reshape(-1) for s in samples]).to(torch.uint8),
+        "aux": torch.cat([s.aux.reshape(len(s), -1) for s in samples]).to(dtype),
+        "final": torch.cat([s.final.reshape(len(s), -1) for s in samples]).to(dtype),
+        "offsets": offsets,
+        "row_ids": torch.tensor([s.row_id for s in samples], dtype=torch.long),
+    }
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"producer": "eyas", "kind": KIND})
+    os.replace(tmp, path)
+    return {
+        "file": path.name,
+        "samples": len(samples),
+        "tokens": int(offsets[-1]),
+        "loss_tokens": int(tensors["loss_mask"].sum()),
+        "row_ids": [int(samples[0].row_id), int(samples[-1].row_id)],
+        "bytes": path.stat().st_size,
+    }
+
+
+def read_shard(path: Path) -> list[Sample]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:
+        raise ShardError(f"{path} is not a readable eyas shard ({e}); delete it and re-run datagen to resume") from e
+    need = {"input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"}
+    if not need <= set(t):
+        raise ShardError(f"{path} lacks fields {sorted(need - set(t))}; it was not written by eyas datagen")
+    off = t["offsets"].tolist()
+    out = []
+    for i, row in enumerate(t["row_ids"].tolist()):
+        a, b = off[i], off[i + 1]
+        out.append(Sample(row_id=int(row), input_ids=t["input_ids"][a:b].long(),
+                          loss_mask=t["loss_mask"][a:b].bool(), aux=t["aux"][a:b], final=t["final"][a:b]))
+    return out
+
+
+def load_manifest(folder: str | Path) -> dict[str, Any]:
+    p = Path(folder) / MANIFEST
+    if not p.exists():
+        raise ShardError(f"{folder} has no {MANIFEST}: not an eyas shard folder (make one with `eyas datagen`)")
+    m = json.loads(p.read_text())
+    if m.get("kind") != KIND:
+        raise ShardError(f"{p}: kind {m.get('kind')!r}, expected {KIND!r}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ShardError(f"{p}: format_version {m.get('format_version')} but this eyas reads {FORMAT_VERSION}")
+    return m
+
+
+def manifest_hash(m: dict[str, Any]) -> str:
+    """Identity of a dataset's content: layout + committed shards (names, sizes, rows)."""
+    key = json.dumps({"layout": m.get("layout"), "shards": m.get("shards")}, sort_keys=True)
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def is_heldout(row_id: int, heldout_pct: float) -> bool:
+    """Deterministic split by source row: the same row is held out in every run and every process."""
+    h = int(hashlib.sha256(str(row_id).encode()).hexdigest()[:8], 16)
+    return (h % 10000) < heldout_pct * 100
+
+
+class ShardSet:
+    """One or more shard folders read as one dataset; all must share a layout (checked, named)."""
+
+    def __init__(self, folders: list[str | Path] | str | Path):
+        if isinstance(folders, (str, Path)):
+            folders = [folders]
+        self.folders = [Path(f) for f in folders]
+        self.manifests = [load_manifest(f) for f in self.folders]
+        self.layout = Layout.from_dict(self.manifests[0]["layout"])
+        for f, m in zip(self.folders[1:], self.manifests[1:], strict=True):
+            check_layouts(self.layout, Layout.from_dict(m["layout"]), str(self.folders[0]), str(f))
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s["samples"] for m in self.manifests for s in m["shards"])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["tokens"] for m in self.manifests for s in m["shards"])
+
+    def shard_paths(self) -> list[Path]:
+        return [f / s["file"] for f, m in zip(self.folders, self.manifests, strict=True) for s in m["shards"]]
+
+    def samples(self, split: str = "all", heldout_pct: float = 5.0) -> Iterator[Sample]:
+        """split: 'all' | 'train' | 'heldout' (by source row id, see is_heldout)."""
+        for p in self.shard_paths():
+            for s in read_shard(p):
+                if split == "all" or (split == "heldout") == is_heldout(s.row_id, heldout_pct):
+                    yield s
+
+    def hash(self) -> str:
+        return "sha256:" + hashlib.sha256("".join(manifest_hash(m) for m in self.manifests).encode()).hexdigest()[:24]
