@@ -23,7 +23,7 @@ demo: setup
 	$(VENV)/bin/eyas inspect smollm2-135m
 
 lint: setup
-	$(VENV)/bin/ruff check eyas tests benchmarks
+	$(VENV)/bin/ruff check .
 
 test: setup lint
 	$(VENV)/bin/pytest -q -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
