@@ -1,0 +1,589 @@
+"""`eyas bench`: Hugging Face baselines and eyas decoding side by side, one process, same prompts, greedy.
+
+Methods: hf-greedy (HF `generate`, do_sample=False), plain / chain / tree (the eyas engine), hf-lookup
+(HF prompt-lookup decoding). Every method is warmed up once, then the prompts run interleaved
+(prompt 1: every method, prompt 2: every method, ...; the method order rotates by one each prompt) so
+machine noise and cache warmth hit all methods alike. Outputs are compared token for token with eyas
+plain greedy (the reference; HF greedy is the reference when plain is not run).
+
+Counting: a trailing end-of-turn token is stripped before counting and comparing (HF returns it, and
+it is not content); tok/s = content tokens / wall seconds of the whole call (prefill included);
+tau = tokens per target forward (prefill forward included, so plain greedy is exactly 1): HF forwards
+are counted with a forward hook on the model, eyas methods report theirs in GenStats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .draft import DraftCheckpoint, DraftConfig, Eagle3Draft, bundled_draft_path, load_draft
+from .prompts import BenchPrompt, load_prompts
+from .target import Target, file_fingerprint, load_target
+
+METHODS = ("hf-greedy", "plain", "chain", "tree", "hf-lookup")
+ENGINE_METHODS = ("plain", "chain", "tree")
+SPEC_METHODS = ("chain", "tree")
+HF_METHODS = ("hf-greedy", "hf-lookup")
+WARMUP_TOKENS = 16
+
+
+class BenchError(ValueError):
+    pass
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'1,2,4' or '2-6' or '1-3,8' -> sorted unique ints."""
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-")
+                out.update(range(int(a), int(b) + 1))
+            elif part:
+                out.add(int(part))
+    except ValueError as e:
+        raise BenchError(f"{what} {text!r}: expected comma-separated integers or ranges like 1,2,4 or 2-6") from e
+    if not out or min(out) < 1:
+        raise BenchError(f"{what} {text!r}: expected positive integers, found {sorted(out)}")
+    return sorted(out)
+
+
+def parse_methods(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad or not names:
+        raise BenchError(f"--methods {text!r}: unknown {bad}; choose from {','.join(METHODS)}")
+    return [m for m in METHODS if m in names]  # canonical order, duplicates dropped
+
+
+@dataclass
+class SweepGrid:
+    steps: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    depth: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6])
+    topk: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    tokens: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
+
+
+@dataclass
+class BenchConfig:
+    bench: str = "mt-bench"
+    limit: int | None = 10
+    turn: int = 1
+    max_new_tokens: int = 256
+    target: str = "smollm2-135m"
+    draft: str = "default"  # an eyas draft folder, "default" (bundled) or "random" (untrained, in memory)
+    dtype: str = "fp32"
+    device: str = "cpu"
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    steps: int = 4  # chain
+    depth: int = 4  # tree
+    topk: int = 4
+    tokens: int = 16
+    lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
+    threads: int | None = None
+    out: str | None = None
+    resume: bool = False
+    sweep: bool = False
+    sweep_limit: int = 3
+    grid: SweepGrid = field(default_factory=SweepGrid)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# the fields that must agree for `--resume` to continue an earlier run's rows
+RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "methods",
+               "steps", "depth", "topk", "tokens", "lookup_tokens")
+
+
+# ---- draft ---------------------------------------------------------------------------------------
+
+def random_draft(target: Target, draft_vocab: int = 8192, seed: int = 0) -> DraftCheckpoint:
+    """An untrained EAGLE-3 draft for `target` (random weights, draft vocab = the first target ids).
+    Its acceptance is near zero: it proves the plumbing, never the speed."""
+    vocab = target.identity.vocab_size
+    cfg = DraftConfig.from_target_config(target.config, min(draft_vocab, vocab))
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg)
+    model.set_vocab_map(torch.arange(cfg.draft_vocab_size))
+    manifest = {"kind": "eyas-draft", "untrained": True, "note": f"random weights (seed {seed}), made by eyas bench",
+                "draft_config": cfg.to_dict()}
+    model.to(device=target.device, dtype=target.dtype).eval()
+    return DraftCheckpoint(model=model, layout=target.default_layout(), manifest=manifest, path=None)
+
+
+def save_random_draft(target: Target, path: str | Path, draft_vocab: int = 8192, seed: int = 0) -> Path:
+    from .draft import save_draft
+
+    ckpt = random_draft(target, draft_vocab, seed)
+    return save_draft(path, ckpt.model.float(), ckpt.layout,
+                      extra={"untrained": True, "note": ckpt.manifest["note"]})
+
+
+def resolve_draft(spec: str, target: Target) -> DraftCheckpoint:
+    if spec == "random":
+        return random_draft(target)
+    if spec == "default" and not bundled_draft_path().is_dir():
+        raise BenchError(f"the bundled draft ({bundled_draft_path()}) is not shipped yet: pass --draft PATH (an eyas "
+                         "draft folder), --draft random (an untrained draft: the plumbing, not the speed), or "
+                         "--methods hf-greedy,plain,hf-lookup to skip the speculative methods")
+    return load_draft(spec, device=target.device, dtype=target.dtype)
+
+
+def draft_summary(ckpt: DraftCheckpoint | None, spec: str) -> dict[str, Any] | None:
+    if ckpt is None:
+        return None
+    m = ckpt.manifest
+    c = ckpt.model.config
+    weights = ckpt.path / "model.safetensors" if ckpt.path else None
+    trained_record = any(k in m for k in ("training", "train", "train_config", "metrics"))
+    untrained = bool(m.get("untrained", False))
+    return {
+        "spec": spec,
+        "path": str(ckpt.path) if ckpt.path else None,
+        "untrained": untrained,
+        "status": ("UNTRAINED (random weights): speed and acceptance numbers are meaningless" if untrained
+                   else "trained" if trained_record else "no training record in the manifest"),
+        "note": m.get("note"),
+        "fingerprint": file_fingerprint([weights]) if weights and weights.exists() else None,
+        "aux_indices": ckpt.layout.aux_indices,
+        "hidden_size": c.hidden_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "manifest_keys": sorted(m),
+    }
+
+
+# ---- one generation per method -------------------------------------------------------------------
+
+@dataclass
+class Output:
+    token_ids: list[int]  # content tokens (a trailing end token stripped)
+    seconds: float
+    target_forwards: int
+    finish: str  # "stop" | "length"
+    stats: dict[str, Any] | None = None  # eyas GenStats fields
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """The chat template's end-of-turn token (the token right after an assistant reply) plus the
+    tokenizer's eos. Both HF and eyas runs stop on these."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    sentinel = "EYASSENTINEL"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": sentinel}], tokenize=False)
+    except Exception:  # no chat template: eos alone
+        text = ""
+    if sentinel in text:
+        rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
+        if rest and rest[0] in tokenizer.all_special_ids:
+            ids.add(int(rest[0]))
+    if not ids:
+        raise BenchError("the tokenizer has no eos token and its chat template no end-of-turn token; "
+                         "the bench cannot know where a reply ends")
+    return sorted(ids)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _strip_end(ids: list[int], end_ids: list[int]) -> tuple[list[int], str | None]:
+    if ids and ids[-1] in end_ids:
+        return ids[:-1], "stop"
+    return ids, None
+
+
+def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = None) -> Callable[..., Output]:
+    """HF `generate` greedy, or prompt-lookup decoding when lookup_tokens is set. Target forwards are
+    counted with a forward pre-hook (each verification of a lookup candidate is one forward)."""
+    model = target.model
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else end_ids[0]
+
+    @torch.no_grad()
+    def run(input_ids: list[int], max_new_tokens: int) -> Output:
+        x = torch.tensor([input_ids], device=target.device)
+        calls = [0]
+        hook = model.register_forward_pre_hook(lambda mod, args: calls.__setitem__(0, calls[0] + 1))
+        kw: dict[str, Any] = {"prompt_lookup_num_tokens": lookup_tokens} if lookup_tokens else {}
+        try:
+            _sync(target.device)
+            t0 = time.perf_counter()
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, temperature=None,
+                                 top_p=None, top_k=None, max_new_tokens=max_new_tokens, eos_token_id=end_ids,
+                                 pad_token_id=pad, **kw)
+            _sync(target.device)
+            dt = time.perf_counter() - t0
+        finally:
+            hook.remove()
+        ids, finish = _strip_end(out[0, len(input_ids):].tolist(), end_ids)
+        return Output(ids, dt, calls[0], finish or "length")
+
+    return run
+
+
+def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[..., Output]:
+    from .engine import SamplingParams
+
+    def run(input_ids: list[int], max_new_tokens: int) -> Output:
+        _sync(device)
+        t0 = time.perf_counter()
+        res = engine.generate(input_ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+        _sync(device)
+        dt = time.perf_counter() - t0
+        ids, _ = _strip_end(list(res.token_ids), end_ids)
+        s = res.stats
+        stats = {k: getattr(s, k) for k in ("prompt_tokens", "new_tokens", "target_forwards", "rounds", "prefill_s",
+                                            "draft_s", "verify_s", "total_s", "accepted_per_depth",
+                                            "proposed_per_depth")}
+        stats["tau"] = s.tau
+        return Output(ids, dt, int(s.target_forwards), res.finish_reason, stats)
+
+    return run
+
+
+# ---- rows and summaries --------------------------------------------------------------------------
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """First position where two token lists differ (the shorter length if one is a prefix); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def make_row(p: BenchPrompt, method: str, o: Output) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "prompt": p.id, "category": p.category, "method": method, "new_tokens": len(o.token_ids),
+        "seconds": round(o.seconds, 6), "tok_s": len(o.token_ids) / o.seconds if o.seconds > 0 else 0.0,
+        "target_forwards": o.target_forwards, "finish": o.finish, "token_ids": o.token_ids,
+    }
+    # tau counts every generated token (an end token included) per target forward
+    generated = len(o.token_ids) + (1 if o.finish == "stop" else 0)
+    if o.stats is not None:
+        row["stats"] = o.stats
+        row["tau"] = o.stats["tau"]
+    else:
+        row["tau"] = generated / o.target_forwards if o.target_forwards else None
+    return row
+
+
+def mark_lossless(rows: list[dict[str, Any]], reference: str | None) -> None:
+    """Set same_as_ref / first_diff on every row of one prompt (rows of all methods)."""
+    ref = next((r for r in rows if r["method"] == reference), None)
+    for r in rows:
+        if ref is None or r["method"] == reference:
+            r["same_as_ref"], r["first_diff"] = None, None
+        else:
+            d = first_diff(ref["token_ids"], r["token_ids"])
+            r["same_as_ref"], r["first_diff"] = d is None, d
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(r["new_tokens"] for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    s: dict[str, Any] = {"prompts": len(rows), "new_tokens": tokens, "seconds": round(secs, 4),
+                         "tok_s": tokens / secs if secs > 0 else 0.0}
+    stats = [r["stats"] for r in rows if "stats" in r]
+    if stats:  # eyas: tau over all rounds, acceptance per depth pooled over prompts
+        fwd = sum(st["target_forwards"] for st in stats)
+        s["tau"] = sum(st["new_tokens"] for st in stats) / fwd if fwd else None
+        depth = max(len(st["proposed_per_depth"]) for st in stats)
+        acc = [sum(st["accepted_per_depth"][d] for st in stats if d < len(st["accepted_per_depth"]))
+               for d in range(depth)]
+        prop = [sum(st["proposed_per_depth"][d] for st in stats if d < len(st["proposed_per_depth"]))
+                for d in range(depth)]
+        s["accept_per_depth"] = [a / p if p else None for a, p in zip(acc, prop, strict=True)]
+        draft_s = sum(st["draft_s"] for st in stats)
+        round_s = sum(st["total_s"] - st["prefill_s"] for st in stats)
+        s["draft_s"] = round(draft_s, 4)
+        s["draft_overhead"] = draft_s / round_s if round_s > 0 and depth else None
+    else:
+        fwd = sum(r["target_forwards"] for r in rows)
+        gen = sum(r["new_tokens"] + (r["finish"] == "stop") for r in rows)
+        s["tau"] = gen / fwd if fwd else None
+        s["accept_per_depth"] = None
+        s["draft_overhead"] = None
+    compared = [r for r in rows if r.get("same_as_ref") is not None]
+    s["identical"] = sum(bool(r["same_as_ref"]) for r in compared)
+    s["compared"] = len(compared)
+    s["mismatches"] = [{"prompt": r["prompt"], "first_diff": r["first_diff"]} for r in compared
+                       if not r["same_as_ref"]]
+    return s
+
+
+def summarize(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
+    """{"methods": {m: summary}, "categories": {cat: {m: summary}}} with speedups vs HF greedy and plain."""
+
+    def block(sub: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {m: _summary([r for r in sub if r["method"] == m]) for m in methods}
+        for base, key in (("hf-greedy", "speedup_vs_hf"), ("plain", "speedup_vs_plain")):
+            b = out.get(base, {}).get("tok_s")
+            for s in out.values():
+                s[key] = s["tok_s"] / b if b else None
+        return out
+
+    cats = sorted({r["category"] for r in rows})
+    return {"methods": block(rows), "categories": {c: block([r for r in rows if r["category"] == c]) for c in cats}}
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def environment(target: Target) -> dict[str, Any]:
+    import transformers
+
+    dev = target.device
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "threads": torch.get_num_threads(), "device": str(dev),
+           "dtype": str(target.dtype).replace("torch.", ""), "cpu": _cpu_name()}
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    try:
+        env["eyas_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["eyas_commit"] = None
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = results["summary"]["methods"]
+    methods = list(summ)
+    toks = [summ[m]["tok_s"] for m in methods]
+    base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bars = a.bar(methods, toks, color=["#888888" if m in HF_METHODS else "#2a6fb0" for m in methods])
+    for bar, m in zip(bars, methods, strict=True):
+        sp = summ[m].get(base)
+        a.annotate(_fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                   ha="center", va="bottom", fontsize=9)
+    a.set_ylabel("tokens / s")
+    a.set_title(f"throughput (speedup vs {'HF greedy' if base == 'speedup_vs_hf' else 'eyas plain'})")
+    taus = [summ[m]["tau"] or 0.0 for m in methods]
+    bars = b.bar(methods, taus, color="#4f9a5a")
+    for bar, m in zip(bars, methods, strict=True):
+        b.annotate(_fmt(summ[m]["tau"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                   ha="center", va="bottom", fontsize=9)
+    b.set_ylabel("tokens per target forward (tau)")
+    b.set_title("tau")
+    cfg, env = results["config"], results["environment"]
+    draft = results.get("draft") or {}
+    flag = " — UNTRAINED draft" if draft.get("untrained") else ""
+    fig.suptitle(f"{cfg['bench']} x{results['num_prompts']}, {cfg['max_new_tokens']} new tokens, "
+                 f"{results['target']['name']} {env['dtype']} on {env['device']} ({env['threads']} threads){flag}",
+                 fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def render(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    summ = results["summary"]["methods"]
+    ref = results["reference"]
+    draft = results.get("draft") or {}
+    title = f"eyas bench: {results['config']['bench']} x{results['num_prompts']} prompts"
+    if draft.get("untrained"):
+        title += " [red](UNTRAINED draft: numbers meaningless)[/red]"
+    t = Table(title=title)
+    for col in ("method", "tok/s", "vs HF greedy", "vs plain", "tau", "accept per depth", "draft overhead",
+                f"= {ref or 'ref'}"):
+        t.add_column(col, justify="left" if col in ("method", "accept per depth") else "right")
+    for m, s in summ.items():
+        acc = " ".join(_fmt(a, ".2f") for a in s["accept_per_depth"]) if s["accept_per_depth"] else "-"
+        same = "ref" if m == ref else (f"{s['identical']}/{s['compared']}" if s["compared"] else "n/a")
+        t.add_row(m, f"{s['tok_s']:.1f}", _fmt(s["speedup_vs_hf"], ".2f", "x"), _fmt(s["speedup_vs_plain"], ".2f", "x"),
+                  _fmt(s["tau"]), acc, _fmt(s["draft_overhead"], ".0%"), same)
+    con.print(t)
+    cats = results["summary"]["categories"]
+    if len(cats) > 1:
+        ct = Table(title="tok/s per category (speedup vs HF greedy)")
+        ct.add_column("category")
+        for m in summ:
+            ct.add_column(m, justify="right")
+        for c, block in cats.items():
+            ct.add_row(c, *[f"{block[m]['tok_s']:.1f} ({_fmt(block[m]['speedup_vs_hf'], '.2f', 'x')})"
+                            for m in summ])
+        con.print(ct)
+    for m, s in summ.items():
+        for mm in s["mismatches"]:
+            con.print(f"[yellow]{m} differs from {ref} on {mm['prompt']} at token {mm['first_diff']}[/yellow]")
+    con.print(f"results: {results['out']}")
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def default_out(prefix: str = "bench") -> Path:
+    return Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | None,
+                  end_ids: list[int]) -> dict[str, Callable[..., Output]]:
+    runners: dict[str, Callable[..., Output]] = {}
+    for m in cfg.methods:
+        if m == "hf-greedy":
+            runners[m] = hf_runner(target, end_ids)
+        elif m == "hf-lookup":
+            runners[m] = hf_runner(target, end_ids, lookup_tokens=cfg.lookup_tokens)
+        else:
+            from .engine import Engine, SpecParams
+
+            spec = SpecParams(method=m, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk, tokens=cfg.tokens)
+            runners[m] = engine_runner(Engine(target, draft if m in SPEC_METHODS else None, spec), end_ids,
+                                       target.device)
+    return runners
+
+
+def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
+    from .engine import chat_input_ids
+
+    return [list(chat_input_ids(target.tokenizer, p.messages)) for p in prompts]
+
+
+def greedy_answer(target: Target, end_ids: list[int], max_new_tokens: int) -> Callable[[list[dict]], str]:
+    """The target's own greedy reply (HF generate), used as the first turn of MT-bench turn 2."""
+    run = hf_runner(target, end_ids)
+
+    def answer(messages: list[dict]) -> str:
+        from .engine import chat_input_ids
+
+        out = run(list(chat_input_ids(target.tokenizer, messages)), max_new_tokens)
+        return target.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+    return answer
+
+
+def _load_rows(path: Path, methods: list[str]) -> list[dict[str, Any]]:
+    """Rows of prompts that finished every method; a torn last line (a kill mid-write) is dropped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    done = {p for p in {r["prompt"] for r in rows} if {r["method"] for r in rows if r["prompt"] == p} >= set(methods)}
+    return [r for r in rows if r["prompt"] in done]
+
+
+def _prepare_out(cfg: BenchConfig, out: Path, target: Target) -> list[dict[str, Any]]:
+    """Create `out`, or continue it with --resume; returns the rows already done."""
+    rows_path, cfg_path = out / "rows.jsonl", out / "config.json"
+    me = {**{k: cfg.to_dict()[k] for k in RESUME_KEYS}, "target_fingerprint": target.identity.fingerprint}
+    if rows_path.exists() and rows_path.stat().st_size > 0:
+        if not cfg.resume:
+            raise BenchError(f"{out} already holds rows of a bench run; pass --resume to continue it, or another --out")
+        old = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        diff = [f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in me.items() if old.get(k) != v]
+        if diff:
+            raise BenchError(f"--resume {out}: the run there used other settings ({'; '.join(diff)}); "
+                             "rerun with the same settings or choose another --out")
+        rows = _load_rows(rows_path, cfg.methods)
+        rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop partial prompts
+        return rows
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(cfg_path, me)
+    rows_path.write_text("")
+    return []
+
+
+def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
+              progress: bool = True, show: bool = True) -> dict[str, Any]:
+    """Run the side-by-side benchmark; writes results.json, rows.jsonl and bench.png into cfg.out."""
+    from rich.progress import Progress
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
+        draft = resolve_draft(cfg.draft, target)
+    end_ids = end_token_ids(target.tokenizer)
+    answer = greedy_answer(target, end_ids, cfg.max_new_tokens) if cfg.turn == 2 else None
+    prompts = load_prompts(cfg.bench, cfg.limit, cfg.turn, answer)
+    ids = prompt_ids(target, prompts)
+    out = Path(cfg.out) if cfg.out else default_out()
+    done_rows = _prepare_out(cfg, out, target)
+    done = {r["prompt"] for r in done_rows}
+    runners = build_runners(cfg, target, draft, end_ids)
+    reference = "plain" if "plain" in cfg.methods else ("hf-greedy" if "hf-greedy" in cfg.methods else None)
+
+    for run in runners.values():  # warm-up: allocations, lazy init, kernel selection
+        run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
+    rows = list(done_rows)
+    todo = [i for i, p in enumerate(prompts) if p.id not in done]
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("bench", total=len(todo) * len(runners))
+        for n, i in enumerate(todo):
+            p = prompts[i]
+            order = cfg.methods[n % len(cfg.methods):] + cfg.methods[:n % len(cfg.methods)]
+            prow = {}
+            for m in order:
+                bar.update(task, description=f"{p.id} {m}")
+                prow[m] = make_row(p, m, runners[m](ids[i], cfg.max_new_tokens))
+                bar.advance(task)
+            prow_list = [prow[m] for m in cfg.methods]
+            mark_lossless(prow_list, reference)
+            with open(out / "rows.jsonl", "a") as f:  # one write per prompt: resume skips whole prompts
+                f.write("".join(json.dumps(r) + "\n" for r in prow_list))
+                f.flush()
+                os.fsync(f.fileno())
+            rows += prow_list
+    results = {
+        "kind": "eyas-bench", "format_version": 1, "out": str(out), "config": cfg.to_dict(),
+        "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
+        "draft": draft_summary(draft, cfg.draft), "end_token_ids": end_ids, "reference": reference,
+        "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
+        "summary": summarize(rows, cfg.methods), "rows": rows,
+    }
+    write_json(out / "results.json", results)
+    plot(results, out / "bench.png")
+    if show:
+        render(results)
+    return results

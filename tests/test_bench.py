@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from eyas.bench import (
+    BenchConfig,
+    BenchError,
+    Output,
+    end_token_ids,
+    first_diff,
+    hf_runner,
+    make_row,
+    mark_lossless,
+    parse_int_list,
+    parse_methods,
+    save_random_draft,
+    summarize,
+)
+from eyas.prompts import BenchPrompt
+from eyas.target import load_target
+from tests.tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2):
+    """A tiny random Llama with the SmolLM2 tokenizer (vocab 49152), saved as a HF folder, plus a
+    random eyas draft saved next to it."""
+    root = tmp_path_factory.mktemp("tiny-bench")
+    model = tiny_model("llama", seed=0, vocab=smollm2.identity.vocab_size, hidden=32, layers=4)
+    model.config.eos_token_id = 2
+    model.config.bos_token_id = 1
+    model.config.pad_token_id = 2
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(root / "target", safe_serialization=True)
+    for f in smollm2.path.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, root / "target" / f.name)
+    target = load_target(str(root / "target"), dtype="fp32")
+    save_random_draft(target, root / "draft", draft_vocab=512, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_dir):
+    return load_target(str(tiny_dir / "target"), dtype="fp32")
+
+
+def test_parsers():
+    assert parse_int_list("2-4,8,3", "--x") == [2, 3, 4, 8]
+    with pytest.raises(BenchError, match="comma-separated"):
+        parse_int_list("a", "--sweep-depth")
+    with pytest.raises(BenchError, match="positive"):
+        parse_int_list("0,1", "--sweep-topk")
+    assert parse_methods("tree,plain,plain") == ["plain", "tree"]
+    with pytest.raises(BenchError, match="choose from"):
+        parse_methods("plain,medusa")
+
+
+def test_first_diff():
+    assert first_diff([1, 2, 3], [1, 2, 3]) is None
+    assert first_diff([1, 2, 3], [1, 5, 3]) == 1
+    assert first_diff([1, 2], [1, 2, 3]) == 2
+
+
+def test_end_tokens_of_smollm2_template(smollm2):
+    assert end_token_ids(smollm2.tokenizer) == [2]  # <|im_end|> is both eos and the template's end token
+
+
+def test_hf_runner_counts_forwards(tiny_target):
+    ids = tiny_target.tokenizer("a b c d a b c d a b c", add_special_tokens=False)["input_ids"]
+    greedy = hf_runner(tiny_target, [2])(ids, 12)
+    lookup = hf_runner(tiny_target, [2], lookup_tokens=4)(ids, 12)
+    gen = len(greedy.token_ids) + (greedy.finish == "stop")
+    assert greedy.target_forwards == gen  # one forward per token, prefill included
+    assert 1 <= lookup.target_forwards <= len(lookup.token_ids) + 1
+    p = BenchPrompt("p", "c", [])
+    rows = [make_row(p, "hf-greedy", greedy), make_row(p, "hf-lookup", lookup)]
+    assert rows[0]["tau"] == 1.0
+    mark_lossless(rows, "hf-greedy")
+    assert rows[0]["same_as_ref"] is None and isinstance(rows[1]["same_as_ref"], bool)
+
+
+def test_summary_pools_stats_and_speedups():
+    p1, p2 = BenchPrompt("a", "x", []), BenchPrompt("b", "y", [])
+    st = dict(prompt_tokens=5, new_tokens=6, target_forwards=3, rounds=2, prefill_s=0.5, draft_s=0.25, verify_s=0.5,
+              total_s=1.5, accepted_per_depth=[2, 1], proposed_per_depth=[2, 2], tau=2.0)
+    rows = []
+    for p in (p1, p2):
+        prow = [make_row(p, "hf-greedy", Output([1, 2, 3, 4, 5, 6], 2.0, 6, "length")),
+                make_row(p, "plain", Output([1, 2, 3, 4, 5, 6], 1.0, 6, "length",
+                                            {**st, "accepted_per_depth": [], "proposed_per_depth": [],
+                                             "target_forwards": 6, "tau": 1.0, "draft_s": 0.0})),
+                make_row(p, "tree", Output([1, 2, 3, 9, 5, 6] if p is p2 else [1, 2, 3, 4, 5, 6], 0.5, 3, "length",
+                                           st))]
+        mark_lossless(prow, "plain")
+        rows += prow
+    s = summarize(rows, ["hf-greedy", "plain", "tree"])
+    m = s["methods"]
+    assert m["hf-greedy"]["tok_s"] == 3.0 and m["plain"]["speedup_vs_hf"] == 2.0
+    assert m["tree"]["speedup_vs_plain"] == 2.0 and m["tree"]["tau"] == 2.0
+    assert m["tree"]["accept_per_depth"] == [1.0, 0.5]
+    assert m["tree"]["draft_overhead"] == pytest.approx(0.25)  # 0.25 s drafting of 1.0 s of rounds
+    assert (m["tree"]["identical"], m["tree"]["compared"]) == (1, 2)
+    assert m["tree"]["mismatches"] == [{"prompt": "b", "first_diff": 3}]
+    assert m["hf-greedy"]["tau"] == 1.0 and m["hf-greedy"]["draft_overhead"] is None
+    assert set(s["categories"]) == {"x", "y"}
+
+
+def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
+    from eyas.bench import _prepare_out
+
+    cfg = BenchConfig(bench="humaneval", out=str(tmp_path / "o"))
+    _prepare_out(cfg, tmp_path / "o", tiny_target)
+    (tmp_path / "o" / "rows.jsonl").write_text(json.dumps({"prompt": "x", "method": "plain"}) + "\n")
+    with pytest.raises(BenchError, match="--resume"):
+        _prepare_out(cfg, tmp_path / "o", tiny_target)
+    cfg.resume, cfg.max_new_tokens = True, 7
+    with pytest.raises(BenchError, match="max_new_tokens"):
+        _prepare_out(cfg, tmp_path / "o", tiny_target)
+
+
+def test_missing_bundled_draft_is_a_clear_error(tiny_target):
+    from eyas.bench import resolve_draft
+    from eyas.draft import bundled_draft_path
+
+    if bundled_draft_path().is_dir():
+        pytest.skip("a bundled draft ships now")
+    with pytest.raises(BenchError, match="--draft random"):
+        resolve_draft("default", tiny_target)
