@@ -1,0 +1,549 @@
+"""Lossless speculative decoding with an EAGLE-3 draft: plain, chain and EAGLE-2 dynamic tree, one KV cache.
+
+One round (target cache holds x_0..x_{n-1}; the root x_n is accepted but not yet run by the target):
+  1. draft step 0 over the rows accepted since the last round (fc(features), next token, position = row),
+     appended to the draft's KV cache; its last row proposes depth 1 (docs/CONTRACTS.md, draft alignment);
+  2. deeper draft steps feed back the parent's output with the node's token at position (n-1)+depth;
+  3. the target verifies root + candidates in one forward (tree mask, positions n + depth) and captures
+     the layout's streams at every candidate;
+  4. the longest accepted path plus one bonus token is committed; its KV entries are compacted into the
+     contiguous prefix and its features feed the next round's step 0.
+
+Tree definition (`SpecParams.tokens` counts the root, like SGLang's num_draft_tokens): depth 1 is the
+top-`topk` draft tokens after the root; each further depth expands the best `topk` frontier nodes by
+cumulative log-prob into `topk` children each; the best `tokens - 1` candidates overall (ties: shallower
+first, so every kept node's parent is kept) are verified with the root. Candidate pool =
+topk + (depth-1)*topk^2. A chain of `steps` is the tree with topk 1, depth steps, tokens steps+1.
+
+Sampling (lossless, see eyas/sampling.py): the tree's candidates are chosen deterministically (top-k),
+so each is verified as a point-mass proposal: accept child x with probability p(x), else remove x from
+p, renormalise and try the next sibling; if all fail, draw the bonus from what is left. Using the draft's
+softmax as q with deterministically chosen tokens would NOT be lossless (q(x)=0.6, p(x)=0.3 would emit x
+half the time). The chain samples its candidates from the draft's warped distribution q (same
+temperature/top-k/top-p as p) and accepts with min(1, p/q), residual norm(max(p-q, 0)) — the classic
+scheme, which gains when the draft spreads mass like the target.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .draft import DraftCheckpoint, check_draft_for_target
+from .model import KVCache, TargetModel, compact
+from .sampling import rejection_step, sample, warp
+from .target import Target
+
+METHODS = ("tree", "chain", "plain")
+
+
+class EngineError(ValueError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise EngineError(f"temperature {self.temperature} < 0; use 0 for greedy or a positive value")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EngineError(f"top_p {self.top_p} must be in (0, 1]; use 1.0 to turn it off")
+        if self.top_k < 0:
+            raise EngineError(f"top_k {self.top_k} < 0; use 0 to turn it off")
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens {self.max_new_tokens} must be >= 1")
+        if any(not s for s in self.stop):
+            raise EngineError("stop strings must be non-empty")
+
+
+@dataclass
+class SpecParams:
+    method: str = "tree"  # tree | chain | plain
+    steps: int = 4  # chain: draft steps per round (verifies steps + 1 tokens)
+    depth: int = 4  # tree: draft depth
+    topk: int = 4  # tree: children per expanded node and frontier width
+    tokens: int = 16  # tree: verified tokens per round, root included
+
+    def shape(self) -> tuple[int, int, int]:
+        """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""
+        if self.method == "chain":
+            return self.steps, 1, self.steps + 1
+        return self.depth, self.topk, self.tokens
+
+    def validate(self, draft_vocab: int | None) -> None:
+        if self.method not in METHODS:
+            raise EngineError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if self.method == "plain":
+            return
+        if draft_vocab is None:
+            raise EngineError(f"method {self.method!r} needs an EAGLE-3 draft; pass a draft (--draft PATH or "
+                              "--draft default) or use method 'plain'")
+        if self.method == "chain":
+            if self.steps < 1:
+                raise EngineError(f"chain steps {self.steps} < 1; use --steps 1 or more (or method 'plain')")
+            return
+        d, k, n = self.depth, self.topk, self.tokens
+        if d < 1:
+            raise EngineError(f"tree depth {d} < 1; use --depth 1 or more")
+        if k < 1:
+            raise EngineError(f"tree topk {k} < 1; use --topk 1 or more")
+        if k > draft_vocab:
+            raise EngineError(f"tree topk {k} exceeds the draft vocabulary ({draft_vocab} tokens)")
+        if k == 1 and n != d + 1:
+            raise EngineError(f"a tree with topk 1 is a chain of {d} tokens: tokens must be depth + 1 = {d + 1}, "
+                              f"got {n}. Use --tokens {d + 1}, or --topk > 1 for a wider tree")
+        cap = 1 + k + (d - 1) * k * k
+        if n < 2:
+            raise EngineError(f"tree tokens {n} < 2: it counts the root, so at least one candidate needs 2")
+        if n > cap:
+            raise EngineError(f"tree tokens {n} exceed what depth {d} x topk {k} can propose: at most "
+                              f"1 + topk + (depth-1)*topk^2 = {cap} (root included). Use --tokens <= {cap} "
+                              "or a larger --depth/--topk")
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # all target forwards, prefill included
+    rounds: int = 0  # target forwards after prefill (one per decode step / speculative round)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    # accepted_per_depth[d-1]: rounds whose accepted path reached depth d; proposed_per_depth[d-1]: rounds
+    # whose path reached depth d-1 and the tree had candidates below it (so depth d was attempted)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    proposed_per_depth: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward after prefill, bonus included. The prefill's own token is not
+        counted, so plain decoding measures exactly 1.0; 0.0 when there was no round."""
+        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tok_s(self) -> float:
+        """new tokens / total time (prefill included)."""
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        dt = self.total_s - self.prefill_s
+        return (self.new_tokens - 1) / dt if dt > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def accept_rates(self) -> list[float]:
+        """Conditional acceptance per depth: P(depth d accepted | depth d-1 accepted and d attempted)."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_depth, self.proposed_per_depth, strict=True)]
+
+    @property
+    def draft_share(self) -> float:
+        """Drafting time / (drafting + verification) time over the rounds."""
+        t = self.draft_s + self.verify_s
+        return self.draft_s / t if t > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, tok_s=self.tok_s, decode_tok_s=self.decode_tok_s, accept_rates=self.accept_rates,
+                 draft_share=self.draft_share)
+        return d
+
+
+@dataclass
+class GenResult:
+    token_ids: list[int]  # new tokens; an EOS that ended the generation is included
+    text: str  # decoded without special tokens; a matched stop string and what follows are cut
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    stats: GenStats
+
+
+def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat template with the generation prompt -> token ids."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise EngineError('messages must be a list of {"role": ..., "content": ...} objects')
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise EngineError("this target's tokenizer has no chat template; pass a plain prompt instead")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def eos_token_ids(target: Target) -> set[int]:
+    """Tokenizer eos plus every eos id in the model and generation configs (e.g. <|im_end|> = 2)."""
+    ids: set[int] = set()
+    cands = [getattr(target.tokenizer, "eos_token_id", None), getattr(target.model.config, "eos_token_id", None)]
+    gc = getattr(target.model, "generation_config", None)
+    if gc is not None:
+        cands.append(getattr(gc, "eos_token_id", None))
+    for c in cands:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, (list, tuple)):
+            ids.update(int(x) for x in c)
+    return ids
+
+
+@dataclass
+class _Tree:
+    tokens: list[int]  # [S] target ids, 0 = root
+    parents: list[int]  # [S] tree index of the parent, -1 for the root
+    depths: list[int]  # [S]
+    children: list[list[int]]  # per node, in the draft's preference order
+    q: list[torch.Tensor | None]  # per node: draft distribution (target vocab) it was sampled from, or None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    def __init__(self, target: Target, draft: DraftCheckpoint | None = None, spec: SpecParams | None = None):
+        self.target = target
+        self.spec = spec or SpecParams()
+        self.model = TargetModel(target.model)
+        self.device = self.model.device
+        self.draft = None
+        self.spec.validate(draft.model.config.draft_vocab_size if draft is not None else None)
+        if draft is not None:
+            check_draft_for_target(draft, target)
+            d = draft.model
+            d.to(device=self.device, dtype=self.model.dtype)
+            d.eval()
+            d.requires_grad_(False)
+            d.set_embeddings(target.embed_tokens().weight)
+            self.draft = d
+            self.aux_indices = list(draft.layout.aux_indices)
+            self.draft_ids = d.target_token_ids()  # [Vd] target id of each draft token
+        self.eos = eos_token_ids(target)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.last_result: GenResult | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.spec.method != "plain"
+
+    # -- public API --------------------------------------------------------------------------------
+    def generate(self, input_ids: list[int], params: SamplingParams | None = None) -> GenResult:
+        for _ in self.stream(input_ids, params):
+            pass
+        assert self.last_result is not None
+        return self.last_result
+
+    def stream(self, input_ids: list[int], params: SamplingParams | None = None) -> Iterator[list[int]]:
+        """Yield the new token ids of each round; afterwards `last_result` holds the GenResult."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise EngineError("empty prompt: at least one input token is needed")
+        V = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise EngineError(f"prompt token ids must be in 0..{V - 1}; found {min(prompt)}..{max(prompt)}")
+        depth, topk, ntok = self.spec.shape()
+        margin = ntok + 1 if self.speculative else 1
+        need = len(prompt) + params.max_new_tokens + margin
+        if len(prompt) + params.max_new_tokens > self.max_positions:
+            raise EngineError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                              f"target's {self.max_positions} positions; shorten one of them")
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.seed() % (1 << 62)))
+        run = _Run(self, prompt, params, gen, need, depth, topk, ntok)
+        yield from run.loop()
+        self.last_result = run.result()
+
+
+class _Run:
+    """State of one generation."""
+
+    def __init__(self, eng: Engine, prompt: list[int], params: SamplingParams, gen, max_len: int,
+                 depth: int, topk: int, ntok: int):
+        self.e, self.p, self.gen = eng, params, gen
+        self.prompt = prompt
+        self.depth, self.topk, self.ntok = depth, topk, ntok
+        self.dev = eng.device
+        self.cache: KVCache = eng.model.new_cache(1, max_len)
+        if eng.speculative:
+            d = eng.draft.config
+            dlen = max_len + max(depth - 1, 0) * topk + 1
+            shape = (1, d.num_key_value_heads, dlen, d.head_dim)
+            self.dk = torch.empty(shape, dtype=eng.model.dtype, device=self.dev)
+            self.dv = torch.empty(shape, dtype=eng.model.dtype, device=self.dev)
+            self.dlen = 0  # committed draft rows
+        self.out: list[int] = []
+        self.finish: str | None = None
+        self.text_checked = 0  # tokens already searched for stop strings
+        self.stop_text: str | None = None
+        self.stats = GenStats(prompt_tokens=len(prompt), accepted_per_depth=[0] * (depth if eng.speculative else 0),
+                              proposed_per_depth=[0] * (depth if eng.speculative else 0))
+
+    # -- token choice ------------------------------------------------------------------------------
+    def pick(self, logits: torch.Tensor) -> int:
+        """Plain choice from target logits [V] (greedy or warped sampling)."""
+        if self.gen is None:
+            return int(logits.argmax())
+        return sample(self.target_probs(logits), self.gen)
+
+    def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        return warp(logits, p.temperature, p.top_k, p.top_p)
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def loop(self) -> Iterator[list[int]]:
+        e, st = self.e, self.stats
+        t0 = time.perf_counter()
+        n = len(self.prompt)
+        ids = torch.tensor([self.prompt], device=self.dev)
+        pos = torch.arange(n, device=self.dev)[None]
+        fo = e.model.forward(ids, pos, self.cache, capture=e.aux_indices if e.speculative else None, logits="last")
+        self.cache.length = n
+        root = self.pick(fo.logits[0, -1])
+        _sync(self.dev)
+        st.prefill_s = time.perf_counter() - t0
+        st.target_forwards = 1
+        if e.speculative:
+            feats, rows_tokens = fo.aux, self.prompt[1:] + [root]  # [1, n, nA*H]; row t uses x_{t+1}
+        new = self.commit([root])
+        if new:
+            yield new
+        while self.finish is None:
+            if not e.speculative:
+                t1 = time.perf_counter()
+                n = self.cache.length
+                fo = e.model.forward(torch.tensor([[root]], device=self.dev), torch.tensor([[n]], device=self.dev),
+                                     self.cache, logits="last")
+                self.cache.length = n + 1
+                root = self.pick(fo.logits[0, -1])
+                st.verify_s += time.perf_counter() - t1
+                accepted = [root]
+            else:
+                t1 = time.perf_counter()
+                tree = self.draft_tree(feats, rows_tokens, root)
+                _sync(self.dev)
+                t2 = time.perf_counter()
+                path, bonus, fo = self.verify(tree)
+                feats = fo.aux[:, path]  # [1, len(path), nA*H] features at the accepted positions
+                accepted = [tree.tokens[i] for i in path[1:]] + [bonus]
+                rows_tokens = accepted
+                root = bonus
+                _sync(self.dev)
+                st.draft_s += t2 - t1
+                st.verify_s += time.perf_counter() - t2
+            st.rounds += 1
+            st.target_forwards += 1
+            new = self.commit(accepted)
+            if new:
+                yield new
+        st.total_s = time.perf_counter() - t0
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append accepted tokens up to EOS / max_new_tokens / a stop string; set `finish`."""
+        new: list[int] = []
+        for t in tokens:
+            new.append(t)
+            self.out.append(t)
+            if t in self.e.eos:
+                self.finish = "stop"
+                break
+            if len(self.out) >= self.p.max_new_tokens:
+                self.finish = "length"
+                break
+        if self.p.stop:
+            cut = self.find_stop()
+            if cut is not None:
+                keep_new = len(new) - (len(self.out) - cut)
+                del self.out[cut:]
+                new = new[:max(keep_new, 0)]
+                self.finish = "stop"
+        self.stats.new_tokens = len(self.out)
+        return new
+
+    def find_stop(self) -> int | None:
+        """Smallest token count whose text contains a stop string (only counts not yet searched)."""
+        tok = self.e.target.tokenizer
+        for k in range(self.text_checked + 1, len(self.out) + 1):
+            text = tok.decode(self.out[:k], skip_special_tokens=True)
+            hits = [i for i in (text.find(s) for s in self.p.stop) if i >= 0]
+            if hits:
+                self.stop_text = text[:min(hits)]
+                return k
+        self.text_checked = len(self.out)
+        return None
+
+    def result(self) -> GenResult:
+        tok = self.e.target.tokenizer
+        text = self.stop_text if self.stop_text is not None else tok.decode(self.out, skip_special_tokens=True)
+        return GenResult(token_ids=list(self.out), text=text, finish_reason=self.finish or "length",
+                         stats=self.stats)
+
+    # -- drafting ----------------------------------------------------------------------------------
+    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, slot: int,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """Rows hidden [1,R,H], ids/pos [1,R] written at draft-cache slots [slot, slot+R) -> layer out [1,R,H].
+        mask [1,1,R,slot+R] bool over cache+new."""
+        d = self.e.draft
+        R = ids.shape[1]
+        q, k, v = d.qkv(hidden, ids, pos)
+        self.dk[:, :, slot:slot + R] = k
+        self.dv[:, :, slot:slot + R] = v
+        return d.finish(d.attend(q, self.dk[:, :, :slot + R], self.dv[:, :, :slot + R], mask), hidden)
+
+    def draft_tree(self, feats: torch.Tensor, rows_tokens: list[int], root: int) -> _Tree:
+        d, dev = self.e.draft, self.dev
+        # step 0 over the rows accepted since the last round: fc(features), next token, position = row
+        m, n0 = len(rows_tokens), self.dlen
+        n = n0 + m  # == target cache length; the root x_n sits at position n
+        pos = torch.arange(n0, n, device=dev)[None]
+        mask = (torch.arange(n, device=dev)[None, :] <= pos[0, :, None])[None, None]  # causal [1,1,m,n]
+        hid = d.fc(feats)  # [1, m, H]
+        out = self.draft_step(hid, torch.tensor([rows_tokens], device=dev), pos, n0, mask)
+        self.dlen = n
+        h_root = out[:, -1:]  # [1, 1, H]
+        logits = d.logits(h_root)[0]  # [1, Vd]
+        sample_chain = self.gen is not None and self.topk == 1
+        K, D = self.topk, self.depth
+        # pool of candidates: score, draft id, parent pool index (-1 = root), depth; per-node q when sampled
+        scores: list[torch.Tensor] = []
+        toks: list[torch.Tensor] = []
+        parents: list[torch.Tensor] = []
+        qs: list[torch.Tensor | None] = []
+        depth_of: list[int] = []
+        front_idx = torch.full((1,), -1, dtype=torch.long, device=dev)  # pool index of expanded nodes
+        front_score = torch.zeros(1, device=dev)
+        front_h = h_root  # [1, F, H] outputs of the rows run last (whose logits made `cand`)
+        scratch = n  # next free draft-cache slot for tree rows
+        run_slot: dict[int, int] = {}  # pool index -> draft cache slot
+        anc: dict[int, list[int]] = {}  # pool index -> slots of itself and its run ancestors
+        for dep in range(1, D + 1):
+            Fn = logits.shape[0]
+            if sample_chain:
+                q_d = warp(logits[0], self.p.temperature, self.p.top_k, self.p.top_p)  # [Vd]
+                tok = torch.tensor([[sample(q_d, self.gen)]], device=dev)
+                lp = torch.zeros(1, 1, device=dev)
+                qs.append(q_d)
+            else:
+                lp, tok = torch.log_softmax(logits.float(), -1).clamp_max(0.0).topk(K, dim=-1)  # [F, K]
+                qs.extend([None] * (Fn * K))
+            cand = (front_score[:, None] + lp).reshape(-1)  # [F*K]
+            base = sum(t.numel() for t in toks)
+            scores.append(cand)
+            toks.append(tok.reshape(-1))
+            parents.append(front_idx[:, None].expand(-1, tok.shape[1]).reshape(-1))
+            depth_of.extend([dep] * cand.numel())
+            if dep == D:
+                break
+            # next frontier: the best K candidates of this depth, run as draft rows
+            kf = min(K, cand.numel())
+            fs, fi = cand.topk(kf)
+            fi_l = fi.tolist()
+            pool_par = parents[-1][fi].tolist()
+            hidden = front_h[:, fi // tok.shape[1]]  # [1, kf, H]: each candidate's parent row (cand = [F, K])
+            ids = self.e.draft_ids[toks[-1][fi]][None]  # [1, kf] target ids
+            posd = torch.full((1, kf), n - 1 + dep, device=dev)
+            T = scratch + kf
+            mk = torch.zeros(1, 1, kf, T, dtype=torch.bool, device=dev)
+            mk[..., :n] = True
+            for r, (ci, pp) in enumerate(zip(fi_l, pool_par, strict=True)):
+                slots = anc.get(pp, []) + [scratch + r]
+                anc[base + ci] = slots
+                run_slot[base + ci] = scratch + r
+                mk[0, 0, r, slots] = True
+            out = self.draft_step(hidden, ids, posd, scratch, mk)  # [1, kf, H]
+            scratch = T
+            logits = d.logits(out)[0]  # [kf, Vd]
+            front_idx = fi + base
+            front_score = fs
+            front_h = out
+        return self.select(scores, toks, parents, depth_of, qs, root)
+
+    def select(self, scores, toks, parents, depth_of, qs, root) -> _Tree:
+        """Keep the best tokens-1 candidates (ties: shallower first) and order them parents-first."""
+        sc = torch.cat(scores).tolist()
+        tk = self.e.draft_ids[torch.cat(toks)].tolist()
+        par = torch.cat(parents).tolist()
+        order = sorted(range(len(sc)), key=lambda i: (-sc[i], depth_of[i], i))[: self.ntok - 1]
+        order.sort(key=lambda i: (depth_of[i], -sc[i], i))
+        tree_idx = {-1: 0}
+        tree = _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None])
+        for i in order:
+            if par[i] not in tree_idx:
+                raise AssertionError("tree selection dropped a parent")  # impossible: scores never rise with depth
+            p = tree_idx[par[i]]
+            tree_idx[i] = len(tree.tokens)
+            tree.children[p].append(len(tree.tokens))
+            tree.tokens.append(tk[i])
+            tree.parents.append(p)
+            tree.depths.append(depth_of[i])
+            tree.children.append([])
+            q = qs[i]
+            if q is not None:  # draft-vocab distribution -> target vocab
+                q = torch.zeros(self.e.model.config.vocab_size, device=self.dev).index_copy_(
+                    0, self.e.draft_ids, q)
+            tree.q.append(q)
+        return tree
+
+    # -- verification ------------------------------------------------------------------------------
+    def verify(self, tree: _Tree):
+        e, dev, st = self.e, self.dev, self.stats
+        S = len(tree.tokens)
+        n = self.cache.length
+        mask = torch.zeros(S, S, dtype=torch.bool)
+        for i, p in enumerate(tree.parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        ids = torch.tensor([tree.tokens], device=dev)
+        pos = (torch.tensor(tree.depths, device=dev) + n)[None]
+        fo = e.model.forward(ids, pos, self.cache, tree_mask=mask.to(dev), capture=e.aux_indices, logits="all")
+        logits = fo.logits[0]  # [S, V]
+        path = [0]
+        cur = 0
+        if self.gen is None:
+            best = logits.argmax(-1).tolist()
+            while True:
+                kids = tree.children[cur]
+                if not kids:
+                    break
+                st.proposed_per_depth[tree.depths[cur]] += 1
+                nxt = next((c for c in kids if tree.tokens[c] == best[cur]), None)
+                if nxt is None:
+                    break
+                st.accepted_per_depth[tree.depths[cur]] += 1
+                path.append(nxt)
+                cur = nxt
+            bonus = best[cur]
+        else:
+            while True:
+                p = self.target_probs(logits[cur])
+                kids = tree.children[cur]
+                nxt = None
+                if kids:
+                    st.proposed_per_depth[tree.depths[cur]] += 1
+                for c in kids:
+                    ok, p = rejection_step(p, tree.tokens[c], tree.q[c], self.gen)
+                    if ok:
+                        nxt = c
+                        break
+                if nxt is None:
+                    bonus = sample(p, self.gen)
+                    break
+                st.accepted_per_depth[tree.depths[cur]] += 1
+                path.append(nxt)
+                cur = nxt
+        compact(self.cache, n, path)
+        return path, bonus, fo

@@ -1,0 +1,273 @@
+"""eyas's own forward for Llama-family targets (llama, mistral, qwen2, qwen3) over the HF weights in place.
+
+Why not HF's forward: speculative decoding needs explicit positions, an arbitrary boolean mask over
+cache + new tokens (tree verification), a KV cache whose accepted entries can be compacted, and the
+layout's residual-stream states — all in one pass with no per-step reallocation, hooks or mask
+builders. The weights are the HF module's own tensors (no copies), so the HF model stays usable.
+
+Stream index k (see eyas/layout.py): k = 0 the embedding output, k = i the output of layer i-1,
+k = L the last layer's output before the final norm. Capture is a by-product of the layer loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .target import Capture, decoder_parts
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelError(ValueError):
+    pass
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values; slots [0, length) are the committed sequence (slot index == position)."""
+    k: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
+    v: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
+    length: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+def truncate(cache: KVCache, length: int) -> None:
+    """Forget every slot from `length` on (the data stays; it is overwritten by the next forward)."""
+    if not 0 <= length <= cache.length:
+        raise ModelError(f"cannot truncate a cache of length {cache.length} to {length}")
+    cache.length = length
+
+
+def compact(cache: KVCache, start: int, keep: list[int] | torch.Tensor) -> None:
+    """Gather slots start+keep[i] into start+i (keep ascending, relative to start), then set the length to
+    start+len(keep). Used after tree verification: the accepted path becomes the contiguous prefix."""
+    keep_t = torch.as_tensor(keep, dtype=torch.long, device=cache.k.device)
+    n = keep_t.numel()
+    if n and bool((keep_t == torch.arange(n, device=keep_t.device)).all()):
+        cache.length = start + n  # already in place (always the case for a chain)
+        return
+    src = keep_t + start
+    # advanced indexing copies first, so overlapping source/destination slots are safe
+    cache.k[:, :, :, start:start + n] = cache.k[:, :, :, src]
+    cache.v[:, :, :, start:start + n] = cache.v[:, :, :, src]
+    cache.length = start + n
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor | None  # [B, R, V] for the requested rows
+    aux: torch.Tensor | None  # [B, S, n_aux * H] stream states in capture order
+    final: torch.Tensor | None  # [B, S, H] stream index L (pre-norm); only with capture
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # the same op sequence as HF's LlamaRMSNorm, so fp32 results match bit for bit
+    dt = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+@dataclass
+class _Layer:
+    """References to one decoder layer's tensors (no copies)."""
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    qn: torch.Tensor | None  # qwen3 per-head q/k RMSNorm weights
+    kn: torch.Tensor | None
+    wg: torch.Tensor
+    wu: torch.Tensor
+    wd: torch.Tensor
+    bg: torch.Tensor | None
+    bu: torch.Tensor | None
+    bd: torch.Tensor | None
+    act: nn.Module | None  # None = silu (fast path)
+
+
+def _check_family(model: nn.Module):
+    cfg = getattr(model.config, "text_config", None) or model.config
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in SUPPORTED:
+        raise ModelError(f"eyas's engine forward supports the {', '.join(SUPPORTED)} families; this target is "
+                         f"{mt!r} ({type(model).__name__}). Capture and training work through HF hooks for other "
+                         "families, but decoding needs one of these.")
+    return cfg
+
+
+class TargetModel:
+    """The engine's forward over a HF Llama-family *ForCausalLM (weights shared, not copied)."""
+
+    def __init__(self, model: nn.Module):
+        cfg = _check_family(model)
+        self.hf = model
+        self.config = cfg
+        embed, layers, norm = decoder_parts(model)
+        self.embed_weight = embed.weight
+        self.norm_weight = norm.weight
+        self.eps = float(cfg.rms_norm_eps)
+        head = model.get_output_embeddings()
+        self.lm_weight, self.lm_bias = head.weight, head.bias
+        inner = model.get_decoder()
+        self.rotary = inner.rotary_emb  # HF's own RoPE module: every rope_type it knows stays exact
+        self.num_layers = len(layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.scale = float(layers[0].self_attn.scaling)
+        self.windows = [getattr(l.self_attn, "sliding_window", None) for l in layers]
+        if not self.windows[0] and getattr(cfg, "model_type", "") == "mistral":
+            self.windows = [getattr(cfg, "sliding_window", None)] * self.num_layers
+        self.layers: list[_Layer] = []
+        for l in layers:
+            a, m = l.self_attn, l.mlp
+            act_name = getattr(cfg, "hidden_act", "silu")
+            self.layers.append(_Layer(
+                ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
+                wq=a.q_proj.weight, bq=a.q_proj.bias, wk=a.k_proj.weight, bk=a.k_proj.bias,
+                wv=a.v_proj.weight, bv=a.v_proj.bias, wo=a.o_proj.weight, bo=a.o_proj.bias,
+                qn=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                kn=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                wg=m.gate_proj.weight, wu=m.up_proj.weight, wd=m.down_proj.weight,
+                bg=m.gate_proj.bias, bu=m.up_proj.bias, bd=m.down_proj.bias,
+                act=None if act_name == "silu" else m.act_fn,
+            ))
+        self.qk_eps = float(getattr(layers[0].self_attn, "q_norm", None).variance_epsilon) \
+            if self.layers[0].qn is not None else self.eps
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        shape = (self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim)
+        return KVCache(torch.empty(shape, dtype=self.dtype, device=self.device),
+                       torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    def _mask(self, cache: KVCache, S: int, T: int, tree_mask, attn_mask):
+        """-> bool [B|1, 1, S, T] (True = may attend) or None (every query sees all T keys)."""
+        start = cache.length
+        dev = self.device
+        if attn_mask is not None:
+            if attn_mask.dim() != 4 or attn_mask.shape[-2:] != (S, T):
+                raise ModelError(f"attn_mask must be bool [B, 1, {S}, {T}] (new tokens x cache+new), "
+                                 f"found {tuple(attn_mask.shape)}")
+            mask = attn_mask.to(dev, torch.bool)
+        elif tree_mask is not None:
+            if tuple(tree_mask.shape) != (S, S):
+                raise ModelError(f"tree_mask must be bool [{S}, {S}] over the new tokens, found "
+                                 f"{tuple(tree_mask.shape)}")
+            mask = torch.cat([torch.ones(S, start, dtype=torch.bool, device=dev),
+                              tree_mask.to(dev, torch.bool)], dim=1)[None, None]
+        elif S == 1:
+            mask = None
+        else:
+            q = torch.arange(start, start + S, device=dev)
+            mask = (torch.arange(T, device=dev)[None, :] <= q[:, None])[None, None]
+        return mask
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                tree_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                capture: list[int] | None = None, logits: str | torch.Tensor = "last") -> ForwardOut:
+        """Run S new tokens after the cache's committed slots and write their K/V into slots
+        [length, length+S) (the caller commits them with `cache.length += S` or `compact`).
+
+        input_ids, position_ids [B, S]. Mask: tree_mask [S, S] (the prefix is fully visible) or
+        attn_mask [B|1, 1, S, length+S], else causal. capture: stream indices to return (concatenated
+        in that order) plus the final pre-norm state. logits: 'last' | 'all' | 'none' | row index tensor."""
+        B, S = input_ids.shape
+        start = cache.length
+        T = start + S
+        if T > cache.max_len:
+            raise ModelError(f"KV cache holds {cache.max_len} slots; {start} used + {S} new does not fit")
+        if tuple(position_ids.shape) != (B, S):
+            raise ModelError(f"position_ids must be [{B}, {S}], found {tuple(position_ids.shape)}")
+        w = min((w for w in self.windows if w), default=None)
+        if w is not None and T > w:
+            raise ModelError(f"{T} tokens exceed the target's sliding attention window of {w}; eyas's forward "
+                             f"implements full attention only, so keep prompt + new tokens within {w}")
+        mask = self._mask(cache, S, T, tree_mask, attn_mask)
+        want = set(capture or [])
+        store: dict[int, torch.Tensor] = {}
+        x = F.embedding(input_ids, self.embed_weight)  # [B, S, H]
+        cos, sin = self.rotary(x, position_ids)  # [B, S, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, hd]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        gqa = nh != nkv
+        for i, L in enumerate(self.layers):
+            if i in want:
+                store[i] = x
+            h = _rms(x, L.ln1, self.eps)
+            q = F.linear(h, L.wq, L.bq).view(B, S, nh, hd)
+            k = F.linear(h, L.wk, L.bk).view(B, S, nkv, hd)
+            v = F.linear(h, L.wv, L.bv).view(B, S, nkv, hd)
+            if L.qn is not None:
+                q, k = _rms(q, L.qn, self.qk_eps), _rms(k, L.kn, self.qk_eps)
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
+            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, S, hd]
+            cache.k[i, :, :, start:T] = k
+            cache.v[i, :, :, start:T] = v.transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=mask,
+                                               scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
+            x = x + F.linear(o.transpose(1, 2).reshape(B, S, nh * hd), L.wo, L.bo)
+            h = _rms(x, L.ln2, self.eps)
+            g = F.linear(h, L.wg, L.bg)
+            g = F.silu(g) if L.act is None else L.act(g)
+            x = x + F.linear(g * F.linear(h, L.wu, L.bu), L.wd, L.bd)
+        aux = final = None
+        if capture is not None:
+            store[self.num_layers] = x
+            aux = torch.cat([store[k] for k in capture], dim=-1) if capture else None
+            final = x
+        out_logits = None
+        if isinstance(logits, torch.Tensor):
+            out_logits = self.head(x[:, logits])
+        elif logits == "last":
+            out_logits = self.head(x[:, -1:])
+        elif logits == "all":
+            out_logits = self.head(x)
+        elif logits != "none":
+            raise ModelError(f"logits={logits!r}: expected 'last', 'all', 'none' or a row index tensor")
+        return ForwardOut(out_logits, aux, final)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""
+        return F.linear(_rms(x, self.norm_weight, self.eps), self.lm_weight, self.lm_bias)
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, indices: list[int], logits: str = "none") -> Capture:
+        """Capture through the engine's own forward (same contract as eyas.target.capture; causal, no padding)."""
+        bad = [k for k in indices if not 0 <= k <= self.num_layers]
+        if bad:
+            raise ModelError(f"stream indices {bad} are outside 0..{self.num_layers}")
+        B, S = input_ids.shape
+        cache = self.new_cache(B, S)
+        pos = torch.arange(S, device=self.device).expand(B, S)
+        out = self.forward(input_ids.to(self.device), pos, cache, capture=list(indices), logits=logits)
+        post = _rms(out.final, self.norm_weight, self.eps)
+        return Capture(aux=out.aux, final_prenorm=out.final, final_postnorm=post, logits=out.logits)
