@@ -8,8 +8,10 @@ plain greedy (the reference; HF greedy is the reference when plain is not run).
 
 Counting: a trailing end-of-turn token is stripped before counting and comparing (HF returns it, and
 it is not content); tok/s = content tokens / wall seconds of the whole call (prefill included);
-tau = tokens per target forward (prefill forward included, so plain greedy is exactly 1): HF forwards
-are counted with a forward hook on the model, eyas methods report theirs in GenStats.
+tau = tokens per target forward after the prefill, bonus included (the prefill's token and forward are
+not counted, so plain greedy is exactly 1.0), as eyas's GenStats.tau defines it: HF forwards are counted
+with a forward hook on the model, eyas methods report theirs in GenStats. Stop tokens: HF and eyas both
+stop on the engine's eos set (tokenizer + model configs) united with the chat template's end token.
 """
 
 from __future__ import annotations
@@ -199,6 +201,13 @@ def end_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def stop_ids(target: Target) -> list[int]:
+    """What both HF and eyas stop on: the engine's eos set plus the chat template's end token."""
+    from .engine import eos_token_ids
+
+    return sorted(set(end_token_ids(target.tokenizer)) | eos_token_ids(target))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -274,13 +283,12 @@ def make_row(p: BenchPrompt, method: str, o: Output) -> dict[str, Any]:
         "seconds": round(o.seconds, 6), "tok_s": len(o.token_ids) / o.seconds if o.seconds > 0 else 0.0,
         "target_forwards": o.target_forwards, "finish": o.finish, "token_ids": o.token_ids,
     }
-    # tau counts every generated token (an end token included) per target forward
-    generated = len(o.token_ids) + (1 if o.finish == "stop" else 0)
     if o.stats is not None:
         row["stats"] = o.stats
         row["tau"] = o.stats["tau"]
-    else:
-        row["tau"] = generated / o.target_forwards if o.target_forwards else None
+    else:  # GenStats.tau's definition: tokens after the prefill's (an end token included) per later forward
+        generated = len(o.token_ids) + (1 if o.finish == "stop" else 0)
+        row["tau"] = (generated - 1) / (o.target_forwards - 1) if o.target_forwards > 1 else None
     return row
 
 
@@ -302,8 +310,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                          "tok_s": tokens / secs if secs > 0 else 0.0}
     stats = [r["stats"] for r in rows if "stats" in r]
     if stats:  # eyas: tau over all rounds, acceptance per depth pooled over prompts
-        fwd = sum(st["target_forwards"] for st in stats)
-        s["tau"] = sum(st["new_tokens"] for st in stats) / fwd if fwd else None
+        rounds = sum(st["rounds"] for st in stats)
+        s["tau"] = sum(st["new_tokens"] - 1 for st in stats) / rounds if rounds else None
         depth = max(len(st["proposed_per_depth"]) for st in stats)
         acc = [sum(st["accepted_per_depth"][d] for st in stats if d < len(st["accepted_per_depth"]))
                for d in range(depth)]
@@ -315,8 +323,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         s["draft_s"] = round(draft_s, 4)
         s["draft_overhead"] = draft_s / round_s if round_s > 0 and depth else None
     else:
-        fwd = sum(r["target_forwards"] for r in rows)
-        gen = sum(r["new_tokens"] + (r["finish"] == "stop") for r in rows)
+        fwd = sum(r["target_forwards"] - 1 for r in rows)
+        gen = sum(r["new_tokens"] + (r["finish"] == "stop") - 1 for r in rows)
         s["tau"] = gen / fwd if fwd else None
         s["accept_per_depth"] = None
         s["draft_overhead"] = None
@@ -544,7 +552,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)
-    end_ids = end_token_ids(target.tokenizer)
+    end_ids = stop_ids(target)
     answer = greedy_answer(target, end_ids, cfg.max_new_tokens) if cfg.turn == 2 else None
     prompts = load_prompts(cfg.bench, cfg.limit, cfg.turn, answer)
     ids = prompt_ids(target, prompts)
@@ -578,7 +586,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     results = {
         "kind": "eyas-bench", "format_version": 1, "out": str(out), "config": cfg.to_dict(),
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
-        "draft": draft_summary(draft, cfg.draft), "end_token_ids": end_ids, "reference": reference,
+        "draft": draft_summary(draft, cfg.draft), "stop_ids": end_ids, "reference": reference,
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
         "summary": summarize(rows, cfg.methods), "rows": rows,
     }
@@ -586,4 +594,153 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     plot(results, out / "bench.png")
     if show:
         render(results)
+    return results
+
+
+# ---- sweep ---------------------------------------------------------------------------------------
+
+def sweep_settings(grid: SweepGrid) -> list[dict[str, Any]]:
+    """Every chain steps value and every tree (depth, topk, tokens) combination, unfiltered: the engine
+    decides which are invalid, and those are reported as refused, never adjusted."""
+    out = [{"method": "chain", "steps": s} for s in grid.steps]
+    out += [{"method": "tree", "depth": d, "topk": k, "tokens": t}
+            for d in grid.depth for k in grid.topk for t in grid.tokens]
+    return out
+
+
+def setting_label(s: dict[str, Any]) -> str:
+    if s["method"] == "chain":
+        return f"chain steps={s['steps']}"
+    if s["method"] == "tree":
+        return f"tree depth={s['depth']} topk={s['topk']} tokens={s['tokens']}"
+    return s["method"]
+
+
+def setting_flags(s: dict[str, Any]) -> str:
+    if s["method"] == "chain":
+        return f"--steps {s['steps']}"
+    return f"--depth {s['depth']} --topk {s['topk']} --tokens {s['tokens']}"
+
+
+def plot_sweep(results: dict[str, Any], path: Path, top: int = 25) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = sorted(results["settings"], key=lambda r: -r["tok_s"])[:top]
+    labels = [r["label"] for r in ok]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(ok) + 1.6))
+    bars = ax.barh(labels[::-1], [r["tok_s"] for r in ok][::-1],
+                   color=["#888888" if r["method"] == "plain" else "#2a6fb0" for r in ok][::-1])
+    for bar, r in zip(bars, ok[::-1], strict=True):
+        ax.annotate(f" {_fmt(r['speedup_vs_plain'], '.2f', 'x')}  tau {_fmt(r['tau'])}",
+                    (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+    ax.set_xlabel("tokens / s (speedup vs eyas plain, tau)")
+    flag = " — UNTRAINED draft" if (results.get("draft") or {}).get("untrained") else ""
+    ax.set_title(f"sweep: fastest {len(ok)} of {len(results['settings'])} settings, {results['num_prompts']} prompts"
+                 f"{flag}", fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def render_sweep(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    title = f"eyas bench --sweep: {results['num_prompts']} prompts, {results['config']['max_new_tokens']} new tokens"
+    if (results.get("draft") or {}).get("untrained"):
+        title += " [red](UNTRAINED draft)[/red]"
+    t = Table(title=title)
+    for col in ("setting", "tok/s", "vs plain", "tau", "accept per depth", "draft overhead", "= plain"):
+        t.add_column(col, justify="left" if col in ("setting", "accept per depth") else "right")
+    for r in sorted(results["settings"], key=lambda r: -r["tok_s"]):
+        acc = " ".join(_fmt(a, ".2f") for a in r["accept_per_depth"]) if r["accept_per_depth"] else "-"
+        same = f"{r['identical']}/{r['compared']}" if r["compared"] else "ref"
+        t.add_row(r["label"], f"{r['tok_s']:.1f}", _fmt(r["speedup_vs_plain"], ".2f", "x"), _fmt(r["tau"]), acc,
+                  _fmt(r["draft_overhead"], ".0%"), same)
+    con.print(t)
+    if results["refused"]:
+        con.print(f"{len(results['refused'])} settings refused by the engine (see sweep.json), e.g. "
+                  f"{results['refused'][0]['label']}: {results['refused'][0]['error']}")
+    best = results["best"]
+    if best:
+        con.print(f"[bold]fastest: {best['label']}[/bold] {best['tok_s']:.1f} tok/s "
+                  f"({_fmt(best['speedup_vs_plain'], '.2f', 'x')} vs plain, tau {_fmt(best['tau'])})")
+        con.print(f"use it: {best['command']}")
+    con.print(f"results: {results['out']}")
+
+
+def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
+              progress: bool = True, show: bool = True) -> dict[str, Any]:
+    """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
+    write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
+    from rich.progress import Progress
+
+    from .engine import Engine, EngineError, SpecParams
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    draft = draft or resolve_draft(cfg.draft, target)
+    end_ids = stop_ids(target)
+    answer = greedy_answer(target, end_ids, cfg.max_new_tokens) if cfg.turn == 2 else None
+    n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
+    prompts = load_prompts(cfg.bench, n, cfg.turn, answer)
+    ids = prompt_ids(target, prompts)
+    out = Path(cfg.out) if cfg.out else default_out("sweep")
+    out.mkdir(parents=True, exist_ok=True)
+
+    settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
+    runners: dict[str, Callable[..., Output]] = {}
+    refused = []
+    for s in settings:
+        label = setting_label(s)
+        try:
+            engine = Engine(target, None if s["method"] == "plain" else draft, SpecParams(**s))
+            run = engine_runner(engine, end_ids, target.device)
+            run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))  # warm-up; also where lazy checks would fire
+        except EngineError as e:
+            refused.append({**s, "label": label, "error": str(e)})
+            continue
+        runners[label] = run
+    labels = list(runners)
+    rows: list[dict[str, Any]] = []
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("sweep", total=len(prompts) * len(labels))
+        for i, p in enumerate(prompts):
+            order = labels[i % len(labels):] + labels[:i % len(labels)]
+            prow = {}
+            for lab in order:
+                bar.update(task, description=f"{p.id} {lab}")
+                prow[lab] = make_row(p, lab, runners[lab](ids[i], cfg.max_new_tokens))
+                bar.advance(task)
+            prow_list = [prow[lab] for lab in labels]
+            mark_lossless(prow_list, "plain")
+            rows += prow_list
+    summ = summarize(rows, labels)["methods"]
+    by_label = {setting_label(s): s for s in settings}
+    table = [{**by_label[lab], "label": lab, **{k: v for k, v in summ[lab].items() if k != "speedup_vs_hf"}}
+             for lab in labels]
+    spec_rows = [r for r in table if r["method"] != "plain"]
+    best = max(spec_rows, key=lambda r: r["tok_s"]) if spec_rows else None
+    if best:
+        flags = setting_flags(best)
+        best = {**best, "command": f"eyas bench --bench {cfg.bench} --methods {best['method']} {flags} "
+                                   f"--draft {cfg.draft} --dtype {cfg.dtype} --device {cfg.device}  "
+                                   f"(eyas generate: {flags})"}
+    results = {
+        "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "config": cfg.to_dict(),
+        "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
+        "draft": draft_summary(draft, cfg.draft), "num_prompts": len(prompts), "prompts": [p.id for p in prompts],
+        "settings": table, "refused": refused, "best": best, "rows": rows,
+    }
+    write_json(out / "sweep.json", results)
+    plot_sweep(results, out / "sweep.png")
+    if show:
+        render_sweep(results)
     return results

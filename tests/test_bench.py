@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from eyas.bench import (
     BenchConfig,
@@ -22,6 +23,16 @@ from eyas.bench import (
 from eyas.prompts import BenchPrompt
 from eyas.target import load_target
 from tests.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine a second thread makes each
+    small op wait for a busy core (measured: 30x slower under load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +97,14 @@ def test_hf_runner_counts_forwards(tiny_target):
 
 def test_summary_pools_stats_and_speedups():
     p1, p2 = BenchPrompt("a", "x", []), BenchPrompt("b", "y", [])
-    st = dict(prompt_tokens=5, new_tokens=6, target_forwards=3, rounds=2, prefill_s=0.5, draft_s=0.25, verify_s=0.5,
+    st = dict(prompt_tokens=5, new_tokens=5, target_forwards=3, rounds=2, prefill_s=0.5, draft_s=0.25, verify_s=0.5,
               total_s=1.5, accepted_per_depth=[2, 1], proposed_per_depth=[2, 2], tau=2.0)
     rows = []
     for p in (p1, p2):
         prow = [make_row(p, "hf-greedy", Output([1, 2, 3, 4, 5, 6], 2.0, 6, "length")),
                 make_row(p, "plain", Output([1, 2, 3, 4, 5, 6], 1.0, 6, "length",
-                                            {**st, "accepted_per_depth": [], "proposed_per_depth": [],
-                                             "target_forwards": 6, "tau": 1.0, "draft_s": 0.0})),
+                                            {**st, "accepted_per_depth": [], "proposed_per_depth": [], "new_tokens": 6,
+                                             "rounds": 5, "target_forwards": 6, "tau": 1.0, "draft_s": 0.0})),
                 make_row(p, "tree", Output([1, 2, 3, 9, 5, 6] if p is p2 else [1, 2, 3, 4, 5, 6], 0.5, 3, "length",
                                            st))]
         mark_lossless(prow, "plain")
@@ -131,3 +142,62 @@ def test_missing_bundled_draft_is_a_clear_error(tiny_target):
         pytest.skip("a bundled draft ships now")
     with pytest.raises(BenchError, match="--draft random"):
         resolve_draft("default", tiny_target)
+
+
+def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
+    from eyas.bench import METHODS, run_bench
+    from eyas.draft import load_draft
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name three colours.", "category": "a"}) + "\n"
+                       + json.dumps({"prompt": "Count to five: one two", "category": "b"}) + "\n")
+    cfg = BenchConfig(bench=str(prompts), limit=2, max_new_tokens=8, target=str(tiny_dir / "target"),
+                      draft=str(tiny_dir / "draft"), depth=3, topk=2, tokens=6, steps=3, lookup_tokens=3,
+                      out=str(tmp_path / "out"))
+    res = run_bench(cfg, target=tiny_target, draft=load_draft(tiny_dir / "draft"), progress=False, show=False)
+    out = tmp_path / "out"
+    saved = json.loads((out / "results.json").read_text())
+    assert (out / "bench.png").stat().st_size > 1000
+    assert saved["draft"]["untrained"] is True and "UNTRAINED" in saved["draft"]["status"]
+    assert saved["environment"]["torch"] and saved["target"]["num_layers"] == 4
+    m = saved["summary"]["methods"]
+    assert list(m) == list(METHODS)
+    assert len(saved["rows"]) == 2 * len(METHODS)
+    assert set(saved["summary"]["categories"]) == {"a", "b"}
+    for name in ("chain", "tree"):  # fp32 greedy speculative decoding is lossless
+        assert (m[name]["identical"], m[name]["compared"]) == (2, 2), m[name]["mismatches"]
+        assert len(m[name]["accept_per_depth"]) == 3
+        assert 0.0 <= m[name]["draft_overhead"] < 1.0
+    for name in ("hf-greedy", "hf-lookup"):  # computed, whatever HF's numerics give
+        assert m[name]["compared"] == 2 and 0 <= m[name]["identical"] <= 2
+    assert m["plain"]["tau"] == 1.0 and m["hf-greedy"]["tau"] == 1.0
+    assert all(s["tok_s"] > 0 and s["new_tokens"] > 0 for s in m.values())
+    assert m["hf-greedy"]["speedup_vs_hf"] == 1.0
+    assert res["summary"] == saved["summary"]
+
+    # --resume with everything done reruns nothing and gives the same rows
+    cfg.resume = True
+    again = run_bench(cfg, target=tiny_target, draft=load_draft(tiny_dir / "draft"), progress=False, show=False)
+    assert [r["token_ids"] for r in again["rows"]] == [r["token_ids"] for r in saved["rows"]]
+    assert [r["seconds"] for r in again["rows"]] == [r["seconds"] for r in saved["rows"]]
+
+
+def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path):
+    from eyas.bench import SweepGrid, run_sweep
+    from eyas.draft import load_draft
+
+    cfg = BenchConfig(bench="humaneval", max_new_tokens=6, target=str(tiny_dir / "target"), sweep=True,
+                      sweep_limit=1, out=str(tmp_path / "sw"),
+                      grid=SweepGrid(steps=[1, 2], depth=[2], topk=[1, 2], tokens=[3, 4, 99]))
+    res = run_sweep(cfg, target=tiny_target, draft=load_draft(tiny_dir / "draft"), progress=False, show=False)
+    labels = {r["label"] for r in res["settings"]}
+    # topk 1 needs tokens = depth + 1 = 3; 99 exceeds what depth 2 x topk 2 can propose: refused, not adjusted
+    assert labels == {"plain", "chain steps=1", "chain steps=2", "tree depth=2 topk=1 tokens=3",
+                      "tree depth=2 topk=2 tokens=3", "tree depth=2 topk=2 tokens=4"}
+    refused = {r["label"] for r in res["refused"]}
+    assert refused == {"tree depth=2 topk=1 tokens=4", "tree depth=2 topk=1 tokens=99",
+                       "tree depth=2 topk=2 tokens=99"}
+    assert all("tokens" in r["error"] for r in res["refused"])
+    assert all(r["identical"] == r["compared"] == 1 for r in res["settings"] if r["method"] != "plain")
+    assert res["best"]["method"] != "plain" and res["best"]["command"].startswith("eyas bench")
+    assert (tmp_path / "sw" / "sweep.png").exists() and (tmp_path / "sw" / "sweep.json").exists()
