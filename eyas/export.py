@@ -1,0 +1,476 @@
+"""`eyas export` and `eyas import`: hand drafts to SGLang/SpecForge, vLLM and speculators and take them back.
+
+Export writes the format's weight names (safetensors), a config whose aux ids are explicit in the
+engine's own convention, an eyas manifest (kind `eyas-export`: layout in stream indices, the format, the
+source draft's manifest hash, the launch command, the command that made it) and prints the launch command.
+Ids an engine cannot express are refused by eyas.layout.to_engine_ids, never shifted.
+
+Import reads SGLang/SpecForge, vLLM, speculators and EAGLE reference checkpoints, translates their ids
+into stream indices (what each format's ids mean: eyas/formats.py), checks every shape against the target,
+and writes an eyas draft whose manifest records how the layout was decided. When the ids are missing or
+ambiguous it runs the doctor's layout inference (eyas.doctor.infer_layout) if that is available, and
+otherwise refuses, naming the readings and the flags that pick one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import __version__
+from .draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, load_draft, save_draft
+from .formats import (
+    EXPORT_FORMATS,
+    ID_CONVENTIONS,
+    IMPORT_FORMATS,
+    FormatError,
+    check_vocab_map,
+    detect_format,
+    draft_config_from,
+    explain_unexpected,
+    id_readings,
+    read_ids,
+    sglang_config,
+    speculators_config,
+    to_eyas_names,
+    to_format_names,
+    vllm_config,
+)
+from .layout import Layout, LayoutError, from_engine_ids, to_engine_ids
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHTS = "model.safetensors"
+
+
+class ExportError(ValueError):
+    """Bad export/import input; the message says what was expected, what was found and the fix."""
+
+
+def _sha256(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _atomic_folder(out: Path, write) -> Path:
+    """Write a folder via tmp + rename so a killed run never leaves a half-written export or draft."""
+    out = Path(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
+    return out
+
+
+# ---- launch commands -----------------------------------------------------------------------------
+
+@dataclass
+class LaunchParams:
+    steps: int = 3  # draft steps (SGLang --speculative-num-steps; vLLM num_speculative_tokens)
+    topk: int = 1  # SGLang --speculative-eagle-topk (1 = a chain)
+    draft_tokens: int | None = None  # SGLang --speculative-num-draft-tokens; default 1 + steps * topk
+
+    def resolved(self) -> LaunchParams:
+        """Consistent values or an ExportError naming the fix (SGLang only warns and overrides)."""
+        s, k = self.steps, self.topk
+        if s < 1 or k < 1:
+            raise ExportError(f"--steps {s} and --topk {k} must both be >= 1")
+        n = self.draft_tokens if self.draft_tokens is not None else 1 + s * k
+        if k == 1 and n != s + 1:
+            raise ExportError(f"--draft-tokens {n} with --topk 1: a chain of {s} steps verifies exactly {s + 1} "
+                              f"tokens; SGLang would silently force {s + 1}. Pass --draft-tokens {s + 1} or "
+                              "raise --topk")
+        # SGLang picks num_draft_tokens - 1 nodes out of topk + (steps - 1) * topk^2 scored candidates
+        most = 1 + k + (s - 1) * k * k
+        if not 2 <= n <= most:
+            raise ExportError(f"--draft-tokens {n} is outside 2..{most}, the tree that --steps {s} --topk {k} "
+                              "can draft")
+        return LaunchParams(s, k, n)
+
+
+def sglang_command(target: str, draft_dir: str, p: LaunchParams) -> str:
+    p = p.resolved()
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {draft_dir} --speculative-num-steps {p.steps} "
+            f"--speculative-eagle-topk {p.topk} --speculative-num-draft-tokens {p.draft_tokens}")
+
+
+def vllm_command(target: str, draft_dir: str, p: LaunchParams) -> str:
+    spec = json.dumps({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": p.resolved().steps})
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def launch_command(fmt: str, target: str, draft_dir: str, p: LaunchParams) -> str:
+    # vLLM loads speculators-format drafts natively (vllm/transformers_utils/configs/speculators/)
+    return sglang_command(target, draft_dir, p) if fmt == "sglang" else vllm_command(target, draft_dir, p)
+
+
+def serving_target(spec: str) -> str:
+    """What an engine's --model-path should be for an eyas target spec. A bundled GGUF name is not something
+    SGLang or vLLM can load; its dequantized HF folder (the exact weights the draft was trained on) is."""
+    from .target import BUNDLED, TargetError, bundled_gguf, cache_dir, file_fingerprint
+
+    if spec not in BUNDLED:
+        return spec
+    try:
+        gguf = bundled_gguf(spec)
+    except TargetError:
+        return spec
+    # the folder name load_target converts the GGUF into
+    folder = cache_dir() / "targets" / f"{gguf.stem}-{file_fingerprint([gguf]).split(':')[1][:12]}"
+    return str(folder) if (folder / "config.json").exists() else spec
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+@dataclass
+class ExportResult:
+    path: Path
+    format: str
+    config: dict[str, Any]
+    manifest: dict[str, Any]
+    launch: str
+
+
+def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path, dtype: str = "fp32",
+                 target: str | None = None, launch: LaunchParams | None = None,
+                 command: str | None = None) -> ExportResult:
+    """eyas draft -> `out` in `fmt` (sglang | vllm | speculators). `target`: the model path engines should
+    load (default: the draft's recorded target, its converted HF folder for a bundled GGUF)."""
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    launch = (launch or LaunchParams()).resolved()
+    ckpt = draft if isinstance(draft, DraftCheckpoint) else load_draft(draft)
+    layout, cfg = ckpt.layout, ckpt.model.config
+    if layout.target is None:
+        raise ExportError("the draft's layout has no target identity; its ids cannot be translated")
+    L = layout.target.num_layers
+    try:
+        ids = to_engine_ids(layout.aux_indices, fmt, L)
+    except LayoutError as e:
+        raise ExportError(f"cannot export to {fmt}: {e}") from e
+    if fmt in ("sglang", "vllm") and layout.num_aux != 3:
+        raise ExportError(f"the draft concatenates {layout.num_aux} aux states ({layout.aux_indices}); {fmt}'s "
+                          "EAGLE-3 draft builds fc over exactly 3 (sglang/srt/models/llama_eagle3.py, vllm/"
+                          "model_executor/models/llama_eagle3.py). Export --format speculators, whose fc takes "
+                          "len(ids) states, or retrain with 3 aux indices")
+    recorded = target or ckpt.manifest.get("target_source") or layout.target.name or "TARGET"
+    serve_as = serving_target(str(recorded))
+    out = Path(out)
+    if fmt == "sglang":
+        config = sglang_config(cfg, layout, dtype)
+    elif fmt == "vllm":
+        config = vllm_config(cfg, layout, dtype)
+    else:
+        config = speculators_config(cfg, layout, dtype, verifier=serve_as, verifier_architecture=layout.target.
+                                    architecture, speculative_tokens=launch.steps)
+    sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
+    sd = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v) for k, v in sd.items()}
+    sd = to_format_names(sd, fmt)
+    launch_cmd = launch_command(fmt, serve_as, str(out), launch)
+    src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
+    manifest = {
+        "kind": "eyas-export",
+        "format_version": 1,
+        "format": fmt,
+        "layout": layout.to_dict(),
+        "engine_ids": {fmt: ids},
+        "ids_in_config": read_ids(config).to_dict(),
+        "draft_config": cfg.to_dict(),
+        "dtype": dtype,
+        "source_draft": str(ckpt.path) if ckpt.path else None,
+        "source_manifest_sha256": _sha256(src_manifest) if src_manifest and src_manifest.exists() else None,
+        "target_source": ckpt.manifest.get("target_source"),
+        "serving_target": serve_as,
+        "launch": {"command": launch_cmd, "steps": launch.steps, "topk": launch.topk,
+                   "draft_tokens": launch.draft_tokens},
+        "eyas_version": __version__,
+        "commands": [command or " ".join(sys.argv)],
+    }
+
+    def write(tmp: Path) -> None:
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas", "eyas_format": fmt})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+
+    _atomic_folder(out, write)
+    return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
+
+
+# ---- import --------------------------------------------------------------------------------------
+
+@dataclass
+class Foreign:
+    """What a foreign folder holds, read but not yet interpreted."""
+    config: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    weight_files: list[str]
+    eyas_export: dict[str, Any] | None  # the eyas-export manifest, when eyas wrote the folder
+
+
+def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
+    p = Path(src)
+    if not p.is_dir():
+        raise ExportError(f"{src} is not a folder; expected a draft checkpoint folder with config.json")
+    cfg_path = p / "config.json"
+    if not cfg_path.exists():
+        raise ExportError(f"{p} has no config.json; an EAGLE-3 draft folder holds config.json plus weights")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(config, dict):
+        raise ExportError(f"{cfg_path} holds a {type(config).__name__}, expected a JSON object")
+    man = None
+    if (p / MANIFEST).exists():
+        try:
+            man = json.loads((p / MANIFEST).read_text())
+        except json.JSONDecodeError as e:
+            raise ExportError(f"{p / MANIFEST} is not valid JSON ({e}); delete it to import by config alone") from e
+        if man.get("kind") == "eyas-draft":
+            raise ExportError(f"{p} is already an eyas draft (kind eyas-draft); use it directly, no import needed")
+        if man.get("kind") != "eyas-export":
+            man = None
+    weights: dict[str, torch.Tensor] = {}
+    files = sorted(p.glob("*.safetensors"))
+    if files:
+        for f in files:
+            try:
+                weights.update(load_file(str(f)))
+            except Exception as e:  # safetensors raises several types on corrupt headers
+                raise ExportError(f"{f} is not a readable safetensors file ({e}); the checkpoint is corrupt") from e
+    else:
+        pickles = sorted([*p.glob("*.bin"), *p.glob("*.pt"), *p.glob("*.pth")])
+        if not pickles:
+            raise ExportError(f"{p} holds no weights (*.safetensors, or pickled *.bin/*.pt)")
+        if not allow_pickle:
+            raise ExportError(f"{p} holds only pickled weights ({', '.join(f.name for f in pickles)}); eyas does not "
+                              "unpickle by default. If you trust the file, pass --allow-pickle (loaded with "
+                              "torch.load(weights_only=True)), or convert it to safetensors first")
+        for f in pickles:
+            try:
+                obj = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ExportError(f"{f}: torch.load(weights_only=True) refused it ({e})") from e
+            if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+                raise ExportError(f"{f} is not a state dict of tensors")
+            weights.update(obj)
+        files = pickles
+    return Foreign(config=config, weights=weights, weight_files=[f.name for f in files], eyas_export=man)
+
+
+def parse_ids(text: str | None, what: str) -> list[int] | None:
+    if text is None or text == "":
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError as e:
+        raise ExportError(f"{what} {text!r}: expected comma-separated integers such as 1,14,26") from e
+
+
+def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]]) -> dict[str, Any] | None:
+    """The doctor's layout inference over the candidate layouts, or None while eyas.doctor lacks it."""
+    try:
+        from . import doctor  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    infer = getattr(doctor, "infer_layout", None)
+    if infer is None:
+        return None
+    return infer(target, model, candidates)
+
+
+@dataclass
+class ImportResult:
+    path: Path
+    checkpoint: DraftCheckpoint
+    info: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", allow_pickle: bool = False,
+                 aux_indices: list[int] | None = None, aux_ids: list[int] | None = None,
+                 ids_convention: str | None = None, infer: bool = True, command: str | None = None) -> ImportResult:
+    """A foreign draft folder -> an eyas draft at `out` for `target` (a loaded eyas Target).
+    Precedence for the layout: --aux-indices / --aux-ids (explicit) > the eyas-export manifest > the format's
+    reading of the config ids when unambiguous > the doctor's inference; anything else is an error."""
+    if fmt not in IMPORT_FORMATS:
+        raise ExportError(f"--format {fmt!r}: expected one of {', '.join(IMPORT_FORMATS)}")
+    if aux_indices is not None and aux_ids is not None:
+        raise ExportError("pass either --aux-indices (eyas stream indices) or --aux-ids with --ids-convention")
+    if aux_ids is not None and ids_convention is None:
+        raise ExportError("--aux-ids needs --ids-convention (one of " + ", ".join(ID_CONVENTIONS) + "): the same "
+                          "numbers mean different layers in SGLang (output-of) and vLLM (input-of)")
+    if ids_convention is not None and ids_convention not in ID_CONVENTIONS:
+        raise ExportError(f"--ids-convention {ids_convention!r}: expected one of {', '.join(ID_CONVENTIONS)}")
+    ident = target.identity
+    L, Ht, V = ident.num_layers, ident.hidden_size, ident.vocab_size
+    foreign = read_folder(src, allow_pickle)
+    warnings: list[str] = []
+    notes: list[str] = []
+
+    explicit_format = fmt != "auto"
+    if fmt == "auto":
+        if foreign.eyas_export is not None:
+            fmt, why = foreign.eyas_export.get("format", "auto"), "eyas export manifest"
+        else:
+            fmt, why = detect_format(foreign.config)
+    else:
+        why = "--format"
+    found = read_ids(foreign.config)
+
+    sd, extra = to_eyas_names(foreign.weights)
+    if "fc.weight" not in sd:
+        raise ExportError(f"{src}: no fc.weight among the weights ({sorted(foreign.weights)[:10]}...); "
+                          "not an EAGLE-3 draft")
+    fc_in = int(sd["fc.weight"].shape[1])
+    declared = foreign.config.get("target_hidden_size")
+    if declared is None and isinstance(foreign.config.get("transformer_layer_config"), dict):
+        declared = foreign.config.get("target_hidden_size")
+    if declared is not None and int(declared) != Ht:
+        raise ExportError(f"the draft declares target_hidden_size {declared} but the target's hidden size is {Ht}: "
+                          "it was trained for another target")
+    if fc_in % Ht:
+        raise ExportError(f"fc.weight takes {fc_in} inputs, not a multiple of the target's hidden size {Ht}: this "
+                          "draft was trained for another target (fc input = n_aux x target hidden)")
+    n_aux = fc_in // Ht
+
+    # -- the layout: explicit > eyas manifest > unambiguous config ids > inference
+    readings = id_readings(found, "sglang" if fmt == "specforge" else fmt, L, explicit_format)
+    notes += readings.notes
+    decided_by, stream = None, None
+    if aux_indices is not None or aux_ids is not None:
+        try:
+            stream = list(aux_indices) if aux_indices is not None else from_engine_ids(aux_ids, ids_convention, L)
+        except LayoutError as e:
+            raise ExportError(str(e)) from e
+        decided_by = ("--aux-indices" if aux_indices is not None
+                      else f"--aux-ids {aux_ids} --ids-convention {ids_convention}")
+        others = {n: s for n, s in readings.candidates.items() if s != stream}
+        if others and readings.preferred is not None and readings.preferred in others:
+            warnings.append(f"your override stream {stream} differs from the config's {readings.preferred} reading "
+                            f"{readings.candidates[readings.preferred]}; using your override")
+    elif foreign.eyas_export is not None:
+        stream = list(foreign.eyas_export["layout"]["aux_indices"])
+        decided_by = "eyas export manifest"
+        pref = readings.candidates.get(readings.preferred) if readings.preferred else None
+        if pref is not None and pref != stream:
+            raise ExportError(f"the config's ids ({found.to_dict()}) read as {readings.preferred} give stream {pref}, "
+                              f"but the eyas export manifest says stream {stream}: the folder was edited after "
+                              "export. Re-export it, or delete eyas_manifest.json to import by the config alone")
+    elif not readings.ambiguous and len(readings.candidates) == 1:
+        (decided_by, stream), = readings.candidates.items()
+    elif not readings.ambiguous and readings.preferred is not None:
+        decided_by, stream = readings.preferred, readings.candidates[readings.preferred]
+
+    if n_aux != (len(stream) if stream is not None else n_aux):
+        raise ExportError(f"fc.weight takes {n_aux} x {Ht} inputs but the layout has {len(stream)} indices {stream}")
+    cfg = draft_config_from(foreign.config, sd, n_aux, notes)
+    if cfg.target_hidden_size != Ht:
+        raise ExportError(f"config target_hidden_size {cfg.target_hidden_size} but the target's hidden size is {Ht}")
+    if cfg.vocab_size != V:
+        raise ExportError(f"config vocab_size {cfg.vocab_size} but the target's vocabulary has {V} tokens: the draft "
+                          "was made for another model or tokenizer")
+    emb = target.embed_tokens().weight
+    if emb.shape[1] != cfg.hidden_size:
+        raise ExportError(f"draft hidden_size {cfg.hidden_size} but the target's embeddings are {emb.shape[1]} wide; "
+                          "the draft reuses the target's token embeddings, so they must match")
+    ids = check_vocab_map(sd.pop("d2t", None), sd.get("t2d"), V, cfg.draft_vocab_size)
+    sd.pop("t2d", None)
+
+    model = Eagle3Draft(cfg)
+    expected = {k for k in model.state_dict() if k not in ("d2t", "t2d")}
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ExportError(f"weights do not fit eyas's EAGLE-3 draft: missing {missing[:8]}, unexpected "
+                          f"{unexpected[:8]}. {explain_unexpected(unexpected)}".strip())
+    with torch.no_grad():
+        for k, p in model.state_dict().items():
+            if k in sd:
+                if tuple(sd[k].shape) != tuple(p.shape):
+                    raise ExportError(f"{k}: shape {tuple(sd[k].shape)}, config implies {tuple(p.shape)}")
+                p.copy_(sd[k].float())
+    model.set_vocab_map(ids)
+    model.set_embeddings(emb.detach().float().cpu())
+    if "embed_tokens.weight" in extra:
+        e = extra["embed_tokens.weight"]
+        if tuple(e.shape) != tuple(emb.shape):
+            warnings.append(f"the checkpoint's embed_tokens {tuple(e.shape)} differ in shape from the target's "
+                            f"{tuple(emb.shape)}; eyas uses the target's")
+        else:
+            d = float((e.float() - emb.detach().float().cpu()).abs().max())
+            notes.append(f"checkpoint embed_tokens vs target embeddings: max |diff| {d:.3g}")
+            if d > 1e-2 * max(1.0, float(emb.detach().float().abs().max())):
+                warnings.append(f"the checkpoint's embed_tokens differ from the target's (max |diff| {d:.3g}): it "
+                                "was trained with another embedding table; eyas uses the target's")
+    model.eval()
+
+    inference = None
+    if readings.ambiguous or stream is None or len(readings.candidates) > 1:
+        cands = {n: s for n, s in readings.candidates.items() if len(s) == n_aux}
+        if infer and cands:
+            inference = run_inference(target, model, cands)
+        if inference is not None:
+            chosen = inference.get("chosen")
+            if stream is None:
+                stream, decided_by = list(inference["aux_indices"]), f"doctor inference ({chosen})"
+            elif list(inference["aux_indices"]) != stream:
+                warnings.append(f"layout inference prefers {chosen} = stream {inference['aux_indices']} over the "
+                                f"chosen stream {stream} ({decided_by}); check the accuracies in the manifest")
+    if stream is None:
+        lines = [f"cannot tell which target layers this draft reads ({why}; ids found: {found.to_dict()})."]
+        lines += [f"  - {n}: stream {s}" for n, s in readings.candidates.items()]
+        lines += [f"  note: {n}" for n in readings.notes]
+        lines.append("Layout inference (eyas.doctor.infer_layout) is " + ("not available in this eyas" if infer
+                     else "disabled (--no-infer)") + ". Pick the layout explicitly: --format sglang|vllm|eagle if "
+                     "you know where the draft was trained, or --aux-ids 1,14,26 --ids-convention sglang, or "
+                     "--aux-indices (eyas stream indices).")
+        raise ExportError("\n".join(lines))
+    if readings.ambiguous and inference is None and decided_by and not decided_by.startswith("--"):
+        warnings.append(f"the ids were ambiguous; using {decided_by} because you passed --format {fmt}")
+
+    layout = Layout(aux_indices=stream, target=ident)
+    info = {
+        "source": str(src),
+        "format": fmt,
+        "format_detected_by": why,
+        "weight_files": foreign.weight_files,
+        "source_config_sha256": _sha256(Path(src) / "config.json"),
+        "ids_found": found.to_dict(),
+        "readings": readings.candidates,
+        "ambiguous": readings.ambiguous,
+        "decided_by": decided_by,
+        "aux_indices": stream,
+        "inference": inference,
+        "notes": notes,
+        "warnings": warnings,
+        "dropped_target_owned": sorted(extra),
+    }
+    extra_manifest = {"import": info, "target_source": target.source,
+                      "commands": [command or " ".join(sys.argv)], "eyas_version": __version__}
+    out = Path(out)
+    save_draft(out, model, layout, extra=extra_manifest)
+    ckpt = load_draft(out)
+    return ImportResult(path=out, checkpoint=ckpt, info=info, warnings=warnings)
+
+
+__all__ = ["ExportError", "FormatError", "DraftError", "LaunchParams", "ExportResult", "ImportResult",
+           "export_draft", "import_draft", "launch_command", "read_folder", "serving_target"]

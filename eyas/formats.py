@@ -1,0 +1,485 @@
+"""Foreign EAGLE-3 draft formats: weight names, config keys, and what each one's layer ids mean.
+
+Pure functions (no file IO): `eyas/export.py` uses them in both directions. Facts below were read in
+the engines' own code (stored public copies, read for facts only; no code copied):
+
+eyas        stream index k in 0..L (eyas/layout.py): 0 = embedding output, i = output of layer i-1 =
+            input of layer i, L = last layer output before the final norm.
+SGLang      draft config `eagle_config.eagle_aux_hidden_state_layer_ids` only; a top-level list is never
+            read (python/sglang/srt/model_executor/model_runner.py: `eagle_config["eagle_aux_hidden_
+            state_layer_ids"]`, None when absent). The target then does `layers_to_capture = [x + 1 for x
+            in ids]` and captures the residual stream entering layer i inside its layer loop
+            (python/sglang/srt/models/llama.py, qwen2.py, ... `set_eagle3_layers_to_capture`): id x =
+            output of layer x = stream x+1, expressible stream 1..L-1; no ids -> stream [2, L//2, L-3].
+            Draft (python/sglang/srt/models/llama_eagle3.py): `fc` = Linear(3 * target_hidden_size
+            (falls back to hidden_size)), so exactly 3 aux states; weights `fc.`, `midlayer.`, `norm.`,
+            `lm_head.`, `d2t` (hot_token_id = d2t + arange), `t2d` ignored; `tie_word_embeddings: true`
+            would make lm_head the embedding table, so exports write false.
+SpecForge   trains and saves in SGLang's convention and names (configs/*-eagle3.json: `eagle_config`
+            ids, default output-of ids [1, L//2-1, L-4]; `draft_vocab_size`, `LlamaForCausalLMEagle3`).
+vLLM        top-level `eagle_aux_hidden_state_layer_ids` first; if absent it falls back to
+            `eagle_config`'s list used AS-IS (vllm/v1/worker/gpu_model_runner.py
+            `_get_eagle3_aux_layers_from_config`; older vllm/model_executor/models/eagle3 utils read the
+            top level only). The target captures before running layer idx
+            (vllm/model_executor/models/interfaces.py `EagleModelMixin._maybe_add_hidden_state`, which
+            takes the bare hidden state when there is no residual yet): id x = input of layer x =
+            stream x, 0 = embedding. Draft (vllm/model_executor/models/llama_eagle3.py): renames
+            `midlayer.` to `layers.0.`, fc input = target_hidden_size * 3, `d2t` -> draft_id_to_target_id,
+            `t2d` skipped, `eagle_config.use_aux_hidden_state`, `norm_before_residual` flag.
+speculators (0.9.0: speculators/models/eagle3/config.py `Eagle3SpeculatorConfig`, core.py
+            `Eagle3DraftModel`, models/utils.py `resolve_target_layer_ids`): top-level
+            `eagle_aux_hidden_state_layer_ids`, input-of like vLLM, valid 0..L (L = final state);
+            `speculators_model_type: "eagle3"`, `speculators_config` {algorithm, proposal_methods,
+            default_proposal_method, verifier {name_or_path, architectures}}, `transformer_layer_config`
+            (a Llama config: vocab_size = target vocab, rope), `draft_vocab_size`, `target_hidden_size`,
+            `norm_before_residual` (False = the residual is the un-normed hidden, eyas's draft),
+            `norm_before_fc`/`fc_norm`/`norm_output` (extra norms eyas's draft does not have).
+            fc = Linear(len(ids) * hidden_size); weights `layers.0.*`, `fc.`, `norm.`, `lm_head.`, `d2t`,
+            `t2d` (only when the draft vocab is smaller), optional `embed_tokens.`. vLLM reads this config
+            through vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, where an absent
+            `norm_before_residual` means True — so exports always write it.
+EAGLE ref.  (SafeAILab/EAGLE eagle/model/modeling_llama_kv.py): captures the inputs of layers 2, L//2,
+            L-3, hard-coded; configs carry no ids; weights named like SGLang's, often pickled
+            (pytorch_model.bin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .draft import DraftConfig
+from .layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
+
+EXPORT_FORMATS = ("sglang", "vllm", "speculators")
+IMPORT_FORMATS = ("auto", "sglang", "specforge", "vllm", "speculators", "eagle")
+ID_CONVENTIONS = ("eyas", "eagle", "sglang", "specforge", "vllm", "speculators")
+# which convention each format's ids are written in (eyas/layout.py translators)
+FORMAT_ENGINE = {"sglang": "sglang", "specforge": "specforge", "vllm": "vllm", "speculators": "speculators",
+                 "eagle": "eagle"}
+SPECULATORS_SCHEMA_VERSION = "0.9.0"  # the speculators release whose config schema the export follows
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class FormatError(ValueError):
+    """A foreign checkpoint that eyas cannot read faithfully; the message says what and why."""
+
+
+# ---- weight names --------------------------------------------------------------------------------
+
+def to_format_names(sd: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """eyas names (already SGLang's) -> the format's names. vLLM and speculators call the layer layers.0."""
+    if fmt == "sglang":
+        return dict(sd)
+    if fmt in ("vllm", "speculators"):
+        return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+    raise FormatError(f"unknown export format {fmt!r}; expected one of {EXPORT_FORMATS}")
+
+
+# keys foreign checkpoints may carry that eyas's draft does not store (the target owns them)
+_TARGET_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def to_eyas_names(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Any supported format's names -> (eyas names, target-owned extras such as embed_tokens)."""
+    out: dict[str, torch.Tensor] = {}
+    extra: dict[str, torch.Tensor] = {}
+    for key, v in sd.items():
+        k = key[len("model."):] if key.startswith("model.") else key
+        if k.startswith("layers.0."):
+            k = "midlayer." + k[len("layers.0."):]
+        elif k.startswith("midlayers.0."):
+            k = "midlayer." + k[len("midlayers.0."):]
+        if k in _TARGET_OWNED:
+            extra[k] = v
+            continue
+        if k in out:
+            raise FormatError(f"weights {key!r} and another key both map to {k!r}; the checkpoint mixes "
+                              "naming schemes (e.g. midlayer.* and layers.0.*) — keep one")
+        out[k] = v
+    return out, extra
+
+
+def explain_unexpected(keys: list[str]) -> str:
+    """Why a foreign key has no place in eyas's one-layer draft."""
+    why = []
+    if any(k.startswith("layers.") and not k.startswith("layers.0.") for k in keys):
+        why.append("the checkpoint has more than one decoder layer; eyas drafts have exactly one")
+    if any("qkv_proj" in k or "gate_up_proj" in k for k in keys):
+        why.append("fused qkv/gate_up weights: save the checkpoint with separate q/k/v and gate/up projections")
+    if any(k.endswith(".bias") for k in keys):
+        why.append("bias weights: eyas's draft (like SGLang's LlamaForCausalLMEagle3 default) has no biases")
+    if any(k.startswith(("input_norm.", "fc_norm.")) for k in keys):
+        why.append("extra norms before fc (speculators norm_before_fc / fc_norm) are not part of eyas's draft")
+    return ("; ".join(why) + ".") if why else ""
+
+
+# ---- configs -------------------------------------------------------------------------------------
+
+def _rope(cfg: DraftConfig) -> dict[str, Any]:
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+
+
+def sglang_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any]:
+    """SGLang/SpecForge config: ids output-of in eagle_config (what SGLang reads). The same layout is also
+    written top-level in vLLM's input-of convention: vLLM reads the top level first, so a user who points
+    vLLM at this folder cannot fall into its eagle_config-as-is fallback (an off-by-one)."""
+    L = _layers(layout)
+    out = cfg.hf_config(None)
+    out.update(_rope(cfg))
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": to_engine_ids(layout.aux_indices, "sglang", L),
+                           "use_aux_hidden_state": True}
+    out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm", L)
+    out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
+    return out
+
+
+def vllm_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any]:
+    """vLLM config: ids input-of at the top level (read first by vLLM). SGLang's output-of ids go into
+    eagle_config too when SGLang can express the layout, so SGLang never falls back to its defaults."""
+    L = _layers(layout)
+    out = cfg.hf_config(None)
+    out.update(_rope(cfg))
+    out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm", L)
+    out["norm_before_residual"] = False  # vLLM's draft layer reads this flag; eyas's residual is the raw h
+    eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
+    try:
+        eagle_config["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "sglang", L)
+    except LayoutError:
+        pass  # e.g. stream 0: SGLang cannot capture it; the manifest records why
+    out["eagle_config"] = eagle_config
+    out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
+    return out
+
+
+def speculators_config(cfg: DraftConfig, layout: Layout, dtype: str, verifier: str | None,
+                       verifier_architecture: str, speculative_tokens: int) -> dict[str, Any]:
+    """speculators 0.9.0 Eagle3SpeculatorConfig as saved by its save_pretrained (keys checked against the
+    schema snapshot in tests/data); ids input-of at the top level."""
+    L = _layers(layout)
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size,  # the target's vocabulary (speculators' verifier vocab)
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": TORCH_DTYPE_NAMES[dtype],
+        **{k: v for k, v in _rope(cfg).items() if k != "rope_scaling"},
+    }
+    return {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_SCHEMA_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": [verifier_architecture]},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": to_engine_ids(layout.aux_indices, "speculators", L),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "dtype": TORCH_DTYPE_NAMES[dtype],
+    }
+
+
+def _layers(layout: Layout) -> int:
+    if layout.target is None:
+        raise FormatError("the draft's layout has no target identity, so its ids cannot be translated; "
+                          "re-save it with this version of eyas")
+    return layout.target.num_layers
+
+
+# ---- reading a foreign config --------------------------------------------------------------------
+
+@dataclass
+class IdsFound:
+    top: list[int] | None  # top-level eagle_aux_hidden_state_layer_ids
+    eagle_config: list[int] | None  # eagle_config.eagle_aux_hidden_state_layer_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"eagle_aux_hidden_state_layer_ids": self.top,
+                "eagle_config.eagle_aux_hidden_state_layer_ids": self.eagle_config}
+
+
+def _int_list(v: Any, where: str) -> list[int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list | tuple) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise FormatError(f"{where} must be a list of integers, found {v!r}")
+    return [int(x) for x in v] or None
+
+
+def read_ids(config: dict[str, Any]) -> IdsFound:
+    ec = config.get("eagle_config")
+    if ec is not None and not isinstance(ec, dict):
+        raise FormatError(f"eagle_config must be an object, found {type(ec).__name__}: {str(ec)[:120]}")
+    return IdsFound(top=_int_list(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"),
+                    eagle_config=_int_list((ec or {}).get("eagle_aux_hidden_state_layer_ids"),
+                                           "eagle_config.eagle_aux_hidden_state_layer_ids"))
+
+
+def detect_format(config: dict[str, Any]) -> tuple[str, str]:
+    """(format, why) from config keys alone. speculators has a marker key; the others are told apart by
+    where their ids live, which is why eagle_config-only and id-less configs stay ambiguous."""
+    if "speculators_model_type" in config:
+        kind = config["speculators_model_type"]
+        if kind != "eagle3":
+            raise FormatError(f"speculators_model_type is {kind!r}; eyas imports only 'eagle3' speculators")
+        return "speculators", "config has speculators_model_type: eagle3"
+    ids = read_ids(config)
+    if ids.top is not None:
+        return "vllm", "config has top-level eagle_aux_hidden_state_layer_ids (vLLM reads these first, input-of)"
+    if ids.eagle_config is not None:
+        return "sglang", "config has only eagle_config.eagle_aux_hidden_state_layer_ids (SGLang/SpecForge style)"
+    return "eagle", "config has no aux layer ids anywhere (EAGLE reference style)"
+
+
+@dataclass
+class Readings:
+    """The stream indices a config's ids could mean, and how sure we are."""
+    candidates: dict[str, list[int]]  # reading name -> stream indices, only readings that are valid here
+    preferred: str | None  # the reading the format itself defines (None: the format defines no ids)
+    ambiguous: bool  # True when more than one reading is plausible and nothing marks which
+    notes: list[str] = field(default_factory=list)  # what was checked, every oddity found
+
+
+def _try(ids: list[int] | None, engine: str, L: int) -> tuple[list[int] | None, str | None]:
+    if ids is None:
+        return None, None
+    try:
+        return from_engine_ids(ids, engine, L), None
+    except LayoutError as e:
+        return None, str(e)
+
+
+def id_readings(found: IdsFound, fmt: str, L: int, explicit_format: bool) -> Readings:
+    """Every valid reading of the ids in a config of format `fmt` for an L-layer target."""
+    sg_default = to_engine_ids(default_aux_indices(L), "sglang", L) if L >= 4 else None
+    notes: list[str] = []
+    if fmt == "speculators":
+        if found.top is None:
+            return Readings({"eagle default (speculators' fallback)": default_aux_indices(L)}, None, True,
+                            ["speculators config has no eagle_aux_hidden_state_layer_ids; speculators and vLLM "
+                             f"would fall back to input-of [2, L//2, L-3] = {default_aux_indices(L)}"])
+        s, err = _try(found.top, "speculators", L)
+        if s is None:
+            raise FormatError(f"speculators ids {found.top}: {err}")
+        return Readings({"speculators (input-of)": s}, "speculators (input-of)", False,
+                        [f"speculators ids {found.top} are input-of = stream {s}"])
+    if fmt == "eagle":
+        cands = {"EAGLE reference (inputs of layers 2, L//2, L-3)": default_aux_indices(L)}
+        notes.append("no ids in the config; the EAGLE reference code captures the inputs of layers "
+                     f"2, L//2, L-3 = stream {default_aux_indices(L)}, but a config without ids may come from "
+                     "anywhere")
+        return Readings(cands, "EAGLE reference (inputs of layers 2, L//2, L-3)", not explicit_format, notes)
+    if fmt in ("sglang", "specforge"):
+        if found.eagle_config is None:
+            if found.top is not None:
+                raise FormatError(f"--format {fmt}: the config has only top-level ids {found.top}, which SGLang "
+                                  "never reads; use --format vllm, or pass --aux-ids/--ids-convention")
+            return Readings({"SGLang default (layers_to_capture [2, L//2, L-3])": default_aux_indices(L)}, None,
+                            True, ["no eagle_config ids: SGLang would capture its default stream "
+                                   f"{default_aux_indices(L)}"])
+        s, s_err = _try(found.eagle_config, "sglang", L)
+        v, v_err = _try(found.eagle_config, "vllm", L)
+        cands: dict[str, list[int]] = {}
+        if s is not None:
+            cands["sglang (eagle_config, output-of: id + 1)"] = s
+        if v is not None and v != s:
+            cands["vllm fallback (eagle_config used as-is, input-of)"] = v
+        if s is None:
+            notes.append(f"eagle_config ids {found.eagle_config} are impossible in SGLang's output-of convention "
+                         f"({s_err}); only the as-is (input-of) reading is valid: they were written for vLLM")
+            if v is None:
+                raise FormatError(f"eagle_config ids {found.eagle_config} are out of range for a {L}-layer target "
+                                  f"in every convention ({v_err}); the draft was made for another model")
+            return Readings(cands, None, False, notes)
+        notes.append(f"eagle_config ids {found.eagle_config} read by SGLang as output-of = stream {s}")
+        if found.top is not None:
+            tv, _ = _try(found.top, "vllm", L)
+            if tv == s:
+                notes.append(f"top-level ids {found.top} (input-of) agree: stream {s}")
+                return Readings({"sglang (eagle_config, output-of: id + 1)": s},
+                                "sglang (eagle_config, output-of: id + 1)", False, notes)
+        if found.eagle_config == default_aux_indices(L) and L >= 4:
+            notes.append(f"eagle_config ids {found.eagle_config} equal the EAGLE-3 default stream indices "
+                         "(input-of): possibly vLLM-convention ids placed where SGLang reads output-of ids")
+        return Readings(cands, "sglang (eagle_config, output-of: id + 1)", not explicit_format, notes)
+    if fmt == "vllm":
+        if found.top is None:
+            if found.eagle_config is None:
+                return Readings({"vLLM default (input of layers 2, L//2, L-3)": default_aux_indices(L)}, None, True,
+                                ["no ids: vLLM would use the target model's default stream "
+                                 f"{default_aux_indices(L)}"])
+            v, v_err = _try(found.eagle_config, "vllm", L)
+            s, _ = _try(found.eagle_config, "sglang", L)
+            if v is None:
+                raise FormatError(f"eagle_config ids {found.eagle_config}: {v_err}")
+            cands = {"vllm fallback (eagle_config used as-is, input-of)": v}
+            if s is not None and s != v:
+                cands["sglang (eagle_config, output-of: id + 1)"] = s
+            return Readings(cands, "vllm fallback (eagle_config used as-is, input-of)", True,
+                            [f"--format vllm with only eagle_config ids {found.eagle_config}: vLLM uses them as-is "
+                             f"(stream {v}), an off-by-one if they were written for SGLang (stream {s})"])
+        v, v_err = _try(found.top, "vllm", L)
+        s_alt, _ = _try(found.top, "sglang", L)
+        if v is None:
+            raise FormatError(f"top-level ids {found.top}: {v_err}")
+        cands = {"vllm (top level, input-of)": v}
+        notes.append(f"top-level ids {found.top} read by vLLM as input-of = stream {v}")
+        ambiguous = False
+        if found.eagle_config is not None:
+            es, _ = _try(found.eagle_config, "sglang", L)
+            if es == v:
+                notes.append(f"eagle_config ids {found.eagle_config} (output-of) agree: stream {v}")
+            else:
+                ambiguous = not explicit_format
+                notes.append(f"eagle_config ids {found.eagle_config} disagree: SGLang would read stream {es}, vLLM "
+                             f"reads stream {v} from the top level — the two engines would feed different layers")
+                if es is not None:
+                    cands["sglang (eagle_config, output-of: id + 1)"] = es
+        if sg_default is not None and found.top == sg_default and v != default_aux_indices(L):
+            notes.append(f"top-level ids {found.top} equal SGLang's default output-of ids: if they came from "
+                         f"SGLang/SpecForge they mean stream {s_alt}, not {v} (SGLang ids placed at vLLM's top level)")
+            if s_alt is not None:
+                cands.setdefault("sglang ids misplaced at the top level (id + 1)", s_alt)
+            ambiguous = not explicit_format
+        return Readings(cands, "vllm (top level, input-of)", ambiguous, notes)
+    raise FormatError(f"unknown format {fmt!r}; expected one of {IMPORT_FORMATS}")
+
+
+# ---- draft config from a foreign config + its weights --------------------------------------------
+
+def _rope_theta(c: dict[str, Any], notes: list[str]) -> float:
+    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    scaling = c.get("rope_scaling")
+    for what, kind in (("rope_scaling", (scaling or {}).get("rope_type") or (scaling or {}).get("type")),
+                       ("rope_parameters", rp.get("rope_type"))):
+        if kind not in (None, "default"):
+            raise FormatError(f"{what} type {kind!r}: eyas's draft uses plain RoPE; a scaled RoPE would shift "
+                              "every position. Re-train, or strip the scaling only if the draft was trained "
+                              "without it")
+    theta = c.get("rope_theta") or rp.get("rope_theta")
+    if theta is None:
+        notes.append("no rope_theta in the config: using 10000, the EAGLE reference draft's default")
+        return 10000.0
+    return float(theta)
+
+
+def draft_config_from(config: dict[str, Any], sd: dict[str, torch.Tensor], n_aux: int,
+                      notes: list[str]) -> DraftConfig:
+    """A DraftConfig from a foreign config, every size cross-checked against the weights' shapes."""
+    c = dict(config)
+    if "speculators_model_type" in config:
+        if config["speculators_model_type"] != "eagle3":
+            raise FormatError(f"speculators_model_type is {config['speculators_model_type']!r}; eyas imports only "
+                              "'eagle3' speculators")
+        c = dict(config.get("transformer_layer_config") or {})
+        if not c:
+            raise FormatError("speculators config has no transformer_layer_config; it cannot be a valid export")
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if config.get(flag):
+                raise FormatError(f"speculators flag {flag}: true adds a norm eyas's draft does not have; "
+                                  "this draft cannot be imported without changing its outputs")
+        c["draft_vocab_size"] = config.get("draft_vocab_size")
+        c["target_hidden_size"] = config.get("target_hidden_size")
+        nbr = config.get("norm_before_residual", False)  # speculators' own default
+    else:
+        nbr = config.get("norm_before_residual", False)
+    if nbr:
+        raise FormatError("norm_before_residual: true (the residual is the normed hidden): eyas's draft keeps the "
+                          "raw hidden as residual, like SGLang's llama path, so its outputs would differ")
+    if int(c.get("num_hidden_layers", 1)) != 1:
+        raise FormatError(f"num_hidden_layers is {c.get('num_hidden_layers')}; eyas drafts have exactly one layer")
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise FormatError(f"hidden_act {act!r}: eyas's draft MLP is SwiGLU with silu")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise FormatError("attention_bias/mlp_bias true: eyas's draft has no biases")
+    if "hidden_size" not in c:
+        raise FormatError(f"config has no hidden_size (keys: {sorted(c)[:30]})")
+    H = int(c["hidden_size"])
+    need = ["fc.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+            "midlayer.mlp.gate_proj.weight"]
+    missing = [k for k in need if k not in sd]
+    if missing:
+        raise FormatError(f"weights lack {missing}; found {sorted(sd)[:12]}... — not an EAGLE-3 draft checkpoint")
+    nh = int(c.get("num_attention_heads") or 0)
+    if nh <= 0:
+        raise FormatError("config has no num_attention_heads")
+    hd = int(c.get("head_dim") or H // nh)
+    nkv = int(c.get("num_key_value_heads") or nh)
+    fc_out, fc_in = sd["fc.weight"].shape
+    Ht = int(c.get("target_hidden_size") or fc_in // max(n_aux, 1))
+    q, k = "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight"
+    checks = [
+        ("fc.weight", tuple(sd["fc.weight"].shape), (H, n_aux * Ht), f"[hidden {H}, {n_aux} aux x target {Ht}]"),
+        ("q_proj", tuple(sd[q].shape), (nh * hd, 2 * H), f"[{nh} heads x {hd}, 2 x {H}]"),
+        ("k_proj", tuple(sd[k].shape), (nkv * hd, 2 * H), f"[{nkv} kv heads x {hd}, 2 x {H}]"),
+    ]
+    bad = [f"{name} is {found}, config implies {want} {what}" for name, found, want, what in checks if found != want]
+    if bad:
+        raise FormatError("weights do not match the config: " + "; ".join(bad))
+    vd = int(sd["lm_head.weight"].shape[0])
+    cfg_vd = c.get("draft_vocab_size")
+    if cfg_vd is not None and int(cfg_vd) != vd:
+        raise FormatError(f"draft_vocab_size {cfg_vd} in the config but lm_head.weight has {vd} rows")
+    if "vocab_size" not in c:
+        raise FormatError("config has no vocab_size (the target vocabulary)")
+    if fc_out != H:
+        raise FormatError(f"fc.weight outputs {fc_out}, hidden_size is {H}")
+    return DraftConfig(
+        hidden_size=H, target_hidden_size=Ht, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+        intermediate_size=int(sd["midlayer.mlp.gate_proj.weight"].shape[0]), vocab_size=int(c["vocab_size"]),
+        draft_vocab_size=vd, num_aux=n_aux, rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
+        rope_theta=_rope_theta(c, notes), max_position_embeddings=int(c.get("max_position_embeddings") or 8192),
+        hidden_act="silu")
+
+
+def check_vocab_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, vocab: int,
+                    draft_vocab: int) -> torch.Tensor:
+    """Validate d2t/t2d and return the [Vd] target ids of the draft vocabulary."""
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise FormatError(f"no d2t in the weights but the draft vocabulary ({draft_vocab}) is smaller than the "
+                              f"target's ({vocab}): the draft->target token map is missing")
+        return torch.arange(vocab)
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise FormatError(f"d2t has dtype {d2t.dtype}; expected integer offsets (target_id = draft_id + d2t)")
+    if tuple(d2t.shape) != (draft_vocab,):
+        raise FormatError(f"d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},) = lm_head rows")
+    ids = torch.arange(draft_vocab) + d2t.long()
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise FormatError(f"d2t maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, outside the "
+                          f"target vocabulary 0..{vocab - 1}: wrong target or corrupt d2t")
+    if ids.unique().numel() != ids.numel():
+        raise FormatError(f"d2t maps {ids.numel()} draft ids onto only {ids.unique().numel()} distinct target ids")
+    if t2d is not None:
+        if tuple(t2d.shape) != (vocab,):
+            raise FormatError(f"t2d has shape {tuple(t2d.shape)}, expected ({vocab},) = the target vocabulary")
+        mask = t2d.bool()
+        if int(mask.sum()) != draft_vocab or not bool(mask[ids].all()):
+            raise FormatError(f"t2d marks {int(mask.sum())} target ids, d2t maps {draft_vocab}; "
+                              f"{int((~mask[ids]).sum())} of d2t's targets are not marked: d2t and t2d disagree")
+    return ids

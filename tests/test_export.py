@@ -1,0 +1,388 @@
+"""eyas export/import: round trips through every format, id translation, refusals and corrupt inputs.
+
+A tiny random 8-layer Llama target and a random draft with a non-default layout and a non-trivial draft
+vocabulary; exact (fp32) equality of weights, layout and draft logits after eyas -> format -> eyas.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from eyas.cli import app
+from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eyas.export import ExportError, LaunchParams, export_draft, import_draft, read_folder
+from eyas.formats import FormatError
+from eyas.layout import Layout
+from eyas.target import Target, capture, identity_of, tensor_fingerprint
+from tests.tiny import tiny_model
+
+L = 8
+LAYOUT = [1, 3, 6]  # not the default [2, 4, 5]; expressible by every engine
+
+
+def make_target(layers: int = L, hidden: int = 32, vocab: int = 128) -> Target:
+    m = tiny_model("llama", layers=layers, hidden=hidden, vocab=vocab)
+    return Target(model=m, tokenizer=None, identity=identity_of(m, tensor_fingerprint(m), "tiny"), source="tiny",
+                  path=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls gain nothing from threads, and on a loaded 2-core machine OpenMP's barriers cost ~1000x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return make_target()
+
+
+def make_draft(path: Path, target: Target, aux: list[int], draft_vocab: int = 40, seed: int = 1) -> Path:
+    cfg = DraftConfig.from_target_config(target.config, draft_vocab_size=draft_vocab, num_aux=len(aux),
+                                         rope_theta=50000.0)
+    torch.manual_seed(seed)
+    d = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for p in d.parameters():  # non-trivial everywhere, norms included
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    d.set_vocab_map(torch.randperm(target.identity.vocab_size, generator=torch.Generator().manual_seed(seed))
+                    [:draft_vocab].sort().values)
+    save_draft(path, d, Layout(aux_indices=aux, target=target.identity), extra={"target_source": "tiny"})
+    return path
+
+
+def draft_logits(draft: Eagle3Draft, target: Target, aux: list[int], seed: int = 0) -> torch.Tensor:
+    """Step-0 draft logits on features captured from the target by the draft's layout."""
+    ids = torch.randint(3, target.identity.vocab_size, (1, 12), generator=torch.Generator().manual_seed(seed))
+    feats = capture(target.model, ids, aux).aux  # [1, 12, n_aux * H]
+    draft.set_embeddings(target.embed_tokens().weight)
+    with torch.no_grad():
+        out, _ = draft(draft.fc(feats[:, :-1]), ids[:, 1:], torch.arange(11)[None])
+        return draft.logits(out)  # [1, 11, Vd]
+
+
+def assert_same_draft(a, b, target: Target) -> None:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    assert a.layout.aux_indices == b.layout.aux_indices
+    assert a.layout.target == b.layout.target
+    assert a.model.config == b.model.config
+    assert torch.equal(draft_logits(a.model, target, a.layout.aux_indices),
+                       draft_logits(b.model, target, b.layout.aux_indices))
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
+@pytest.mark.parametrize("keep_manifest", [True, False])
+def test_round_trip_identical(tmp_path, target, fmt, keep_manifest):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    res = export_draft(src, fmt, tmp_path / fmt)
+    if not keep_manifest:  # a foreign reader sees only config.json + weights
+        (res.path / "eyas_manifest.json").unlink()
+    back = import_draft(res.path, target, tmp_path / "back", infer=False)
+    assert back.info["aux_indices"] == LAYOUT
+    assert back.info["ambiguous"] is False
+    assert_same_draft(load_draft(src), back.checkpoint, target)
+
+
+def test_export_writes_each_engines_convention(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    sg = export_draft(src, "sglang", tmp_path / "sg")
+    vl = export_draft(src, "vllm", tmp_path / "vl")
+    sp = export_draft(src, "speculators", tmp_path / "sp")
+    # SGLang reads eagle_config only, output-of: stream k = id + 1
+    assert sg.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    # vLLM reads the top level first, input-of: id = stream index
+    assert sg.config["eagle_aux_hidden_state_layer_ids"] == LAYOUT
+    assert vl.config["eagle_aux_hidden_state_layer_ids"] == LAYOUT
+    assert vl.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    assert sp.config["eagle_aux_hidden_state_layer_ids"] == LAYOUT
+    for r in (sg, vl):
+        c = r.config
+        assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
+        assert (c["target_hidden_size"], c["vocab_size"], c["draft_vocab_size"]) == (32, 128, 40)
+        assert c["rope_theta"] == 50000.0 and c["tie_word_embeddings"] is False
+        assert c["eagle_config"]["use_aux_hidden_state"] is True
+    assert vl.config["norm_before_residual"] is False and sp.config["norm_before_residual"] is False
+    # weight names: SGLang keeps midlayer., vLLM and speculators use layers.0.
+    w_sg, w_vl = load_file(str(sg.path / "model.safetensors")), load_file(str(vl.path / "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in w_sg and not any(k.startswith("layers.") for k in w_sg)
+    assert "layers.0.self_attn.q_proj.weight" in w_vl and not any(k.startswith("midlayer.") for k in w_vl)
+    assert w_sg["d2t"].dtype == torch.int64 and w_sg["t2d"].dtype == torch.bool
+    assert torch.equal(w_sg["d2t"], w_vl["d2t"])
+    man = json.loads((sg.path / "eyas_manifest.json").read_text())
+    assert man["kind"] == "eyas-export" and man["format"] == "sglang"
+    assert man["layout"]["aux_indices"] == LAYOUT
+    assert man["source_manifest_sha256"].startswith("sha256:") and man["launch"]["command"] == sg.launch
+
+
+def test_bf16_export_round_trip(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    res = export_draft(src, "vllm", tmp_path / "vl", dtype="bf16")
+    w = load_file(str(res.path / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["d2t"].dtype == torch.int64
+    assert res.config["torch_dtype"] == "bfloat16"
+    back = import_draft(res.path, target, tmp_path / "back", infer=False).checkpoint
+    orig = load_draft(src)
+    for k, v in orig.model.state_dict().items():
+        want = v.to(torch.bfloat16).float() if v.is_floating_point() else v
+        assert torch.equal(back.model.state_dict()[k], want), k
+
+
+def test_sglang_refuses_the_embedding_vllm_expresses_it(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, [0, 3, 8])  # embedding + final pre-norm state
+    with pytest.raises(ExportError, match=r"embedding \(stream 0\)"):
+        export_draft(src, "sglang", tmp_path / "sg")
+    assert not (tmp_path / "sg").exists()
+    vl = export_draft(src, "vllm", tmp_path / "vl")
+    assert vl.config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 8]
+    assert "eagle_aux_hidden_state_layer_ids" not in vl.config["eagle_config"]  # SGLang cannot say it
+    back = import_draft(vl.path, target, tmp_path / "back", infer=False)
+    assert_same_draft(load_draft(src), back.checkpoint, target)
+    sp = export_draft(src, "speculators", tmp_path / "sp")
+    assert sp.config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 8]
+
+
+def test_three_aux_engines_refuse_other_counts(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, [2, 6])
+    for fmt in ("sglang", "vllm"):
+        with pytest.raises(ExportError, match="exactly 3"):
+            export_draft(src, fmt, tmp_path / fmt)
+    sp = export_draft(src, "speculators", tmp_path / "sp")
+    back = import_draft(sp.path, target, tmp_path / "back", infer=False)
+    assert_same_draft(load_draft(src), back.checkpoint, target)
+
+
+# ---- ids in the wrong place or missing -----------------------------------------------------------
+
+def _foreign(tmp_path: Path, target: Target, aux: list[int], edit) -> Path:
+    """An SGLang export with the eyas manifest removed and its config edited: a foreign folder."""
+    src = make_draft(tmp_path / "d", target, aux)
+    res = export_draft(src, "sglang", tmp_path / "foreign")
+    (res.path / "eyas_manifest.json").unlink()
+    cfg = json.loads((res.path / "config.json").read_text())
+    edit(cfg)
+    (res.path / "config.json").write_text(json.dumps(cfg))
+    return res.path
+
+
+def test_eagle_config_only_is_ambiguous(tmp_path, target):
+    def only_eagle_config(c):  # SpecForge style: eagle_config ids only
+        del c["eagle_aux_hidden_state_layer_ids"]
+    p = _foreign(tmp_path, target, LAYOUT, only_eagle_config)
+    with pytest.raises(ExportError) as e:
+        import_draft(p, target, tmp_path / "x", infer=False)
+    msg = str(e.value)
+    assert "stream [1, 3, 6]" in msg and "stream [0, 2, 5]" in msg and "--ids-convention" in msg
+    r = import_draft(p, target, tmp_path / "a", fmt="specforge", infer=False)
+    assert r.info["aux_indices"] == LAYOUT and r.info["ambiguous"] is False
+    r = import_draft(p, target, tmp_path / "b", aux_ids=[0, 2, 5], ids_convention="sglang", infer=False)
+    assert r.checkpoint.layout.aux_indices == LAYOUT
+    assert r.info["decided_by"].startswith("--aux-ids")
+
+
+def test_sglang_ids_at_vllm_top_level_are_flagged(tmp_path, target):
+    sg_default = [1, 3, 4]  # SGLang's default output-of ids for L = 8, i.e. stream [2, 4, 5]
+
+    def misplaced(c):
+        c["eagle_aux_hidden_state_layer_ids"] = sg_default
+        del c["eagle_config"]
+    p = _foreign(tmp_path, target, [2, 4, 5], misplaced)
+    with pytest.raises(ExportError, match="SGLang's default output-of ids"):
+        import_draft(p, target, tmp_path / "x", infer=False)
+    # the user insists on vLLM's reading: imported as written, the suspicion recorded
+    r = import_draft(p, target, tmp_path / "v", fmt="vllm", infer=False)
+    assert r.info["aux_indices"] == sg_default
+    assert any("SGLang ids placed at vLLM's top level" in n for n in r.info["notes"])
+    man = json.loads((tmp_path / "v" / "eyas_manifest.json").read_text())
+    assert man["import"]["readings"]["sglang ids misplaced at the top level (id + 1)"] == [2, 4, 5]
+
+
+def test_ids_impossible_for_sglang_are_read_as_input_of(tmp_path, target):
+    def vllm_ids_in_eagle_config(c):  # id 7 = output of layer 7 = stream 8: SGLang cannot capture that
+        del c["eagle_aux_hidden_state_layer_ids"]
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 7]
+    p = _foreign(tmp_path, target, [2, 4, 7], vllm_ids_in_eagle_config)
+    r = import_draft(p, target, tmp_path / "x", infer=False)
+    assert r.info["aux_indices"] == [2, 4, 7]
+    assert any("impossible in SGLang" in n for n in r.info["notes"])
+
+
+def test_disagreeing_engine_ids_are_ambiguous(tmp_path, target):
+    def same_list_twice(c):  # both engines would capture different layers
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = c["eagle_aux_hidden_state_layer_ids"]
+    p = _foreign(tmp_path, target, LAYOUT, same_list_twice)
+    with pytest.raises(ExportError, match="disagree"):
+        import_draft(p, target, tmp_path / "x", infer=False)
+
+
+def test_export_edited_afterwards_is_caught(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    res = export_draft(src, "sglang", tmp_path / "sg")
+    cfg = json.loads((res.path / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (res.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="edited after export"):
+        import_draft(res.path, target, tmp_path / "x", infer=False)
+
+
+def test_no_ids_needs_a_decision(tmp_path, target):
+    def no_ids(c):
+        del c["eagle_aux_hidden_state_layer_ids"]
+        del c["eagle_config"]
+    p = _foreign(tmp_path, target, [2, 4, 5], no_ids)
+    with pytest.raises(ExportError, match="--aux-indices"):
+        import_draft(p, target, tmp_path / "x", infer=False)
+    r = import_draft(p, target, tmp_path / "e", fmt="eagle", infer=False)  # reference code: inputs of 2, L//2, L-3
+    assert r.info["aux_indices"] == [2, 4, 5]
+    r = import_draft(p, target, tmp_path / "i", aux_indices=[2, 4, 5], infer=False)
+    assert r.info["decided_by"] == "--aux-indices"
+
+
+def test_eagle_reference_pickle_needs_consent(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, [2, 4, 5])
+    ck = load_draft(src)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    cfg = ck.model.config.hf_config(None)  # reference configs carry no ids
+    (ref / "config.json").write_text(json.dumps(cfg))
+    torch.save(ck.model.state_dict(), ref / "pytorch_model.bin")
+    with pytest.raises(ExportError, match="--allow-pickle"):
+        import_draft(ref, target, tmp_path / "x", fmt="eagle", infer=False)
+    r = import_draft(ref, target, tmp_path / "ok", fmt="eagle", allow_pickle=True, infer=False)
+    assert_same_draft(ck, r.checkpoint, target)
+
+
+# ---- shapes, vocab maps, corrupt and foreign inputs ----------------------------------------------
+
+def test_draft_for_another_target_is_refused(tmp_path, target):
+    p = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "vl").path
+    with pytest.raises(ExportError, match="another target"):
+        import_draft(p, make_target(hidden=48), tmp_path / "x", infer=False)
+    with pytest.raises(ExportError, match="vocabulary has 96"):
+        import_draft(p, make_target(vocab=96), tmp_path / "y", infer=False)
+    with pytest.raises(ValueError, match="out of range for a 4-layer target"):
+        import_draft(p, make_target(layers=4), tmp_path / "z", infer=False)
+
+
+def _edit_weights(path: Path, fn) -> None:
+    w = load_file(str(path / "model.safetensors"))
+    fn(w)
+    save_file(w, str(path / "model.safetensors"))
+
+
+def test_inconsistent_vocab_map_is_refused(tmp_path, target):
+    p = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "vl").path
+
+    def flip_t2d(w):
+        t2d = w["t2d"].clone()
+        unmarked = int((~t2d).nonzero()[0])
+        t2d[int(w["d2t"][0])] = False  # draft id 0's target id, unmarked ...
+        t2d[unmarked] = True  # ... and another marked instead: same count, wrong set
+        w["t2d"] = t2d
+    _edit_weights(p, flip_t2d)
+    with pytest.raises(FormatError, match="d2t and t2d disagree"):
+        import_draft(p, target, tmp_path / "x", infer=False)
+
+    def bad_d2t(w):
+        w["d2t"] = w["d2t"] + 1000
+        del w["t2d"]
+    _edit_weights(p, bad_d2t)
+    with pytest.raises(FormatError, match="outside the target vocabulary"):
+        import_draft(p, target, tmp_path / "y", infer=False)
+
+
+def test_unsupported_architectures_are_refused(tmp_path, target):
+    p = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "vl").path
+
+    def two_layers(w):
+        w["layers.1.self_attn.q_proj.weight"] = w["layers.0.self_attn.q_proj.weight"].clone()
+    _edit_weights(p, two_layers)
+    with pytest.raises(ExportError, match="more than one decoder layer"):
+        import_draft(p, target, tmp_path / "x", infer=False)
+
+    sp = export_draft(tmp_path / "d", "speculators", tmp_path / "sp").path
+    cfg = json.loads((sp / "config.json").read_text())
+    cfg["norm_before_residual"] = True
+    (sp / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match="norm_before_residual"):
+        import_draft(sp, target, tmp_path / "y", infer=False)
+    cfg["norm_before_residual"] = False
+    cfg["speculators_model_type"] = "eagle"
+    (sp / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match="only 'eagle3'"):
+        import_draft(sp, target, tmp_path / "z", infer=False)
+
+
+def test_corrupt_and_missing_files(tmp_path, target):
+    d = make_draft(tmp_path / "d", target, LAYOUT)
+    with pytest.raises(ExportError, match="already an eyas draft"):
+        read_folder(d)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ExportError, match="no config.json"):
+        read_folder(empty)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ExportError, match="not valid JSON"):
+        read_folder(empty)
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match="holds no weights"):
+        read_folder(empty)
+    (empty / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ExportError, match="not a readable safetensors"):
+        read_folder(empty)
+    with pytest.raises(ExportError, match="not a folder"):
+        read_folder(tmp_path / "nowhere")
+
+
+# ---- launch commands and the CLI -----------------------------------------------------------------
+
+def test_launch_params_are_consistent():
+    assert LaunchParams(3, 1).resolved().draft_tokens == 4
+    assert LaunchParams(3, 4).resolved().draft_tokens == 13
+    with pytest.raises(ExportError, match="silently force 2"):
+        LaunchParams(1, 1, 16).resolved()  # the trap from DESIGN.md: steps 1 overriding 16 draft tokens
+    with pytest.raises(ExportError, match="outside 2..37"):
+        LaunchParams(3, 4, 64).resolved()
+    with pytest.raises(ExportError, match=">= 1"):
+        LaunchParams(0, 1).resolved()
+
+
+def test_printed_launch_commands(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    sg = export_draft(src, "sglang", tmp_path / "sg", target="/models/tiny", launch=LaunchParams(5, 4, 24))
+    assert sg.launch == ("python -m sglang.launch_server --model-path /models/tiny --speculative-algorithm EAGLE3 "
+                         f"--speculative-draft-model-path {tmp_path / 'sg'} --speculative-num-steps 5 "
+                         "--speculative-eagle-topk 4 --speculative-num-draft-tokens 24")
+    vl = export_draft(src, "vllm", tmp_path / "vl", target="/models/tiny", launch=LaunchParams(5))
+    prefix = "vllm serve /models/tiny --speculative-config '"
+    assert vl.launch.startswith(prefix) and vl.launch.endswith("'")
+    assert json.loads(vl.launch[len(prefix):-1]) == {"method": "eagle3", "model": str(tmp_path / "vl"),
+                                                     "num_speculative_tokens": 5}
+
+
+def test_cli_export_and_errors(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
+                                 "--steps", "4"])
+    assert r.exit_code == 0, r.output
+    assert "--speculative-algorithm EAGLE3" in r.output and "--speculative-num-draft-tokens 5" in r.output
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids = [0, 2, 5]" in r.output
+    r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "tensorrt", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "expected one of sglang, vllm, speculators" in r.output
+    r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "sglang", "--out", str(tmp_path / "x"),
+                                 "--steps", "1", "--draft-tokens", "16"])
+    assert r.exit_code == 2 and "silently force 2" in r.output
