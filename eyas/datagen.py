@@ -1,0 +1,559 @@
+"""`eyas datagen`: conversations -> (optional) target-regenerated replies -> hidden-state shards, resumable.
+
+Rows are processed in source order, a chunk of --shard-samples conversations at a time. Each chunk is
+regenerated (batched across conversations, turn by turn), tokenized with the assistant loss mask, captured
+(batched by similar length, right padding + attention mask, real tokens sliced out) and written as shard
+file(s); then the manifest is committed with a watermark = the last source row the chunk covered. Every row
+up to the watermark is either in a committed shard or counted as skipped, so a rerun of the same command
+continues after the watermark; a shard file the manifest does not list (a kill between the shard rename and
+the manifest rename) is removed first. No sample is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import (
+    Conversation,
+    DataError,
+    Skip,
+    iter_source,
+    loop_end,
+    render,
+    resolve_source,
+    tokenize_conversation_checked,
+)
+from .layout import Layout, LayoutError, check_layouts
+from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, atomic_write_json, load_manifest, write_shard
+from .target import Target, capture, file_fingerprint, load_target, parse_dtype
+
+SHARD_GLOB = "shard-*.safetensors"
+
+
+class DatagenError(ValueError):
+    """Bad options, a refused rerun or a numeric problem; the message says what was expected and the fix."""
+
+
+@dataclass
+class DatagenConfig:
+    out: str
+    target: str = "smollm2-135m"
+    data: str = "sharegpt"
+    num: int | None = None  # first N usable conversations (None = the whole source)
+    max_len: int = 2048
+    regenerate: bool = True
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 512
+    max_turns: int | None = None  # keep at most this many assistant replies per conversation
+    repetition_limit: int = 32  # stop a regenerated reply once it repeats an n-token loop; 0 = off
+    dtype: str = "bf16"  # stored feature dtype
+    target_dtype: str = "fp32"  # dtype the target runs in
+    device: str = "cpu"
+    aux_indices: list[int] | None = None  # None = the target's EAGLE-3 default
+    shard_samples: int = 64  # conversations per chunk (and at most per shard)
+    shard_tokens: int = 65536  # a chunk's samples are split into shards of at most this many tokens
+    gen_batch: int = 32  # prompts per generate call
+    gen_tokens: int = 32768  # padded (prompt + new) tokens per generate call: bounds the KV cache
+    capture_tokens: int = 8192  # padded tokens per capture forward: bounds activation memory
+
+    def validate(self) -> None:
+        checks = [
+            (self.num is None or self.num >= 0, f"--num must be >= 0, got {self.num}"),
+            (self.max_len >= 2, f"--max-len must be >= 2, got {self.max_len}"),
+            (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.max_turns is None or self.max_turns >= 1, f"--max-turns must be >= 1, got {self.max_turns}"),
+            (self.repetition_limit >= 0, f"--repetition-limit must be >= 0 (0 = off), got {self.repetition_limit}"),
+            (self.shard_samples >= 1, f"--shard-samples must be >= 1, got {self.shard_samples}"),
+            (self.shard_tokens >= 1, f"--shard-tokens must be >= 1, got {self.shard_tokens}"),
+            (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
+            (self.capture_tokens >= 1, f"--capture-tokens must be >= 1, got {self.capture_tokens}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise DatagenError(msg)
+        for name in (self.dtype, self.target_dtype):
+            try:
+                parse_dtype(name)
+            except ValueError as e:
+                raise DatagenError(f"{e} (expected bf16, fp16 or fp32)") from e
+
+
+# config keys that define the dataset's content: a rerun into the same folder must match them
+_IDENTITY_KEYS = ("source", "source_fingerprint", "max_len", "regenerate", "max_turns", "dtype", "target_dtype")
+_REGEN_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "repetition_limit")
+
+
+def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[str, Any]:
+    return {
+        "source": source, "source_fingerprint": source_fp, "max_len": cfg.max_len, "regenerate": cfg.regenerate,
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
+        "max_turns": cfg.max_turns, "repetition_limit": cfg.repetition_limit, "dtype": cfg.dtype,
+        "target_dtype": cfg.target_dtype, "num": cfg.num, "shard_samples": cfg.shard_samples,
+        "shard_tokens": cfg.shard_tokens,
+    }
+
+
+def _source_identity(data: str) -> tuple[str, str]:
+    path = resolve_source(data)
+    return ("sharegpt" if data == "sharegpt" else str(path.resolve())), file_fingerprint([path])
+
+
+# ---- batching ----------------------------------------------------------------------------------------
+
+def length_batches(lengths: list[int], max_batch: int, token_budget: int) -> list[list[int]]:
+    """Indices grouped by similar length (ascending) so padding stays small; each batch holds at most
+    max_batch items and at most token_budget padded tokens (a single over-long item forms its own batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1 > max_batch or (len(cur) + 1) * lengths[i] > token_budget):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# ---- regeneration ------------------------------------------------------------------------------------
+
+def stop_token_ids(target: Target) -> list[int]:
+    ids: set[int] = set()
+    eos = getattr(target.model.generation_config, "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    if target.tokenizer.eos_token_id is not None:
+        ids.add(int(target.tokenizer.eos_token_id))
+    if not ids:
+        raise DatagenError("the target has no end-of-turn token (no eos_token_id in its generation config or "
+                           "tokenizer); regeneration could never stop: use --no-regenerate or fix the config")
+    return sorted(ids)
+
+
+def _loop_criteria(n: int, prompt_len: int):
+    from transformers import StoppingCriteria
+
+    class LoopStop(StoppingCriteria):
+        """Per row: stop once the last n generated tokens equal the n tokens p earlier, some p in 1..n."""
+
+        def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+            gen = input_ids[:, prompt_len:]  # [B, T]
+            T = gen.shape[1]
+            done = torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
+            for p in range(1, min(n, T - n) + 1):
+                done |= (gen[:, T - n:] == gen[:, T - n - p:T - p]).all(dim=-1)
+            return done
+
+    return LoopStop()
+
+
+@torch.no_grad()
+def generate_replies(target: Target, prompts: list[list[int]], cfg: DatagenConfig, seed: int,
+                     stop_ids: list[int]) -> list[tuple[list[int], str]]:
+    """One batched generate over left-padded prompts; per prompt the reply tokens (without the end token) and
+    why it finished: 'eos' | 'repetition' | 'length'."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    dev = target.device
+    pad = target.tokenizer.pad_token_id
+    pad = stop_ids[0] if pad is None else int(pad)
+    S = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), S), pad, dtype=torch.long)
+    am = torch.zeros((len(prompts), S), dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding: every row's next token lands in the last column
+        ids[b, S - len(p):] = torch.tensor(p)
+        am[b, S - len(p):] = 1
+    max_new = max(1, min(cfg.max_new_tokens, cfg.max_len - min(len(p) for p in prompts)))
+    sample = cfg.temperature > 0
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=sample, temperature=cfg.temperature if sample else None,
+                          top_p=cfg.top_p if sample else None, top_k=0 if sample else None,
+                          eos_token_id=stop_ids, pad_token_id=pad)
+    crit = StoppingCriteriaList([_loop_criteria(cfg.repetition_limit, S)]) if cfg.repetition_limit > 0 else None
+    torch.manual_seed(seed)  # sampling is reproducible per (run seed, chunk, turn, batch)
+    out = target.model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), generation_config=gc,
+                                stopping_criteria=crit)
+    stops = set(stop_ids)
+    results = []
+    for row in out[:, S:].tolist():
+        # the reply ends at the first end token, or where it first completes a loop, whichever comes first
+        end = next((j for j, t in enumerate(row) if t in stops), None)
+        loop = loop_end(row, cfg.repetition_limit)
+        if end is not None and (loop is None or end < loop):
+            results.append((row[:end], "eos"))
+        elif loop is not None:
+            results.append((row[:loop], "repetition"))
+        else:
+            results.append((row, "length"))
+    return results
+
+
+def limit_turns(messages: list[dict[str, str]], max_turns: int | None) -> list[dict[str, str]]:
+    """Cut a conversation after its max_turns-th assistant reply."""
+    if max_turns is None:
+        return messages
+    seen = 0
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            seen += 1
+            if seen == max_turns:
+                return messages[:i + 1]
+    return messages
+
+
+def regenerate(target: Target, convs: list[Conversation], cfg: DatagenConfig, stats: Counter,
+               on_progress: Callable[[str], None] | None = None) -> list[Conversation]:
+    """Replace every assistant reply with the target's own, given the conversation so far (its own earlier
+    replies, the original user turns). Turn by turn, batched across conversations by prompt length. A turn
+    whose prompt already fills max_len is dropped with everything after it (truncation would cut it anyway)."""
+    tok = target.tokenizer
+    stop_ids = stop_token_ids(target)
+    msgs = [[dict(m) for m in c.messages] for c in convs]
+    turns = [[i for i, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
+    cut = [len(ms) for ms in msgs]  # messages kept per conversation
+    for r in range(max((len(t) for t in turns), default=0)):
+        jobs: list[tuple[int, int, list[int]]] = []
+        for ci, t in enumerate(turns):
+            if r >= len(t) or t[r] >= cut[ci]:
+                continue
+            i = t[r]
+            prompt = tok(render(tok, msgs[ci][:i], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            if len(prompt) >= cfg.max_len:
+                cut[ci] = i
+                stats["turns_dropped_context_full"] += len(t) - r
+                continue
+            jobs.append((ci, i, prompt))
+        lens = [len(p) + min(cfg.max_new_tokens, cfg.max_len - len(p)) for _, _, p in jobs]
+        for bi, batch in enumerate(length_batches(lens, cfg.gen_batch, cfg.gen_tokens)):
+            if on_progress:
+                on_progress(f"regen turn {r + 1} batch {bi + 1}")
+            first_row = convs[jobs[batch[0]][0]].row_id
+            seed = (cfg.seed * 1_000_003 + first_row * 1_009 + r) % (2**63)
+            t0 = time.perf_counter()
+            replies = generate_replies(target, [jobs[j][2] for j in batch], cfg, seed, stop_ids)
+            stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
+            for j, (reply, why) in zip(batch, replies, strict=True):
+                ci, i, _ = jobs[j]
+                msgs[ci][i] = {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=False)}
+                stats["regenerated_replies"] += 1
+                stats["regenerated_tokens"] += len(reply)
+                stats[f"finish_{why}"] += 1
+    return [Conversation(row_id=c.row_id, messages=ms[:n], dropped_turns=c.dropped_turns)
+            for c, ms, n in zip(convs, msgs, cut, strict=True)]
+
+
+# ---- capture -----------------------------------------------------------------------------------------
+
+@dataclass
+class NormAccumulator:
+    """Running sums of per-token L2 norms per captured stream index (keys str(k) and "final")."""
+    sums: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+
+    def means(self) -> dict[str, float]:
+        return {k: round(v / max(self.tokens, 1), 4) for k, v in self.sums.items()}
+
+
+@torch.no_grad()
+def capture_samples(target: Target, items: list[tuple[int, torch.Tensor, torch.Tensor]], layout: Layout,
+                    store_dtype: torch.dtype, capture_tokens: int, norms: NormAccumulator | None = None,
+                    on_batch: Callable[[int, int], None] | None = None) -> list[Sample]:
+    """items: (row_id, input_ids [S], loss_mask [S]). Batches by similar length with right padding and an
+    attention mask (causal attention: real tokens never see the padding on their right), slices each row's
+    real tokens and returns Samples in the order of `items`, features cast to store_dtype on the CPU."""
+    dev = target.device
+    H = target.hidden_size
+    nA = layout.num_aux
+    out: list[Sample | None] = [None] * len(items)
+    for batch in length_batches([len(it[1]) for it in items], 1 << 30, capture_tokens):
+        S = max(len(items[i][1]) for i in batch)
+        ids = torch.zeros((len(batch), S), dtype=torch.long)
+        am = torch.zeros((len(batch), S), dtype=torch.long)
+        for b, i in enumerate(batch):
+            ids[b, :len(items[i][1])] = items[i][1]
+            am[b, :len(items[i][1])] = 1
+        cap = capture(target.model, ids.to(dev), layout, attention_mask=am.to(dev), logits="none")
+        real = am.to(dev).bool()  # [B, S]
+        aux, final = cap.aux[real], cap.final_prenorm[real]  # [N, nA*H], [N, H] real tokens only
+        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+            raise DatagenError(f"the target produced non-finite hidden states for rows "
+                               f"{[items[i][0] for i in batch]}; run it in fp32 (--target-dtype fp32)")
+        if norms is not None:
+            per = aux.float().view(-1, nA, H).norm(dim=-1).sum(0).tolist()  # [nA]
+            for k, v in zip(layout.aux_indices, per, strict=True):
+                norms.sums[str(k)] = norms.sums.get(str(k), 0.0) + v
+            norms.sums["final"] = norms.sums.get("final", 0.0) + final.float().norm(dim=-1).sum().item()
+            norms.tokens += aux.shape[0]
+        aux_s, final_s = aux.to(store_dtype).cpu(), final.to(store_dtype).cpu()
+        if not (torch.isfinite(aux_s).all() and torch.isfinite(final_s).all()):
+            peak = max(aux.abs().max().item(), final.abs().max().item())
+            raise DatagenError(f"features overflow the stored dtype {store_dtype} (max |x| = {peak:.0f}; the "
+                               "target has massive activations): store them with --dtype bf16 or fp32")
+        off = 0
+        for i in batch:
+            n = len(items[i][1])
+            row_id, input_ids, loss_mask = items[i]
+            out[i] = Sample(row_id=row_id, input_ids=input_ids, loss_mask=loss_mask,
+                            aux=aux_s[off:off + n], final=final_s[off:off + n])
+            off += n
+        if on_batch:
+            on_batch(len(batch), int(am.sum()))
+    return [s for s in out if s is not None]
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+def _lock(out: Path):
+    """An exclusive lock on the folder so two runs never interleave commits; released by the OS on a kill."""
+    import fcntl
+
+    f = open(out / ".datagen.lock", "a+")  # noqa: SIM115 (held for the whole run)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.close()
+        raise DatagenError(f"another `eyas datagen` is writing into {out}; wait for it or use another --out") from e
+    return f
+
+
+def _refuse_mismatch(out: Path, m: dict[str, Any], layout: Layout, target_source: str,
+                     conf: dict[str, Any]) -> None:
+    problems: list[str] = []
+    try:
+        check_layouts(Layout.from_dict(m["layout"]), layout, f"{out} (existing)", "this run")
+    except LayoutError as e:
+        problems.append(str(e))
+    old = m.get("config", {})
+    keys = _IDENTITY_KEYS + (_REGEN_KEYS if conf["regenerate"] or old.get("regenerate") else ())
+    diff = [k for k in keys if old.get(k) != conf[k]]
+    if diff:
+        problems.append("config differs: " + "; ".join(
+            f"{k}: existing {old.get(k)!r}, this run {conf[k]!r}" for k in diff))
+    if problems:
+        raise DatagenError(
+            f"refusing to add to {out}: it was made with different settings (target_source was "
+            f"{m.get('target_source')!r}, now {target_source!r}).\n" + "\n".join(problems) +
+            "\nfix: rerun with the original settings to resume, or write to a new --out folder")
+
+
+def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout,
+                   conf: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    if (out / MANIFEST).exists():
+        try:
+            m = load_manifest(out)
+        except ShardError as e:
+            raise DatagenError(f"{out} holds a {MANIFEST} that is not an eyas shard manifest ({e}); "
+                               "use another --out folder") from e
+        _refuse_mismatch(out, m, layout, cfg.target, conf)
+        m["config"]["num"] = cfg.num  # --num may grow (extends the run) or change; it does not alter content
+        m["config"]["shard_samples"], m["config"]["shard_tokens"] = cfg.shard_samples, cfg.shard_tokens
+    else:
+        layout.norms = {}
+        m = {
+            "kind": KIND, "format_version": FORMAT_VERSION, "layout": layout.to_dict(),
+            "target_source": cfg.target, "target": target.identity.to_dict(), "config": conf,
+            "shards": [], "watermark": -1, "complete": False,
+            "counts": {}, "skipped": {}, "norm_sums": {}, "norm_tokens": 0, "commands": [], "versions": _versions(),
+        }
+    listed = {s["file"] for s in m["shards"]}
+    for f in sorted(out.glob(SHARD_GLOB)):
+        if f.name not in listed:  # committed shard file, uncommitted manifest: the chunk is redone
+            log(f"removing {f.name}: written before a kill, never committed to the manifest")
+            f.unlink()
+    for f in out.glob("*.tmp-*"):
+        f.unlink()
+    return m
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from . import __version__ as eyas_version
+    return {"eyas": eyas_version, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _counts_view(m: dict[str, Any]) -> dict[str, Any]:
+    c = m["counts"]
+    secs = c.get("seconds", 0.0)
+    return {**c, "tokens_per_s": round(c.get("tokens", 0) / secs, 1) if secs else None,
+            "bytes_per_token": round(c.get("bytes", 0) / c["tokens"], 1) if c.get("tokens") else None}
+
+
+def _chunks(cfg: DatagenConfig, watermark: int, remaining: int | None) -> Iterator[tuple[list[Conversation],
+                                                                                        Counter, int, bool]]:
+    """(conversations, skipped reasons, last row id covered, source exhausted) per chunk, after the watermark."""
+    convs: list[Conversation] = []
+    skips: Counter[str] = Counter()
+    last = watermark
+    if remaining is not None and remaining <= 0:
+        return
+    for item in iter_source(cfg.data):
+        if item.row_id <= watermark:
+            continue
+        last = item.row_id
+        if isinstance(item, Skip):
+            skips[item.reason] += 1
+            continue
+        convs.append(item)
+        if remaining is not None:
+            remaining -= 1
+        if len(convs) >= cfg.shard_samples or remaining == 0:
+            yield convs, skips, last, False
+            convs, skips = [], Counter()
+            if remaining == 0:
+                return
+    yield convs, skips, last, True
+
+
+def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[str], None] = print,
+                progress: bool = True, target: Target | None = None) -> dict[str, Any]:
+    """Run (or resume) a datagen job into cfg.out; returns the final manifest (with derived rates)."""
+    cfg.validate()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)
+    try:
+        source, source_fp = _source_identity(cfg.data)
+        if target is None:
+            target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
+        try:
+            layout = target.default_layout(cfg.aux_indices)
+        except LayoutError as e:
+            raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
+        conf = _manifest_config(cfg, source, source_fp)
+        m = _open_manifest(out, cfg, target, layout, conf, log)
+        m["commands"].append(command or " ".join(sys.argv))
+        atomic_write_json(out / MANIFEST, m)
+        _run_chunks(cfg, target, layout, m, out, log, progress)
+        return {**m, "counts": _counts_view(m)}
+    finally:
+        lock.close()
+
+
+def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str, Any], out: Path,
+                log: Callable[[str], None], progress: bool) -> None:
+    from tqdm import tqdm
+
+    counts: Counter[str] = Counter(m["counts"])
+    skipped: Counter[str] = Counter(m["skipped"])
+    norms = NormAccumulator(dict(m["norm_sums"]), int(m["norm_tokens"]))
+    store_dtype = parse_dtype(cfg.dtype)
+    done_convs = counts["conversations"]
+    remaining = None if cfg.num is None else cfg.num - done_convs
+    if remaining is not None and remaining <= 0:
+        log(f"{out} already holds {done_convs} conversations (>= --num {cfg.num}); nothing to do")
+        m["complete"] = True
+        atomic_write_json(out / MANIFEST, m)
+        return
+    bar = tqdm(total=cfg.num, initial=done_convs, unit="conv", disable=not progress, dynamic_ncols=True,
+               desc="datagen", file=sys.stderr)
+    m["complete"] = False
+    run_t0, run_tokens = time.perf_counter(), 0
+
+    def postfix(phase: str) -> None:
+        dt = time.perf_counter() - run_t0
+        bar.set_postfix_str(f"{phase} | {counts['tokens']} tok | {run_tokens / max(dt, 1e-9):.0f} tok/s", refresh=True)
+
+    for convs, skips, last_row, exhausted in _chunks(cfg, int(m["watermark"]), remaining):
+        t0 = time.perf_counter()
+        stats: Counter[str] = Counter()
+        convs = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns) for c in convs]
+        if cfg.regenerate and convs:
+            convs = regenerate(target, convs, cfg, stats, on_progress=postfix)
+        loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
+        items = []
+        for c in convs:
+            try:
+                ids, mask, exact = tokenize_conversation_checked(target.tokenizer, c.messages)
+            except DataError:
+                skips["template_error"] += 1
+                continue
+            stats["mask_boundary_inexact"] += int(not exact)
+            stats["truncated"] += int(len(ids) > cfg.max_len)
+            stats["dropped_leading_assistant"] += int(c.dropped_turns > 0)
+            ids, mask = ids[:cfg.max_len], mask[:cfg.max_len]
+            if not mask.any():
+                skips["no_loss_tokens_after_truncation"] += 1
+                continue
+            items.append((c.row_id, ids, mask))
+        postfix("capture")
+
+        def on_batch(n_samples: int, n_tokens: int) -> None:
+            nonlocal run_tokens
+            run_tokens += n_tokens
+            bar.update(n_samples)
+            postfix("capture")
+
+        samples = capture_samples(target, items, layout, store_dtype, cfg.capture_tokens, norms, on_batch)
+        bar.update(len(convs) - len(samples))  # conversations skipped after loading still count as processed
+        # shards hold samples in source order, split so none exceeds shard_tokens
+        entries, group, group_tokens = [], [], 0
+        for s in sorted(samples, key=lambda s: s.row_id):
+            if group and group_tokens + len(s) > cfg.shard_tokens:
+                entries.append(write_shard(out / f"shard-{len(m['shards']) + len(entries):05d}.safetensors",
+                                           group, store_dtype))
+                group, group_tokens = [], 0
+            group.append(s)
+            group_tokens += len(s)
+        if group:
+            entries.append(write_shard(out / f"shard-{len(m['shards']) + len(entries):05d}.safetensors",
+                                       group, store_dtype))
+        # commit: every row up to last_row is now in a shard or counted as skipped
+        m["shards"].extend(entries)
+        counts.update(stats)
+        counts["rows"] += loader_rows
+        counts["conversations"] += len(convs)
+        counts["samples"] += len(samples)
+        counts["tokens"] += sum(len(s) for s in samples)
+        counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
+        counts["bytes"] += sum(e["bytes"] for e in entries)
+        counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)
+        skipped.update(skips)
+        layout.norms = norms.means()
+        m.update(watermark=last_row, counts=dict(counts), skipped=dict(skipped), norm_sums=norms.sums,
+                 norm_tokens=norms.tokens, layout=layout.to_dict(),
+                 complete=exhausted or (cfg.num is not None and counts["conversations"] >= cfg.num))
+        atomic_write_json(out / MANIFEST, m)
+    bar.close()
+    if not m["complete"]:  # the source ended exactly at a chunk boundary
+        m["complete"] = True
+        atomic_write_json(out / MANIFEST, m)
+
+
+def summary(m: dict[str, Any]) -> list[str]:
+    """End-of-run lines: samples, tokens, loss tokens, skipped by reason, bytes per token, size, tokens/s."""
+    c = _counts_view(m) if "tokens_per_s" not in m["counts"] else m["counts"]
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(m["skipped"].items(), key=lambda kv: -kv[1])) or "none"
+    size = c.get("bytes", 0)
+    lines = [
+        f"layout: stream indices {m['layout']['aux_indices']} (+ final pre-norm) of {m['target_source']} "
+        f"[{m['layout']['target']['fingerprint']}]",
+        f"samples {c.get('samples', 0)} from {c.get('conversations', 0)} conversations "
+        f"({c.get('rows', 0)} source rows read, complete: {m['complete']})",
+        f"tokens {c.get('tokens', 0)}, loss tokens {c.get('loss_tokens', 0)}, "
+        f"truncated samples {c.get('truncated', 0)}",
+        f"skipped: {skipped}",
+        f"size on disk {size / 2**20:.1f} MiB in {len(m['shards'])} shards, "
+        f"{c.get('bytes_per_token') or 0:.0f} bytes/token ({m['config']['dtype']})",
+        f"throughput {c.get('tokens_per_s') or 0:.0f} tokens/s over {c.get('seconds', 0):.0f} s of processing",
+    ]
+    if m["config"]["regenerate"]:
+        lines.append(
+            f"regenerated {c.get('regenerated_replies', 0)} replies, {c.get('regenerated_tokens', 0)} tokens "
+            f"({c.get('regenerated_tokens', 0) / max(c.get('regen_ms', 0) / 1000, 1e-9):.0f} tok/s); finished by "
+            f"eos {c.get('finish_eos', 0)}, repetition {c.get('finish_repetition', 0)}, "
+            f"length {c.get('finish_length', 0)}")
+    lines.append(f"norms (mean L2 per token): {m['layout']['norms']}")
+    return lines
+

@@ -1,0 +1,325 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eyas.cli import app
+from eyas.data import load_conversations, masked_spans, render, tokenize_conversation
+from eyas.datagen import (
+    DatagenConfig,
+    DatagenError,
+    _loop_criteria,
+    generate_replies,
+    length_batches,
+    run_datagen,
+    stop_token_ids,
+)
+from eyas.shards import MANIFEST, ShardSet, load_manifest
+from eyas.target import capture, load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def _save_tiny(path: Path, tokenizer, seed: int) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (vocab 49152), saved as a HF folder."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.generation_config = tf.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(smollm2, tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("tiny-target"), smollm2.tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dir):
+    return load_target(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def conv_file(tmp_path_factory):
+    """60 real ShareGPT conversations (short opening question, so short --max-len keeps a reply) as JSONL with
+    two bad rows mixed in (row ids 5 and 11)."""
+    convs = [c for c in load_conversations("sharegpt", num=400)[0] if len(c.messages[0]["content"]) < 200][:60]
+    assert len(convs) == 60
+    lines = [json.dumps({"conversations": [{"from": m["role"], "value": m["content"]} for m in c.messages]})
+             for c in convs]
+    lines.insert(5, json.dumps({"conversations": [{"from": "human", "value": "unanswered"}]}))
+    lines.insert(11, "{broken")
+    p = tmp_path_factory.mktemp("data") / "convs.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _cfg(out, tiny_dir, conv_file, **kw):
+    base = dict(out=str(out), target=str(tiny_dir), data=str(conv_file), max_len=96, regenerate=False,
+                dtype="fp32", shard_samples=4, max_new_tokens=6)
+    return DatagenConfig(**{**base, **kw})
+
+
+def _args(cfg: DatagenConfig) -> list[str]:
+    a = ["datagen", "--target", cfg.target, "--data", cfg.data, "--out", cfg.out, "--max-len", str(cfg.max_len),
+         "--dtype", cfg.dtype, "--shard-samples", str(cfg.shard_samples), "--max-new-tokens", str(cfg.max_new_tokens),
+         "--regenerate" if cfg.regenerate else "--no-regenerate", "--quiet"]
+    if cfg.num is not None:
+        a += ["--num", str(cfg.num)]
+    return a
+
+
+def test_length_batches():
+    lens = [5, 100, 7, 6, 90, 8]
+    b = length_batches(lens, max_batch=2, token_budget=1000)
+    assert sorted(i for x in b for i in x) == list(range(6))
+    assert b[0] == [0, 3] and all(len(x) <= 2 for x in b)
+    b = length_batches(lens, max_batch=99, token_budget=20)
+    assert all(len(x) * max(lens[i] for i in x) <= 20 or len(x) == 1 for x in b)
+
+
+def test_datagen_writes_shards_matching_an_unpadded_capture(tmp_path, tiny_dir, tiny_target, conv_file):
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=11, shard_tokens=150)
+    m = run_datagen(cfg, command="test", progress=False, log=lambda s: None)
+    assert m["kind"] == "eyas-shards" and m["complete"] and m["target_source"] == str(tiny_dir)
+    assert m["layout"]["aux_indices"] == [2, 4, 5]  # EAGLE-3 default for 8 layers
+    assert set(m["layout"]["norms"]) == {"2", "4", "5", "final"}
+    assert m["layout"]["target"]["fingerprint"] == tiny_target.identity.fingerprint
+    assert m["config"]["max_len"] == 96 and m["config"]["regenerate"] is False and m["config"]["dtype"] == "fp32"
+    assert m["skipped"] == {"no_assistant_turn": 1, "invalid_json": 1}
+    assert m["counts"]["conversations"] == 11 and m["counts"]["rows"] == 13 and m["watermark"] == 12
+    assert len(m["shards"]) > 3  # split by shard_tokens
+    ss = ShardSet(tmp_path / "out")
+    samples = list(ss.samples())
+    assert [s.row_id for s in samples] == [r for r in range(13) if r not in (5, 11)]
+    assert m["counts"]["tokens"] == sum(len(s) for s in samples) == ss.num_tokens
+    convs = {c.row_id: c for c in load_conversations(str(conv_file), num=11)[0]}
+    tok = tiny_target.tokenizer
+    for s in samples:
+        ids, mask = tokenize_conversation(tok, convs[s.row_id].messages, max_len=96)
+        assert torch.equal(s.input_ids, ids) and torch.equal(s.loss_mask, mask)
+        assert s.aux.shape == (len(s), 3 * 32) and s.final.shape == (len(s), 32) and s.aux.dtype == torch.float32
+        ref = capture(tiny_target.model, ids[None], m["layout"]["aux_indices"])  # alone, no padding
+        assert torch.allclose(s.aux, ref.aux[0], atol=1e-4) and torch.allclose(s.final, ref.final_prenorm[0], atol=1e-4)
+    expect = ref.aux[0].view(len(ids), 3, 32).norm(dim=-1).mean(0)  # sanity: norms are per-token L2 means
+    assert all(v > 0 for v in m["layout"]["norms"].values()) and expect.shape == (3,)
+
+
+def test_regeneration_is_the_targets_own_greedy_text(tmp_path, tiny_dir, tiny_target, conv_file):
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=3, regenerate=True, max_len=256, max_turns=2,
+               repetition_limit=0, max_new_tokens=5, gen_batch=2)
+    m = run_datagen(cfg, command="test", progress=False, log=lambda s: None)
+    tok, model = tiny_target.tokenizer, tiny_target.model
+    convs = load_conversations(str(conv_file), num=3)[0]
+    samples = {s.row_id: s for s in ShardSet(tmp_path / "out").samples()}
+    n_replies = sum(min(2, sum(x["role"] == "assistant" for x in c.messages)) for c in convs)
+    assert m["counts"]["regenerated_replies"] == n_replies and m["config"]["max_turns"] == 2
+    for c in convs:
+        msgs = [dict(x) for x in c.messages]
+        asst = [i for i, x in enumerate(msgs) if x["role"] == "assistant"][:2]
+        msgs = msgs[:asst[-1] + 1]
+        for i in asst:  # one conversation alone, unbatched: greedy reply given its own earlier replies
+            p = tok(render(tok, msgs[:i], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            out = model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, pad_token_id=2)[0, len(p):]
+            gen = out.tolist()
+            gen = gen[:gen.index(2)] if 2 in gen else gen
+            msgs[i] = {"role": "assistant", "content": tok.decode(gen)}
+        ids, mask = tokenize_conversation(tok, msgs, max_len=256)
+        s = samples[c.row_id]
+        assert torch.equal(s.input_ids, ids) and torch.equal(s.loss_mask, mask)
+        # the user turns are the original ones
+        text = tok.decode(s.input_ids.tolist())
+        assert all(x["content"] in text for x in msgs if x["role"] == "user")
+        assert len(masked_spans(tok, s.input_ids, s.loss_mask)) == len(asst)
+
+
+def test_repetition_stop_matches_loop_end():
+    from eyas.data import loop_end
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 5):
+        seqs = torch.randint(0, 3, (40, 30), generator=g)  # 3 symbols: loops are common
+        crit = _loop_criteria(n, prompt_len=0)
+        first = [None] * 40
+        for T in range(1, 31):
+            hit = crit(seqs[:, :T], None)
+            for b in range(40):
+                if hit[b] and first[b] is None:
+                    first[b] = T
+        assert first == [loop_end(r, n) for r in seqs.tolist()]
+
+
+def test_repetition_limit_cuts_a_looping_reply(tiny_dir):
+    t = load_target(str(tiny_dir))
+    with torch.no_grad():
+        t.model.lm_head.weight.zero_()
+        t.model.lm_head.weight[7] = 1.0  # logits: token 7 gets sum(h), every other token 0: a period-1 loop
+        t.model.model.norm.weight.fill_(1.0)
+    cfg = DatagenConfig(out="unused", max_new_tokens=40, repetition_limit=4, max_len=512)
+    p = t.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    (reply, why), = generate_replies(t, [p], cfg, seed=0, stop_ids=stop_token_ids(t))
+    assert why == "repetition" and len(reply) <= 10 and loop_end_len(reply) == len(reply)
+    cfg.repetition_limit = 0
+    (reply, why), = generate_replies(t, [p], cfg, seed=0, stop_ids=stop_token_ids(t))
+    assert why == "length" and len(reply) == 40
+
+
+def loop_end_len(reply):
+    from eyas.data import loop_end
+
+    return loop_end(reply, 4)
+
+
+def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path, tiny_dir, tiny_target, conv_file):
+    cfg = _cfg(tmp_path / "killed", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=2,
+               max_len=96, num=30)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "eyas", *_args(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifest = tmp_path / "killed" / MANIFEST
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if manifest.exists():
+            try:
+                if load_manifest(tmp_path / "killed")["shards"]:
+                    break
+            except (ValueError, KeyError):
+                pass  # being replaced right now
+        time.sleep(0.01)
+    assert proc.poll() is None, f"datagen ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = load_manifest(tmp_path / "killed")
+    assert not killed["complete"] and 1 <= len(killed["shards"])
+    # a kill between the shard rename and the manifest rename leaves a shard file the manifest does not list
+    orphan = tmp_path / "killed" / f"shard-{len(killed['shards']):05d}.safetensors"
+    orphan.write_bytes((tmp_path / "killed" / killed["shards"][0]["file"]).read_bytes())
+    res = runner.invoke(app, _args(cfg))  # the same command again
+    assert res.exit_code == 0, res.output
+    assert "never committed" in res.output
+
+    full = run_datagen(_cfg(tmp_path / "full", tiny_dir, conv_file, regenerate=True, max_new_tokens=8,
+                            shard_samples=2, max_len=96, num=30), command="test", progress=False, log=lambda s: None)
+    resumed = load_manifest(tmp_path / "killed")
+    a = list(ShardSet(tmp_path / "killed").samples())
+    b = list(ShardSet(tmp_path / "full").samples())
+    ids_a, ids_b = [s.row_id for s in a], [s.row_id for s in b]
+    assert len(ids_a) == len(set(ids_a)) and ids_a == ids_b == sorted(ids_b)
+    assert len(ids_b) == 30
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        assert torch.allclose(x.aux, y.aux, atol=1e-5)
+    for k in ("samples", "tokens", "loss_tokens", "conversations", "rows", "regenerated_tokens"):
+        assert resumed["counts"][k] == full["counts"][k], k
+    assert resumed["skipped"] == full["skipped"] and resumed["complete"]
+    assert len(resumed["commands"]) == 2
+
+
+def test_num_extends_a_run(tmp_path, tiny_dir, conv_file):
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=3)
+    run_datagen(cfg, command="a", progress=False, log=lambda s: None)
+    cfg.num = 7
+    m = run_datagen(cfg, command="b", progress=False, log=lambda s: None)
+    ids = [s.row_id for s in ShardSet(tmp_path / "out").samples()]
+    assert ids == [0, 1, 2, 3, 4, 6, 7] and m["counts"]["conversations"] == 7 and m["commands"] == ["a", "b"]
+    logs = []
+    m2 = run_datagen(cfg, command="c", progress=False, log=logs.append)
+    assert "nothing to do" in logs[0] and m2["shards"] == m["shards"]
+
+
+def test_mismatched_rerun_is_refused(tmp_path, tiny_dir, conv_file, smollm2):
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=2)
+    assert runner.invoke(app, _args(cfg)).exit_code == 0
+    for extra, field in [(["--max-len", "80"], "max_len"), (["--aux-indices", "1,2,3"], "aux_indices"),
+                         (["--regenerate"], "regenerate"), (["--dtype", "bf16"], "dtype")]:
+        res = runner.invoke(app, _args(cfg) + extra)
+        assert res.exit_code == 2, res.output
+        assert field in res.output and "refusing" in res.output, res.output
+    other = _save_tiny(tmp_path / "other", smollm2.tokenizer, seed=1)
+    res = runner.invoke(app, _args(cfg) + ["--target", str(other)])
+    assert res.exit_code == 2 and "target.fingerprint" in res.output, res.output
+    other_data = tmp_path / "other.jsonl"
+    other_data.write_text(conv_file.read_text().replace("a", "b", 1))
+    res = runner.invoke(app, _args(cfg) + ["--data", str(other_data)])
+    assert res.exit_code == 2 and "source" in res.output, res.output
+
+
+def test_cli_errors_are_clean(tmp_path, tiny_dir):
+    csv = tmp_path / "x.csv"
+    csv.write_text("a,b\n1,2\n")
+    res = runner.invoke(app, ["datagen", "--target", str(tiny_dir), "--data", str(csv), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "not a conversation file" in res.output
+    res = runner.invoke(app, ["datagen", "--target", str(tiny_dir), "--data", str(csv), "--out", str(tmp_path / "o"),
+                              "--dtype", "int8"])
+    assert res.exit_code == 2 and "int8" in res.output
+
+
+def test_inspect_reads_the_shard_folder(tmp_path, tiny_dir, conv_file):
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=2)
+    res = runner.invoke(app, _args(cfg))
+    assert res.exit_code == 0 and "bytes/token" in res.output and "skipped" in res.output
+    res = runner.invoke(app, ["inspect", str(tmp_path / "out"), "--json"])
+    info = json.loads(res.output)
+    assert info["kind"] == "eyas-shards" and info["counts"]["samples"] == 2
+
+
+def test_fp16_overflow_is_loud(tmp_path, tiny_dir, conv_file):
+    t = load_target(str(tiny_dir))
+    with torch.no_grad():
+        t.model.model.embed_tokens.weight.mul_(1e6)  # a residual stream far beyond fp16's 65504
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=2, dtype="fp16")
+    with pytest.raises(DatagenError, match="overflow"):
+        run_datagen(cfg, command="t", progress=False, log=lambda s: None, target=t)
+
+
+# ---- the real bundled target ------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_smollm2_sharegpt_layout_and_shapes(tmp_path, smollm2):
+    cfg = DatagenConfig(out=str(tmp_path / "o"), data="sharegpt", num=3, max_len=96, regenerate=False)
+    m = run_datagen(cfg, command="t", progress=False, log=lambda s: None, target=smollm2)
+    assert m["layout"]["aux_indices"] == [2, 15, 27] and m["target_source"] == "smollm2-135m"
+    assert m["layout"]["target"]["num_layers"] == 30 and m["config"]["dtype"] == "bf16"
+    norms = m["layout"]["norms"]
+    assert set(norms) == {"2", "15", "27", "final"} and norms["27"] > norms["2"]
+    samples = list(ShardSet(tmp_path / "o").samples())
+    assert [s.row_id for s in samples] == [0, 1, 2]
+    for s in samples:
+        assert len(s) == 96 and s.aux.shape == (96, 3 * 576) and s.final.shape == (96, 576)
+        assert s.aux.dtype == torch.bfloat16 and s.loss_mask.any()
+    ref = capture(smollm2.model, samples[0].input_ids[None], [2, 15, 27])
+    assert torch.allclose(samples[0].aux.float(), ref.aux[0], rtol=1e-2, atol=1e-1)
+
+
+@pytest.mark.integration
+def test_smollm2_regenerates_its_own_greedy_reply(tmp_path, smollm2):
+    cfg = DatagenConfig(out=str(tmp_path / "o"), data="sharegpt", num=2, max_len=256, max_turns=1,
+                        max_new_tokens=12, repetition_limit=0, dtype="fp32")
+    m = run_datagen(cfg, command="t", progress=False, log=lambda s: None, target=smollm2)
+    tok = smollm2.tokenizer
+    convs = load_conversations("sharegpt", num=2)[0]
+    samples = list(ShardSet(tmp_path / "o").samples())
+    assert m["counts"]["regenerated_replies"] == 2
+    for c, s in zip(convs, samples, strict=True):
+        p = tok(render(tok, c.messages[:1], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        out = smollm2.model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        out = out[:out.index(2)] if 2 in out else out
+        spans = masked_spans(tok, s.input_ids, s.loss_mask)
+        assert [x.text for x in spans] == [tok.decode(out) + "<|im_end|>"]
+    assert Counter(m["counts"])["finish_length"] + Counter(m["counts"])["finish_eos"] == 2
