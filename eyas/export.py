@@ -150,9 +150,13 @@ class ExportResult:
 
 def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path, dtype: str = "fp32",
                  target: str | None = None, launch: LaunchParams | None = None,
-                 command: str | None = None) -> ExportResult:
+                 embeddings: torch.Tensor | None = None, command: str | None = None) -> ExportResult:
     """eyas draft -> `out` in `fmt` (sglang | vllm | speculators). `target`: the model path engines should
-    load (default: the draft's recorded target, its converted HF folder for a bundled GGUF)."""
+    load (default: the draft's recorded target, its converted HF folder for a bundled GGUF).
+    `embeddings` [V, H]: the target's token embeddings, required for speculators: its loader
+    (speculators 0.9.0 + transformers 5.19) leaves a missing embed_tokens.weight uninitialised instead of
+    filling it from the verifier, and its own checkpoints always carry the table (SGLang and vLLM share the
+    target's embedding, so their exports leave it out)."""
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
     if dtype not in DTYPES:
@@ -185,6 +189,15 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
     sd = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v) for k, v in sd.items()}
     sd = to_format_names(sd, fmt)
+    if fmt == "speculators":
+        want = (cfg.vocab_size, cfg.hidden_size)
+        if embeddings is None:
+            raise ExportError("a speculators export needs the target's token embeddings (speculators leaves a "
+                              "missing embed_tokens.weight uninitialised); pass the target (eyas export --target)")
+        if tuple(embeddings.shape) != want:
+            raise ExportError(f"target embeddings {tuple(embeddings.shape)} do not fit the draft (vocab, hidden) "
+                              f"{want}: wrong target")
+        sd["embed_tokens.weight"] = embeddings.detach().cpu().to(DTYPES[dtype]).contiguous()
     launch_cmd = launch_command(fmt, serve_as, str(out), launch)
     src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
     manifest = {
@@ -213,6 +226,20 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
 
     _atomic_folder(out, write)
     return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
+
+
+def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
+    """The token embeddings [V, H] of the draft's target (`spec`, default the draft's recorded target),
+    after checking that this target is the one the draft was trained for (fingerprint included)."""
+    from .draft import check_draft_for_target
+    from .target import load_target
+
+    spec = spec or ckpt.manifest.get("target_source")
+    if not spec:
+        raise ExportError("the draft records no target_source; pass --target (the model it was trained for)")
+    t = load_target(spec)
+    check_draft_for_target(ckpt, t)
+    return t.embed_tokens().weight.detach().float().cpu()
 
 
 # ---- import --------------------------------------------------------------------------------------

@@ -60,6 +60,11 @@ def make_draft(path: Path, target: Target, aux: list[int], draft_vocab: int = 40
     return path
 
 
+def export(src: Path, fmt: str, out: Path, tgt: Target, **kw):
+    """export_draft with the target's embeddings, which the speculators format carries."""
+    return export_draft(src, fmt, out, embeddings=tgt.embed_tokens().weight, **kw)
+
+
 def draft_logits(draft: Eagle3Draft, target: Target, aux: list[int], seed: int = 0) -> torch.Tensor:
     """Step-0 draft logits on features captured from the target by the draft's layout."""
     ids = torch.randint(3, target.identity.vocab_size, (1, 12), generator=torch.Generator().manual_seed(seed))
@@ -88,7 +93,7 @@ def assert_same_draft(a, b, target: Target) -> None:
 @pytest.mark.parametrize("keep_manifest", [True, False])
 def test_round_trip_identical(tmp_path, target, fmt, keep_manifest):
     src = make_draft(tmp_path / "d", target, LAYOUT)
-    res = export_draft(src, fmt, tmp_path / fmt)
+    res = export(src, fmt, tmp_path / fmt, target)
     if not keep_manifest:  # a foreign reader sees only config.json + weights
         (res.path / "eyas_manifest.json").unlink()
     back = import_draft(res.path, target, tmp_path / "back", infer=False)
@@ -99,9 +104,9 @@ def test_round_trip_identical(tmp_path, target, fmt, keep_manifest):
 
 def test_export_writes_each_engines_convention(tmp_path, target):
     src = make_draft(tmp_path / "d", target, LAYOUT)
-    sg = export_draft(src, "sglang", tmp_path / "sg")
-    vl = export_draft(src, "vllm", tmp_path / "vl")
-    sp = export_draft(src, "speculators", tmp_path / "sp")
+    sg = export(src, "sglang", tmp_path / "sg", target)
+    vl = export(src, "vllm", tmp_path / "vl", target)
+    sp = export(src, "speculators", tmp_path / "sp", target)
     # SGLang reads eagle_config only, output-of: stream k = id + 1
     assert sg.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
     # vLLM reads the top level first, input-of: id = stream index
@@ -122,6 +127,17 @@ def test_export_writes_each_engines_convention(tmp_path, target):
     assert "layers.0.self_attn.q_proj.weight" in w_vl and not any(k.startswith("midlayer.") for k in w_vl)
     assert w_sg["d2t"].dtype == torch.int64 and w_sg["t2d"].dtype == torch.bool
     assert torch.equal(w_sg["d2t"], w_vl["d2t"])
+    # speculators carries the target's embedding table (its loader would leave it uninitialised otherwise)
+    w_sp = load_file(str(sp.path / "model.safetensors"))
+    assert torch.equal(w_sp["embed_tokens.weight"], target.embed_tokens().weight)
+    assert "embed_tokens.weight" not in w_sg and "embed_tokens.weight" not in w_vl
+    back = import_draft(sp.path, target, tmp_path / "back", infer=False)
+    assert back.info["dropped_target_owned"] == ["embed_tokens.weight"]
+    assert any("max |diff| 0" in n for n in back.info["notes"])
+    with pytest.raises(ExportError, match="needs the target's token embeddings"):
+        export_draft(src, "speculators", tmp_path / "sp2")
+    with pytest.raises(ExportError, match="wrong target"):
+        export_draft(src, "speculators", tmp_path / "sp2", embeddings=torch.zeros(96, 32))
     man = json.loads((sg.path / "eyas_manifest.json").read_text())
     assert man["kind"] == "eyas-export" and man["format"] == "sglang"
     assert man["layout"]["aux_indices"] == LAYOUT
@@ -130,7 +146,7 @@ def test_export_writes_each_engines_convention(tmp_path, target):
 
 def test_bf16_export_round_trip(tmp_path, target):
     src = make_draft(tmp_path / "d", target, LAYOUT)
-    res = export_draft(src, "vllm", tmp_path / "vl", dtype="bf16")
+    res = export(src, "vllm", tmp_path / "vl", target, dtype="bf16")
     w = load_file(str(res.path / "model.safetensors"))
     assert w["fc.weight"].dtype == torch.bfloat16 and w["d2t"].dtype == torch.int64
     assert res.config["torch_dtype"] == "bfloat16"
@@ -144,14 +160,14 @@ def test_bf16_export_round_trip(tmp_path, target):
 def test_sglang_refuses_the_embedding_vllm_expresses_it(tmp_path, target):
     src = make_draft(tmp_path / "d", target, [0, 3, 8])  # embedding + final pre-norm state
     with pytest.raises(ExportError, match=r"embedding \(stream 0\)"):
-        export_draft(src, "sglang", tmp_path / "sg")
+        export(src, "sglang", tmp_path / "sg", target)
     assert not (tmp_path / "sg").exists()
-    vl = export_draft(src, "vllm", tmp_path / "vl")
+    vl = export(src, "vllm", tmp_path / "vl", target)
     assert vl.config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 8]
     assert "eagle_aux_hidden_state_layer_ids" not in vl.config["eagle_config"]  # SGLang cannot say it
     back = import_draft(vl.path, target, tmp_path / "back", infer=False)
     assert_same_draft(load_draft(src), back.checkpoint, target)
-    sp = export_draft(src, "speculators", tmp_path / "sp")
+    sp = export(src, "speculators", tmp_path / "sp", target)
     assert sp.config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 8]
 
 
@@ -159,8 +175,8 @@ def test_three_aux_engines_refuse_other_counts(tmp_path, target):
     src = make_draft(tmp_path / "d", target, [2, 6])
     for fmt in ("sglang", "vllm"):
         with pytest.raises(ExportError, match="exactly 3"):
-            export_draft(src, fmt, tmp_path / fmt)
-    sp = export_draft(src, "speculators", tmp_path / "sp")
+            export(src, fmt, tmp_path / fmt, target)
+    sp = export(src, "speculators", tmp_path / "sp", target)
     back = import_draft(sp.path, target, tmp_path / "back", infer=False)
     assert_same_draft(load_draft(src), back.checkpoint, target)
 
@@ -170,7 +186,7 @@ def test_three_aux_engines_refuse_other_counts(tmp_path, target):
 def _foreign(tmp_path: Path, target: Target, aux: list[int], edit) -> Path:
     """An SGLang export with the eyas manifest removed and its config edited: a foreign folder."""
     src = make_draft(tmp_path / "d", target, aux)
-    res = export_draft(src, "sglang", tmp_path / "foreign")
+    res = export(src, "sglang", tmp_path / "foreign", target)
     (res.path / "eyas_manifest.json").unlink()
     cfg = json.loads((res.path / "config.json").read_text())
     edit(cfg)
@@ -230,7 +246,7 @@ def test_disagreeing_engine_ids_are_ambiguous(tmp_path, target):
 
 def test_export_edited_afterwards_is_caught(tmp_path, target):
     src = make_draft(tmp_path / "d", target, LAYOUT)
-    res = export_draft(src, "sglang", tmp_path / "sg")
+    res = export(src, "sglang", tmp_path / "sg", target)
     cfg = json.loads((res.path / "config.json").read_text())
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]
     del cfg["eagle_aux_hidden_state_layer_ids"]
@@ -314,7 +330,7 @@ def test_unsupported_architectures_are_refused(tmp_path, target):
     with pytest.raises(ExportError, match="more than one decoder layer"):
         import_draft(p, target, tmp_path / "x", infer=False)
 
-    sp = export_draft(tmp_path / "d", "speculators", tmp_path / "sp").path
+    sp = export(tmp_path / "d", "speculators", tmp_path / "sp", target).path
     cfg = json.loads((sp / "config.json").read_text())
     cfg["norm_before_residual"] = True
     (sp / "config.json").write_text(json.dumps(cfg))
@@ -363,11 +379,11 @@ def test_launch_params_are_consistent():
 
 def test_printed_launch_commands(tmp_path, target):
     src = make_draft(tmp_path / "d", target, LAYOUT)
-    sg = export_draft(src, "sglang", tmp_path / "sg", target="/models/tiny", launch=LaunchParams(5, 4, 24))
+    sg = export(src, "sglang", tmp_path / "sg", target, target="/models/tiny", launch=LaunchParams(5, 4, 24))
     assert sg.launch == ("python -m sglang.launch_server --model-path /models/tiny --speculative-algorithm EAGLE3 "
                          f"--speculative-draft-model-path {tmp_path / 'sg'} --speculative-num-steps 5 "
                          "--speculative-eagle-topk 4 --speculative-num-draft-tokens 24")
-    vl = export_draft(src, "vllm", tmp_path / "vl", target="/models/tiny", launch=LaunchParams(5))
+    vl = export(src, "vllm", tmp_path / "vl", target, target="/models/tiny", launch=LaunchParams(5))
     prefix = "vllm serve /models/tiny --speculative-config '"
     assert vl.launch.startswith(prefix) and vl.launch.endswith("'")
     assert json.loads(vl.launch[len(prefix):-1]) == {"method": "eagle3", "model": str(tmp_path / "vl"),
