@@ -402,3 +402,36 @@ def test_cli_export_and_errors(tmp_path, target):
     r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "sglang", "--out", str(tmp_path / "x"),
                                  "--steps", "1", "--draft-tokens", "16"])
     assert r.exit_code == 2 and "silently force 2" in r.output
+
+
+# ---- the real bundled target, through the CLI ----------------------------------------------------
+
+@pytest.mark.integration
+def test_cli_round_trip_on_smollm2(tmp_path, smollm2):
+    """SmolLM2-135M (L = 30): every format through `eyas export` and back through `eyas import`."""
+    aux = [3, 16, 28]  # not the default [2, 15, 27]
+    cfg = DraftConfig.from_target_config(smollm2.config, draft_vocab_size=512)
+    torch.manual_seed(0)
+    d = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+    d.set_vocab_map(torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:512].sort().values)
+    src = save_draft(tmp_path / "d", d, smollm2.default_layout(aux), extra={"target_source": "smollm2-135m"})
+    orig = load_draft(src)
+    want = {"sglang": ("eagle_config", [2, 15, 27]), "vllm": ("top", aux), "speculators": ("top", aux)}
+    for fmt, (where, ids) in want.items():
+        out = tmp_path / fmt
+        r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", fmt, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        c = json.loads((out / "config.json").read_text())
+        got = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if where == "eagle_config" \
+            else c["eagle_aux_hidden_state_layer_ids"]
+        assert got == ids
+        assert str(smollm2.path) in r.output  # engines are pointed at the converted HF folder, not the GGUF name
+        back_dir = tmp_path / f"{fmt}-in"
+        r = CliRunner().invoke(app, ["import", str(out), "--target", "smollm2-135m", "--out", str(back_dir),
+                                     "--no-infer"])
+        assert r.exit_code == 0, r.output
+        back = load_draft(back_dir)
+        assert_same_draft(orig, back, smollm2)
