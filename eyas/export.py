@@ -78,6 +78,24 @@ def _atomic_folder(out: Path, write) -> Path:
     return out
 
 
+def check_out(out: Path, kind: str, source: Path | None) -> None:
+    """Refuse an --out that writing would destroy: the source itself, a folder around or inside it, or an
+    existing folder that is not an earlier output of the same kind (it is replaced as a whole)."""
+    o = out.resolve()
+    if source is not None:
+        s = Path(source).resolve()
+        if o == s or s in o.parents or o in s.parents:
+            raise ExportError(f"--out {out} overlaps the source {source}; write to a separate folder")
+    if out.exists():
+        if not out.is_dir():
+            raise ExportError(f"--out {out} exists and is not a folder")
+        man = out / MANIFEST
+        found = json.loads(man.read_text()).get("kind") if man.exists() else None
+        if any(out.iterdir()) and found != kind:
+            raise ExportError(f"--out {out} already exists and is not an earlier {kind} output (it would be "
+                              "replaced as a whole); choose a new folder or delete it first")
+
+
 # ---- launch commands -----------------------------------------------------------------------------
 
 @dataclass
@@ -179,6 +197,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     recorded = target or ckpt.manifest.get("target_source") or layout.target.name or "TARGET"
     serve_as = serving_target(str(recorded))
     out = Path(out)
+    check_out(out, "eyas-export", ckpt.path)
     if fmt == "sglang":
         config = sglang_config(cfg, layout, dtype)
     elif fmt == "vllm":
@@ -350,6 +369,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
         raise ExportError(f"--ids-convention {ids_convention!r}: expected one of {', '.join(ID_CONVENTIONS)}")
     ident = target.identity
     L, Ht, V = ident.num_layers, ident.hidden_size, ident.vocab_size
+    check_out(Path(out), "eyas-draft", Path(src))
     foreign = read_folder(src, allow_pickle)
     warnings: list[str] = []
     notes: list[str] = []

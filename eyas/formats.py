@@ -447,6 +447,9 @@ def draft_config_from(config: dict[str, Any], sd: dict[str, torch.Tensor], n_aux
         raise FormatError(f"draft_vocab_size {cfg_vd} in the config but lm_head.weight has {vd} rows")
     if "vocab_size" not in c:
         raise FormatError("config has no vocab_size (the target vocabulary)")
+    if c.get("tie_word_embeddings"):
+        notes.append("tie_word_embeddings is true: SGLang would serve this draft with lm_head = the embedding table "
+                     "(llama_eagle3.py), ignoring the trained lm_head.weight that eyas imports")
     if fc_out != H:
         raise FormatError(f"fc.weight outputs {fc_out}, hidden_size is {H}")
     return DraftConfig(

@@ -364,6 +364,24 @@ def test_corrupt_and_missing_files(tmp_path, target):
         read_folder(tmp_path / "nowhere")
 
 
+def test_out_folder_is_never_clobbered(tmp_path, target):
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    with pytest.raises(ExportError, match="overlaps the source"):
+        export(src, "vllm", src, target)
+    with pytest.raises(ExportError, match="overlaps the source"):
+        export(src, "vllm", src / "sub", target)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not an earlier eyas-export"):
+        export(src, "vllm", precious, target)
+    vl = export(src, "vllm", tmp_path / "vl", target)
+    export(src, "vllm", vl.path, target)  # re-exporting over an earlier export is fine
+    with pytest.raises(ExportError, match="not an earlier eyas-draft"):
+        import_draft(vl.path, target, precious, infer=False)
+    assert (precious / "notes.txt").read_text() == "keep me" and load_draft(src).layout.aux_indices == LAYOUT
+
+
 # ---- launch commands and the CLI -----------------------------------------------------------------
 
 def test_launch_params_are_consistent():
