@@ -185,6 +185,17 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     if layout.target is None:
         raise ExportError("the draft's layout has no target identity; its ids cannot be translated")
     L = layout.target.num_layers
+    aux = list(layout.aux_indices)
+    if len(set(aux)) != len(aux):
+        raise ExportError(f"the layout {aux} repeats a stream index: SGLang, vLLM and speculators capture each layer "
+                          "once per forward (`if i in layers_to_capture` inside the layer loop), so fc would get fewer "
+                          "states than it takes. Retrain with distinct --aux-indices")
+    # engines concatenate the captured states in ascending layer order, whatever order the ids are listed in;
+    # an eyas layout in another order is exported with fc's input blocks permuted to match (exact)
+    order = sorted(range(len(aux)), key=aux.__getitem__)
+    if order != list(range(len(aux))):
+        layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
+                        target=layout.target, norms=dict(layout.norms))
     try:
         ids = to_engine_ids(layout.aux_indices, fmt, L)
     except LayoutError as e:
@@ -194,7 +205,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
                           "EAGLE-3 draft builds fc over exactly 3 (sglang/srt/models/llama_eagle3.py, vllm/"
                           "model_executor/models/llama_eagle3.py). Export --format speculators, whose fc takes "
                           "len(ids) states, or retrain with 3 aux indices")
-    recorded = target or ckpt.manifest.get("target_source") or layout.target.name or "TARGET"
+    recorded = target or recorded_target(ckpt) or layout.target.name or "TARGET"
     serve_as = serving_target(str(recorded))
     out = Path(out)
     check_out(out, "eyas-export", ckpt.path)
@@ -206,6 +217,9 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         config = speculators_config(cfg, layout, dtype, verifier=serve_as, verifier_architecture=layout.target.
                                     architecture, speculative_tokens=launch.steps)
     sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
+    if order != list(range(len(aux))):
+        W = sd["fc.weight"]  # [H, n_aux * Ht], column blocks in eyas layout order
+        sd["fc.weight"] = W.view(W.shape[0], len(aux), -1)[:, order].reshape(W.shape).contiguous()
     sd = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v) for k, v in sd.items()}
     sd = to_format_names(sd, fmt)
     if fmt == "speculators":
@@ -217,7 +231,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
             raise ExportError(f"target embeddings {tuple(embeddings.shape)} do not fit the draft (vocab, hidden) "
                               f"{want}: wrong target")
         sd["embed_tokens.weight"] = embeddings.detach().cpu().to(DTYPES[dtype]).contiguous()
-    launch_cmd = launch_command(fmt, serve_as, str(out), launch)
+    launch_cmd = launch_command(fmt, serve_as, str(out.resolve()), launch)
     src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
     manifest = {
         "kind": "eyas-export",
@@ -230,7 +244,8 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         "dtype": dtype,
         "source_draft": str(ckpt.path) if ckpt.path else None,
         "source_manifest_sha256": _sha256(src_manifest) if src_manifest and src_manifest.exists() else None,
-        "target_source": ckpt.manifest.get("target_source"),
+        "target_source": recorded_target(ckpt),
+        "source_layout_order": aux if order != list(range(len(aux))) else None,  # fc blocks permuted from this
         "serving_target": serve_as,
         "launch": {"command": launch_cmd, "steps": launch.steps, "topk": launch.topk,
                    "draft_tokens": launch.draft_tokens},
@@ -247,13 +262,20 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
 
 
+def recorded_target(ckpt: DraftCheckpoint) -> str | None:
+    """The target spec a draft was made with: datagen/import write target_source, the trainer target.source."""
+    m = ckpt.manifest
+    t = m.get("target") if isinstance(m.get("target"), dict) else {}
+    return m.get("target_source") or t.get("source")
+
+
 def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
     """The token embeddings [V, H] of the draft's target (`spec`, default the draft's recorded target),
     after checking that this target is the one the draft was trained for (fingerprint included)."""
     from .draft import check_draft_for_target
     from .target import load_target
 
-    spec = spec or ckpt.manifest.get("target_source")
+    spec = spec or recorded_target(ckpt)
     if not spec:
         raise ExportError("the draft records no target_source; pass --target (the model it was trained for)")
     t = load_target(spec)
@@ -494,6 +516,13 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     if readings.ambiguous and inference is None and decided_by and not decided_by.startswith("--"):
         warnings.append(f"the ids were ambiguous; using {decided_by} because you passed --format {fmt}")
 
+    if len(set(stream)) != len(stream):
+        raise ExportError(f"the layout {stream} repeats a stream index: engines capture each layer once per forward, "
+                          f"so they would feed fc fewer than the {n_aux} states it takes; the config's ids are wrong")
+    if stream != sorted(stream):
+        notes.append(f"ids listed as stream {stream}: engines concatenate captured states in ascending layer order, "
+                     f"so fc's input blocks are read as stream {sorted(stream)}")
+        stream = sorted(stream)
     layout = Layout(aux_indices=stream, target=ident)
     info = {
         "source": str(src),

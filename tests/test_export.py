@@ -171,6 +171,27 @@ def test_sglang_refuses_the_embedding_vllm_expresses_it(tmp_path, target):
     assert sp.config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 8]
 
 
+def test_unsorted_layout_exports_in_engine_order(tmp_path, target):
+    """Engines concatenate captured states in ascending layer order; an eyas layout listed otherwise is
+    exported with fc's input blocks permuted, and imports back as the same function."""
+    src = make_draft(tmp_path / "d", target, [6, 1, 3])
+    orig = load_draft(src)
+    for fmt in ("sglang", "vllm", "speculators"):
+        res = export(src, fmt, tmp_path / fmt, target)
+        assert res.manifest["layout"]["aux_indices"] == [1, 3, 6]
+        assert res.manifest["source_layout_order"] == [6, 1, 3]
+        back = import_draft(res.path, target, tmp_path / f"{fmt}-in", infer=False).checkpoint
+        assert back.layout.aux_indices == [1, 3, 6]
+        W, Wb = orig.model.fc.weight, back.model.fc.weight  # [H, 3 * 32]
+        assert torch.equal(Wb, torch.cat([W[:, 32:64], W[:, 64:96], W[:, :32]], dim=1))
+        a = draft_logits(orig.model, target, [6, 1, 3])
+        b = draft_logits(back.model, target, [1, 3, 6])
+        assert torch.allclose(a, b, atol=1e-5) and torch.equal(a.argmax(-1), b.argmax(-1))
+    dup = make_draft(tmp_path / "dup", target, [2, 2, 1])  # what default_aux_indices(4) gives a 4-layer target
+    with pytest.raises(ExportError, match="repeats a stream index"):
+        export(dup, "vllm", tmp_path / "dup-vl", target)
+
+
 def test_three_aux_engines_refuse_other_counts(tmp_path, target):
     src = make_draft(tmp_path / "d", target, [2, 6])
     for fmt in ("sglang", "vllm"):
