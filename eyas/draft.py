@@ -112,6 +112,11 @@ class DraftConfig:
                                                                       layout.target.num_layers),
                     "use_aux_hidden_state": True,
                 }
+                # vLLM reads top-level ids first (input-of = stream indices); without them some vLLM builds
+                # use the eagle_config ids as-is (off by one) and others the target default. Written only
+                # next to eagle_config: SGLang builds that read top-level ids add +1 when eagle_config is absent.
+                out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm",
+                                                                        layout.target.num_layers)
             except LayoutError:
                 pass  # not expressible in SGLang; the eyas manifest still holds the truth
         return out
