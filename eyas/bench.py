@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -109,6 +110,8 @@ class BenchConfig:
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "methods",
                "steps", "depth", "topk", "tokens", "lookup_tokens")
+SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "sweep_limit",
+                     "grid")
 
 
 # ---- draft ---------------------------------------------------------------------------------------
@@ -365,7 +368,9 @@ def environment(target: Target) -> dict[str, Any]:
     dev = target.device
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "threads": torch.get_num_threads(), "device": str(dev),
-           "dtype": str(target.dtype).replace("torch.", ""), "cpu": _cpu_name()}
+           "dtype": str(target.dtype).replace("torch.", ""), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+           # other work on the machine skews tok/s: the load when the results were written says how much
+           "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
     try:
@@ -428,11 +433,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def render(results: dict[str, Any]) -> None:
+def _console():
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
+    if not con.is_terminal:  # piped or logged: do not squeeze the tables into 80 columns
+        con.width = 150
+    return con
+
+
+def render(results: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    con = _console()
     summ = results["summary"]["methods"]
     ref = results["reference"]
     draft = results.get("draft") or {}
@@ -519,10 +532,11 @@ def _load_rows(path: Path, methods: list[str]) -> list[dict[str, Any]]:
     return [r for r in rows if r["prompt"] in done]
 
 
-def _prepare_out(cfg: BenchConfig, out: Path, target: Target) -> list[dict[str, Any]]:
-    """Create `out`, or continue it with --resume; returns the rows already done."""
+def _prepare_out(cfg: BenchConfig, out: Path, target: Target, keys: tuple[str, ...] = RESUME_KEYS,
+                 methods: list[str] | None = None) -> list[dict[str, Any]]:
+    """Create `out`, or continue it with --resume; returns the rows already done (whole prompts only)."""
     rows_path, cfg_path = out / "rows.jsonl", out / "config.json"
-    me = {**{k: cfg.to_dict()[k] for k in RESUME_KEYS}, "target_fingerprint": target.identity.fingerprint}
+    me = {**{k: cfg.to_dict()[k] for k in keys}, "target_fingerprint": target.identity.fingerprint}
     if rows_path.exists() and rows_path.stat().st_size > 0:
         if not cfg.resume:
             raise BenchError(f"{out} already holds rows of a bench run; pass --resume to continue it, or another --out")
@@ -531,7 +545,7 @@ def _prepare_out(cfg: BenchConfig, out: Path, target: Target) -> list[dict[str, 
         if diff:
             raise BenchError(f"--resume {out}: the run there used other settings ({'; '.join(diff)}); "
                              "rerun with the same settings or choose another --out")
-        rows = _load_rows(rows_path, cfg.methods)
+        rows = _load_rows(rows_path, methods or cfg.methods)
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop partial prompts
         return rows
     out.mkdir(parents=True, exist_ok=True)
@@ -540,21 +554,49 @@ def _prepare_out(cfg: BenchConfig, out: Path, target: Target) -> list[dict[str, 
     return []
 
 
+def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[str, Callable[..., Output]],
+               reference: str | None, max_new_tokens: int, rows_path: Path, done: set[str],
+               progress: bool, what: str) -> list[dict[str, Any]]:
+    """Prompt by prompt, every runner on the prompt (the order rotates by one per prompt), lossless marks
+    against `reference`; each prompt's rows are appended to rows_path in one write (resume unit)."""
+    from rich.progress import Progress
+
+    names = list(runners)
+    rows: list[dict[str, Any]] = []
+    todo = [i for i, p in enumerate(prompts) if p.id not in done]
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(what, total=len(todo) * len(names))
+        for n, i in enumerate(todo):
+            p = prompts[i]
+            prow = {}
+            for m in names[n % len(names):] + names[:n % len(names)]:
+                bar.update(task, description=f"{what} {p.id} {m}")
+                prow[m] = make_row(p, m, runners[m](ids[i], max_new_tokens))
+                bar.advance(task)
+            prow_list = [prow[m] for m in names]
+            mark_lossless(prow_list, reference)
+            with open(rows_path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in prow_list))
+                f.flush()
+                os.fsync(f.fileno())
+            rows += prow_list
+    return rows
+
+
 def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
               progress: bool = True, show: bool = True) -> dict[str, Any]:
     """Run the side-by-side benchmark; writes results.json, rows.jsonl and bench.png into cfg.out."""
-    from rich.progress import Progress
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
     target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)
     end_ids = stop_ids(target)
-    answer = greedy_answer(target, end_ids, cfg.max_new_tokens) if cfg.turn == 2 else None
-    prompts = load_prompts(cfg.bench, cfg.limit, cfg.turn, answer)
+    if prompts is None:
+        prompts = load_prompts(cfg.bench, cfg.limit, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
     ids = prompt_ids(target, prompts)
     out = Path(cfg.out) if cfg.out else default_out()
     done_rows = _prepare_out(cfg, out, target)
@@ -564,27 +606,12 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
 
     for run in runners.values():  # warm-up: allocations, lazy init, kernel selection
         run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
-    rows = list(done_rows)
-    todo = [i for i, p in enumerate(prompts) if p.id not in done]
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("bench", total=len(todo) * len(runners))
-        for n, i in enumerate(todo):
-            p = prompts[i]
-            order = cfg.methods[n % len(cfg.methods):] + cfg.methods[:n % len(cfg.methods)]
-            prow = {}
-            for m in order:
-                bar.update(task, description=f"{p.id} {m}")
-                prow[m] = make_row(p, m, runners[m](ids[i], cfg.max_new_tokens))
-                bar.advance(task)
-            prow_list = [prow[m] for m in cfg.methods]
-            mark_lossless(prow_list, reference)
-            with open(out / "rows.jsonl", "a") as f:  # one write per prompt: resume skips whole prompts
-                f.write("".join(json.dumps(r) + "\n" for r in prow_list))
-                f.flush()
-                os.fsync(f.fileno())
-            rows += prow_list
+    rows = done_rows + interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl", done,
+                                  progress, "bench")
+    rows.sort(key=lambda r: ([p.id for p in prompts].index(r["prompt"]), cfg.methods.index(r["method"])))
     results = {
-        "kind": "eyas-bench", "format_version": 1, "out": str(out), "config": cfg.to_dict(),
+        "kind": "eyas-bench", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
+        "config": cfg.to_dict(),
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
         "draft": draft_summary(draft, cfg.draft), "stop_ids": end_ids, "reference": reference,
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
@@ -648,10 +675,9 @@ def plot_sweep(results: dict[str, Any], path: Path, top: int = 25) -> None:
 
 
 def render_sweep(results: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = _console()
     title = f"eyas bench --sweep: {results['num_prompts']} prompts, {results['config']['max_new_tokens']} new tokens"
     if (results.get("draft") or {}).get("untrained"):
         title += " [red](UNTRAINED draft)[/red]"
@@ -672,6 +698,9 @@ def render_sweep(results: dict[str, Any]) -> None:
         con.print(f"[bold]fastest: {best['label']}[/bold] {best['tok_s']:.1f} tok/s "
                   f"({_fmt(best['speedup_vs_plain'], '.2f', 'x')} vs plain, tau {_fmt(best['tau'])})")
         con.print(f"use it: {best['command']}")
+        if not best["lossless"]:
+            con.print("[red]no setting reproduced plain greedy on every prompt (expected in fp32; in bf16 batched "
+                      "verification can round differently): check the '= plain' column[/red]")
     con.print(f"results: {results['out']}")
 
 
@@ -679,21 +708,19 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
               progress: bool = True, show: bool = True) -> dict[str, Any]:
     """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
     write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
-    from rich.progress import Progress
-
     from .engine import Engine, EngineError, SpecParams
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
+    prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
     target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     draft = draft or resolve_draft(cfg.draft, target)
     end_ids = stop_ids(target)
-    answer = greedy_answer(target, end_ids, cfg.max_new_tokens) if cfg.turn == 2 else None
-    n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
-    prompts = load_prompts(cfg.bench, n, cfg.turn, answer)
+    if prompts is None:
+        prompts = load_prompts(cfg.bench, n, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
     ids = prompt_ids(target, prompts)
     out = Path(cfg.out) if cfg.out else default_out("sweep")
-    out.mkdir(parents=True, exist_ok=True)
 
     settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
     runners: dict[str, Callable[..., Output]] = {}
@@ -709,32 +736,25 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
             continue
         runners[label] = run
     labels = list(runners)
-    rows: list[dict[str, Any]] = []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("sweep", total=len(prompts) * len(labels))
-        for i, p in enumerate(prompts):
-            order = labels[i % len(labels):] + labels[:i % len(labels)]
-            prow = {}
-            for lab in order:
-                bar.update(task, description=f"{p.id} {lab}")
-                prow[lab] = make_row(p, lab, runners[lab](ids[i], cfg.max_new_tokens))
-                bar.advance(task)
-            prow_list = [prow[lab] for lab in labels]
-            mark_lossless(prow_list, "plain")
-            rows += prow_list
+    done_rows = _prepare_out(cfg, out, target, SWEEP_RESUME_KEYS, labels)
+    rows = done_rows + interleave(prompts, ids, runners, "plain", cfg.max_new_tokens, out / "rows.jsonl",
+                                  {r["prompt"] for r in done_rows}, progress, "sweep")
     summ = summarize(rows, labels)["methods"]
     by_label = {setting_label(s): s for s in settings}
     table = [{**by_label[lab], "label": lab, **{k: v for k, v in summ[lab].items() if k != "speedup_vs_hf"}}
              for lab in labels]
     spec_rows = [r for r in table if r["method"] != "plain"]
-    best = max(spec_rows, key=lambda r: r["tok_s"]) if spec_rows else None
+    # the fastest setting whose outputs all equal plain greedy; only if none does, the fastest at all
+    lossless = [r for r in spec_rows if r["identical"] == r["compared"]]
+    best = max(lossless or spec_rows, key=lambda r: r["tok_s"]) if spec_rows else None
     if best:
         flags = setting_flags(best)
-        best = {**best, "command": f"eyas bench --bench {cfg.bench} --methods {best['method']} {flags} "
-                                   f"--draft {cfg.draft} --dtype {cfg.dtype} --device {cfg.device}  "
-                                   f"(eyas generate: {flags})"}
+        best = {**best, "lossless": bool(lossless),
+                "command": f"eyas bench --bench {cfg.bench} --methods {best['method']} {flags} --draft {cfg.draft} "
+                           f"--dtype {cfg.dtype} --device {cfg.device}  (eyas generate: {flags})"}
     results = {
-        "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "config": cfg.to_dict(),
+        "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
+        "config": cfg.to_dict(),
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
         "draft": draft_summary(draft, cfg.draft), "num_prompts": len(prompts), "prompts": [p.id for p in prompts],
         "settings": table, "refused": refused, "best": best, "rows": rows,

@@ -201,3 +201,30 @@ def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path)
     assert all(r["identical"] == r["compared"] == 1 for r in res["settings"] if r["method"] != "plain")
     assert res["best"]["method"] != "plain" and res["best"]["command"].startswith("eyas bench")
     assert (tmp_path / "sw" / "sweep.png").exists() and (tmp_path / "sw" / "sweep.json").exists()
+
+
+def test_mtbench_turn2_uses_target_answer(tiny_dir, tiny_target, tmp_path):
+    from eyas.bench import run_bench
+
+    cfg = BenchConfig(bench="mt-bench", limit=1, turn=2, max_new_tokens=4, methods=["hf-greedy", "plain"],
+                      target=str(tiny_dir / "target"), out=str(tmp_path / "t2"))
+    res = run_bench(cfg, target=tiny_target, progress=False, show=False)
+    msgs = res["prompts"][0]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"] and msgs[1]["content"]
+    assert res["summary"]["methods"]["hf-greedy"]["compared"] == 1
+    assert res["draft"] is None  # no speculative method: no draft needed
+
+
+def test_cli_errors_are_clean(tmp_path):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "--methods", "plain,medusa"])
+    assert r.exit_code == 2 and "choose from" in r.output and "Traceback" not in r.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{oops\n')
+    r = CliRunner().invoke(app, ["bench", "--bench", str(bad), "--target", "/nonexistent-target"])
+    assert r.exit_code == 2 and "line 2 is not valid JSON" in r.output  # prompts are checked before any load
+    r = CliRunner().invoke(app, ["bench", "--bench", "humaneval", "--target", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "not a bundled name" in r.output
