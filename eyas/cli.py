@@ -237,6 +237,55 @@ def datagen(
         typer.echo(line)
 
 
+@app.command()
+def train(
+    data: list[str] = typer.Option(..., "--data", help="shard folder(s); with --online a conversation source"),
+    out: str = typer.Option(..., "--out", help="output folder: OUT/draft, OUT/checkpoint, metrics, curves"),
+    target: str = typer.Option(None, "--target", help="default: the shards' target_source (online: smollm2-135m)"),
+    online: bool = typer.Option(False, "--online", help="capture features on the fly from conversations"),
+    num_samples: int = typer.Option(None, "--num-samples", help="online: conversations to read"),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="draft vocabulary size (clamped to the target's)"),
+    ttt_steps: int = typer.Option(7, "--ttt-steps"),
+    epochs: float = typer.Option(1.0, "--epochs"),
+    max_steps: int = typer.Option(None, "--max-steps", help="overrides --epochs"),
+    lr: float = typer.Option(1e-4, "--lr"),
+    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    grad_clip: float = typer.Option(0.5, "--grad-clip"),
+    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="padded tokens per global batch"),
+    max_len: int = typer.Option(2048, "--max-len", help="samples are cut to this many tokens"),
+    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast for the draft (CPU and CUDA)"),
+    seed: int = typer.Option(0, "--seed"),
+    eval_every: int = typer.Option(200, "--eval-every"),
+    save_every: int = typer.Option(500, "--save-every"),
+    heldout_pct: float = typer.Option(5.0, "--heldout-pct"),
+    eval_samples: int = typer.Option(256, "--eval-samples", help="held-out samples per eval (0 = all)"),
+    intermediate_size: int = typer.Option(None, "--intermediate-size", help="draft MLP width (default: target's)"),
+    fc_init: str = typer.Option("scaled", "--fc-init", help="scaled (by the layout's stream norms) | default"),
+    resume: bool = typer.Option(False, "--resume", help="continue from OUT/checkpoint"),
+    device: str = DeviceOpt,
+    dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
+    from .train import TrainConfig
+    from .train import train as run_train
+
+    if online and target is None:
+        target = "smollm2-135m"
+    cfg = TrainConfig(data=data, out=out, target=target, online=online, num_samples=num_samples,
+                      draft_vocab=draft_vocab, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                      warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
+                      batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
+                      save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
+                      intermediate_size=intermediate_size, fc_init=fc_init, resume=resume, device=device,
+                      target_dtype=dtype, quiet=quiet)
+    try:
+        run_train(cfg)
+    except ValueError as e:
+        fail(str(e))
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,108 @@
+"""Draft vocabulary: the most frequent target tokens at assistant (loss-mask) positions of the training data.
+
+Computed from the data of every run (never read from a cache), always includes the end-of-turn/EOS
+tokens (a draft that cannot propose the stop token never accepts the end of a reply), and recorded in the
+checkpoint by hash with the hash of the dataset it was counted on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# end-of-turn markers of common chat templates; whichever exist in a tokenizer are kept in the draft vocab
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<eos>")
+
+
+class VocabError(ValueError):
+    pass
+
+
+@dataclass
+class DraftVocab:
+    ids: torch.Tensor  # [Vd] long, target ids sorted ascending
+    target_vocab_size: int
+    coverage: float  # fraction of counted assistant tokens whose id is in the draft vocab
+    counted_tokens: int
+    always: list[int]  # ids forced in (EOS / end of turn)
+    source_hash: str  # identity of the data the counts came from
+    requested_size: int
+
+    @property
+    def size(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def hash(self) -> str:
+        return vocab_hash(self.ids)
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {"size": self.size, "requested_size": self.requested_size, "hash": self.hash,
+                "source_dataset_hash": self.source_hash, "coverage": round(self.coverage, 6),
+                "counted_tokens": self.counted_tokens, "always_included": self.always,
+                "target_vocab_size": self.target_vocab_size}
+
+
+def vocab_hash(ids: torch.Tensor) -> str:
+    return "sha256:" + hashlib.sha256(ids.long().cpu().numpy().tobytes()).hexdigest()[:24]
+
+
+def end_token_ids(tokenizer: Any) -> list[int]:
+    """EOS plus any known end-of-turn token the tokenizer has (SmolLM2: <|im_end|> = 2)."""
+    if tokenizer is None:
+        return []
+    out = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        out.add(eos)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    out.update(vocab[t] for t in END_TOKENS if t in vocab)
+    return sorted(out)
+
+
+def count_tokens(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
+    """(input_ids [S], loss_mask [S]) pairs -> counts [V] long of tokens at loss-mask positions."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in batches:
+        sel = ids.reshape(-1)[mask.reshape(-1).bool()].long()
+        if sel.numel() and (sel.min() < 0 or sel.max() >= vocab_size):
+            raise VocabError(f"token id {int(sel.max())} is outside the target vocab 0..{vocab_size - 1}: "
+                             "the data was tokenized for another target")
+        counts += torch.bincount(sel, minlength=vocab_size)
+    return counts
+
+
+def select_draft_vocab(counts: torch.Tensor, size: int, always: list[int] | None = None,
+                       source_hash: str = "") -> DraftVocab:
+    """The `size` most frequent ids (ties by lower id, deterministic), `always` forced in; size is
+    clamped to the target vocab."""
+    V = counts.numel()
+    always = sorted({int(a) for a in (always or [])})
+    bad = [a for a in always if not 0 <= a < V]
+    if bad:
+        raise VocabError(f"forced draft-vocab ids {bad} are outside the target vocab 0..{V - 1}")
+    requested = int(size)
+    if requested < 1:
+        raise VocabError(f"--draft-vocab must be >= 1, got {requested}")
+    n = min(requested, V)
+    if n < len(always):
+        raise VocabError(f"--draft-vocab {n} cannot hold the {len(always)} end-of-turn ids {always}; raise it")
+    total = int(counts.sum())
+    if total == 0:
+        raise VocabError("no assistant (loss-mask) tokens in the training data: cannot choose a draft vocab; "
+                         "check the data's loss masks (datagen marks assistant replies)")
+    # stable sort by -count keeps lower ids first among ties
+    order = torch.sort(-counts, stable=True).indices
+    keep = set(always)
+    for i in order.tolist():
+        if len(keep) >= n:
+            break
+        keep.add(i)
+    ids = torch.tensor(sorted(keep), dtype=torch.long)
+    coverage = float(counts[ids].sum()) / total
+    return DraftVocab(ids=ids, target_vocab_size=V, coverage=coverage, counted_tokens=total, always=always,
+                      source_hash=source_hash, requested_size=requested)

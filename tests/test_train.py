@@ -1,0 +1,287 @@
+"""`eyas train` on a tiny random target and its own greedy generations (seconds per test), plus one online
+integration run on the bundled SmolLM2 target."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.draft import load_draft
+from eyas.layout import LayoutError
+from eyas.shards import KIND, MANIFEST, Sample, ShardSet, atomic_write_json, write_shard
+from eyas.target import capture, load_target, stream_norms
+from eyas.train import Item, TrainConfig, TrainError, lr_at, plan_epoch, train
+from eyas.vocab import VocabError, count_tokens, select_draft_vocab, vocab_hash
+from tests.tiny import tiny_model
+
+V = 96
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_tiny_target(folder: Path, seed: int = 0):
+    """A tiny llama saved as a real HF folder (safetensors + a word-level tokenizer), loaded by eyas."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    m = tiny_model("llama", seed=seed, vocab=V, hidden=32, layers=4)
+    with torch.no_grad():  # random init predicts near-uniformly; a trained LM is confident
+        m.lm_head.weight.mul_(40.0)
+    m.save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0").save_pretrained(folder)
+    return load_target(str(folder))
+
+
+@torch.no_grad()
+def make_shards(target, folder: Path, n: int = 90, gen: int = 40, seed: int = 0) -> list[Sample]:
+    """Greedy generations of the tiny target from random prompts, captured with eyas.target.capture;
+    loss mask on the generated tokens; two shards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    m = target.model
+    g = torch.Generator().manual_seed(seed)
+    layout = target.default_layout()
+    samples: list[Sample] = []
+    for plen in (4, 6, 9):  # three lengths: batches get padded
+        ids = torch.randint(2, V, (n // 3, plen), generator=g)
+        for _ in range(gen):
+            ids = torch.cat([ids, m(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        cap = capture(m, ids, layout)
+        for i in range(ids.shape[0]):
+            mask = torch.zeros(ids.shape[1], dtype=torch.bool)
+            mask[plen:] = True
+            samples.append(Sample(row_id=len(samples), input_ids=ids[i], loss_mask=mask, aux=cap.aux[i],
+                                  final=cap.final_prenorm[i]))
+    layout.norms = stream_norms(m, [s.input_ids[None] for s in samples[:8]], layout.aux_indices)
+    half = len(samples) // 2
+    entries = [write_shard(folder / "shard-00000.safetensors", samples[:half], dtype=torch.float32),
+               write_shard(folder / "shard-00001.safetensors", samples[half:], dtype=torch.float32)]
+    atomic_write_json(folder / MANIFEST, {"kind": KIND, "format_version": 1, "layout": layout.to_dict(),
+                                          "target_source": str(target.path), "config": {"source": "tiny-greedy"},
+                                          "shards": entries, "counts": {}, "commands": []})
+    return samples
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_target(root / "target")
+    make_shards(target, root / "shards")
+    return root, target
+
+
+def _cfg(root: Path, out: str, **kw) -> TrainConfig:
+    base = dict(data=[str(root / "shards")], out=str(root / out), draft_vocab=64, ttt_steps=3, lr=3e-3,
+                batch_tokens=512, max_len=64, heldout_pct=20, eval_every=1000, save_every=1000, quiet=True)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ---- vocab and planning ---------------------------------------------------------------------------
+
+def test_draft_vocab_selection():
+    ids = torch.tensor([5, 5, 5, 3, 3, 9, 7, 7, 7, 7])
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 1, 0]).bool()  # the last 7 is not an assistant token
+    counts = count_tokens([(ids, mask)], 12)
+    assert counts[5] == 3 and counts[7] == 3 and counts[3] == 2 and counts.sum() == 9
+    v = select_draft_vocab(counts, 3, always=[1], source_hash="sha256:abc")
+    # top-2 by count (5 and 7 tie at 3: both in), plus the forced end-of-turn id 1
+    assert v.ids.tolist() == [1, 5, 7] and v.always == [1]
+    assert v.coverage == pytest.approx(6 / 9) and v.counted_tokens == 9
+    assert v.to_manifest()["hash"] == vocab_hash(torch.tensor([1, 5, 7]))
+    assert v.to_manifest()["source_dataset_hash"] == "sha256:abc"
+    big = select_draft_vocab(counts, 100)  # clamped to the target vocab
+    assert big.size == 12 and big.coverage == 1.0
+    with pytest.raises(VocabError, match="end-of-turn"):
+        select_draft_vocab(counts, 1, always=[1, 2])
+    with pytest.raises(VocabError, match="no assistant"):
+        select_draft_vocab(torch.zeros(12, dtype=torch.long), 4)
+    with pytest.raises(VocabError, match="outside the target vocab"):
+        count_tokens([(torch.tensor([50]), torch.tensor([True]))], 12)
+
+
+def test_plan_epoch_is_deterministic_and_respects_the_budget():
+    items = [Item(key=(i % 3, i), length=5 + (i * 7) % 40, row_id=i) for i in range(100)]
+    groups = [(0, 100), (1, 100), (2, 100)]
+    a = plan_epoch(items, groups, seed=1, epoch=0, batch_tokens=128, max_len=32, buffer_bytes=150)
+    assert a == plan_epoch(items, groups, seed=1, epoch=0, batch_tokens=128, max_len=32, buffer_bytes=150)
+    assert a != plan_epoch(items, groups, seed=1, epoch=1, batch_tokens=128, max_len=32, buffer_bytes=150)
+    assert sorted(i for b in a for i in b) == list(range(100))  # every sample once
+    for b in a:
+        assert len(b) * max(min(items[i].length, 32) for i in b) <= 128
+        assert len({items[i].key[0] for i in b}) == 1  # a window of one shard (buffer holds one)
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(data=[], out="", lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.0)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False)) and lrs[-1] < 0.01
+
+
+# ---- training -------------------------------------------------------------------------------------
+
+def test_training_lifts_heldout_accuracy_far_above_chance(world):
+    root, target = world
+    before = train(_cfg(root, "before", max_steps=1, lr=1e-9), target=target).final_metrics
+    res = train(_cfg(root, "learn", max_steps=240, eval_every=120), target=target)
+    m = res.final_metrics
+    # chance is 1/64 (draft vocab); the unigram "always the most frequent token" baseline is ~6%
+    assert before["heldout_acc"][0] < 0.15
+    assert m["heldout_acc"][0] > 0.4, m
+    assert m["heldout_acc"][2] > 0.3, m  # the unrolled steps learn too
+    assert m["heldout_loss"][0] < before["heldout_loss"][0] - 0.5
+    assert res.losses[-1] < res.losses[0]
+    out = root / "learn"
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [120, 240]
+    for key in ("tokens_seen", "train_loss", "heldout_loss", "heldout_acc", "tokens_per_s"):
+        assert key in evals[-1]
+    assert (out / "curves.png").stat().st_size > 1000
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 240
+
+
+def test_checkpoint_round_trip_and_manifest(world):
+    root, target = world
+    res = train(_cfg(root, "ckpt", max_steps=6, eval_every=3), target=target)
+    out = root / "ckpt"
+    ck = load_draft(out / "draft")
+    mem = res.draft.state_dict()
+    disk = ck.model.state_dict()
+    assert set(mem) == set(disk) and all(torch.equal(mem[k].cpu(), disk[k]) for k in mem)
+    man = ck.manifest
+    shards = ShardSet(root / "shards")
+    assert man["layout"] == shards.layout.to_dict()
+    assert man["data"]["hash"] == shards.hash()
+    assert man["draft_vocab"]["hash"] == vocab_hash(ck.model.target_token_ids())
+    assert man["draft_vocab"]["source_dataset_hash"] == shards.hash()
+    assert 1 in ck.model.target_token_ids().tolist()  # EOS of the tiny tokenizer is always in
+    assert man["target"]["fingerprint"] == target.identity.fingerprint
+    assert man["training"]["ttt_steps"] == 3 and man["step"] == 6
+    assert len(man["metrics"]["heldout_acc"]) == 3 and "command" in man and man["training_time_s"] > 0
+    cfg = json.loads((out / "draft" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 64 and cfg["target_hidden_size"] == 32 and "rope_theta" in cfg
+    # the same draft runs the same: logits from the loaded checkpoint equal the in-memory ones
+    ck.model.set_embeddings(target.embed_tokens().weight)
+    h = torch.randn(1, 5, 32)
+    ids = torch.randint(0, V, (1, 5))
+    pos = torch.arange(5)[None]
+    a = res.draft.logits(res.draft(h, ids, pos)[0])
+    b = ck.model.logits(ck.model(h, ids, pos)[0])
+    assert torch.equal(a, b)
+    # the resumable checkpoint holds the same weights plus optimizer/RNG state, no pickle anywhere
+    sd = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(sd[k], disk[k]) for k in disk)
+    assert (out / "checkpoint" / "optimizer.safetensors").exists()
+    assert not list(out.rglob("*.pt")) and not list(out.rglob("*.bin"))
+
+
+def test_refusals(world, tmp_path):
+    root, target = world
+    # another target (same shape, other weights): the fingerprint differs
+    other = make_tiny_target(tmp_path / "other", seed=1)
+    with pytest.raises(LayoutError, match="fingerprint"):
+        train(_cfg(root, "x", max_steps=1), target=other)
+    # an existing checkpoint is never overwritten silently
+    train(_cfg(root, "once", max_steps=2), target=target)
+    with pytest.raises(TrainError, match="--resume"):
+        train(_cfg(root, "once", max_steps=2), target=target)
+    # resume with another trajectory setting, or with other data (another vocab/data hash)
+    with pytest.raises(TrainError, match="--lr"):
+        train(_cfg(root, "once", max_steps=4, lr=1e-2, resume=True), target=target)
+    make_shards(target, tmp_path / "other_shards", n=30, seed=5)
+    with pytest.raises(TrainError, match="data hash"):
+        train(_cfg(root, "once", max_steps=4, resume=True, data=[str(tmp_path / "other_shards")]), target=target)
+    # shards of two different targets cannot be mixed
+    make_shards(other, tmp_path / "other_target_shards", n=9)
+    with pytest.raises(LayoutError, match="fingerprint"):
+        train(_cfg(root, "mix", max_steps=1, data=[str(root / "shards"), str(tmp_path / "other_target_shards")]),
+              target=target)
+
+
+def test_cli_reports_bad_input_cleanly(tmp_path):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    r = CliRunner().invoke(app, ["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "no manifest.json" in r.output
+
+
+def _cli(root: Path, out: str, *extra: str, env: dict | None = None, launcher: list[str] | None = None):
+    cmd = (launcher or [sys.executable, "-m", "eyas"]) + [
+        "train", "--data", str(root / "shards"), "--out", str(root / out), "--draft-vocab", "64", "--ttt-steps", "3",
+        "--lr", "3e-3", "--batch-tokens", "512", "--max-len", "64", "--heldout-pct", "20", "--quiet", *extra]
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_resume_after_sigkill_gives_the_same_run(world):
+    root, _ = world
+    args = ("--max-steps", "10", "--save-every", "4", "--eval-every", "5")
+    r = _cli(root, "straight", *args)
+    assert r.returncode == 0, r.stderr
+    r = _cli(root, "killed", *args, env={"EYAS_TRAIN_KILL_AT_STEP": "6"})
+    assert r.returncode == -9, (r.returncode, r.stderr)  # really SIGKILLed after step 6 (last save: step 4)
+    state = json.loads((root / "killed" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4
+    r = _cli(root, "killed", *args, "--resume")
+    assert r.returncode == 0, r.stderr
+    straight, resumed = _losses(root / "straight"), _losses(root / "killed")
+    assert len(straight) == 10 and resumed == straight  # identical loss sequence, bit for bit
+    a = load_file(str(root / "straight" / "draft" / "model.safetensors"))
+    b = load_file(str(root / "killed" / "draft" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    evals = [json.loads(x)["step"] for x in (root / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert evals == [5, 10]
+
+
+def test_two_processes_match_one(world):
+    root, _ = world
+    args = ("--max-steps", "5", "--eval-every", "5")
+    r1 = _cli(root, "one", *args)
+    assert r1.returncode == 0, r1.stderr
+    tr = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas"]
+    r2 = _cli(root, "two", *args, launcher=tr)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    a = load_file(str(root / "one" / "draft" / "model.safetensors"))
+    b = load_file(str(root / "two" / "draft" / "model.safetensors"))
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=2e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+    la, lb = _losses(root / "one"), _losses(root / "two")
+    assert la == pytest.approx(lb, rel=1e-5)
+    m = json.loads((root / "two" / "draft" / "eyas_manifest.json").read_text())
+    assert m["world_size"] == 2
+    ea = json.loads((root / "one" / "metrics.jsonl").read_text())
+    eb = json.loads((root / "two" / "metrics.jsonl").read_text())
+    assert ea["heldout_rows"] == eb["heldout_rows"]  # eval split over ranks covers the same rows
+    assert ea["heldout_acc"] == pytest.approx(eb["heldout_acc"], abs=1e-6)
+
+
+@pytest.mark.integration
+def test_online_training_on_smollm2(smollm2, tmp_path):
+    pytest.importorskip("eyas.data")
+    convs = [{"conversations": [{"from": "human", "value": f"Count from {i} to {i + 5}."},
+                                {"from": "gpt", "value": ", ".join(str(i + k) for k in range(6)) + "."}]}
+             for i in range(12)]
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = TrainConfig(data=[str(src)], out=str(tmp_path / "o"), online=True, target="smollm2-135m",
+                      draft_vocab=256, ttt_steps=2, max_steps=3, batch_tokens=512, max_len=128, heldout_pct=30,
+                      quiet=True)
+    res = train(cfg, target=smollm2)
+    man = load_draft(tmp_path / "o" / "draft").manifest
+    assert man["data"]["kind"] == "online" and man["layout"]["aux_indices"] == [2, 15, 27]
+    assert 2 in res.draft.target_token_ids().tolist()  # <|im_end|> always in the draft vocab
+    assert res.vocab.coverage == 1.0  # 256 ids cover this tiny data entirely
+    assert len(res.final_metrics["heldout_acc"]) == 2 and res.final_metrics["heldout_rows"][0] > 0
