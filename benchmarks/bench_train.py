@@ -1,0 +1,159 @@
+"""Training throughput and draft cost, measured side by side in one run.
+
+1. Training tokens/s (real, unpadded tokens per second of optimizer steps) on captured shards of the bundled
+   target, fp32 vs bf16 autocast, same batches, same draft init.
+2. The draft's forward cost per decoding step as a fraction of one target forward (both: one new token over a
+   KV cache of --context tokens, fp32), with the --draft-vocab head and with the full target vocab.
+
+    python benchmarks/bench_train.py --data SHARDS [--steps 6] [--out bench_train.json]
+
+Prints ratios measured in one run; the goal is a draft step <= 10% of a target step with an 8k draft vocab.
+Speed numbers depend on the machine's load: compare within one run, never across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.layout import check_layouts
+from eyas.target import load_target
+from eyas.train import ShardSource, TrainConfig, init_draft, plan_epoch
+from eyas.ttt import ttt_forward
+from eyas.vocab import count_tokens, end_token_ids, select_draft_vocab
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def train_throughput(source, target, vocab, batches, ttt_steps: int, bf16: bool, steps: int) -> dict:
+    """Tokens/s over `steps` optimizer steps after one warm-up step (same batches for every mode)."""
+    layout = source.layout
+    dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux)
+    emb = target.embed_tokens().weight.detach().float()
+    draft = init_draft(dcfg, layout, vocab, emb, 0, "scaled")
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
+    norm, head = target.final_norm(), target.lm_head()
+    times, tokens = [], []
+    for i, b in enumerate(batches[:steps + 1]):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            o = ttt_forward(draft, b.aux, b.final, b.input_ids, b.loss_mask, norm, head, ttt_steps)
+        o.loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        if i:  # the first step warms up allocators and kernels
+            times.append(time.perf_counter() - t0)
+            tokens.append(b.tokens)
+    return {"tokens_per_s": sum(tokens) / sum(times), "step_s_median": statistics.median(times),
+            "steps": len(times), "tokens": sum(tokens)}
+
+
+@torch.no_grad()
+def decode_costs(target, draft_vocab: int, context: int, reps: int) -> dict:
+    """Median seconds of one target forward (1 token, cache of `context`) vs one draft step (1 token, draft
+    cache of `context`) with a `draft_vocab` head and with the full vocab."""
+    from transformers import DynamicCache
+
+    V, H = target.identity.vocab_size, target.hidden_size
+    ids = torch.randint(10, V, (1, context))
+    cache = DynamicCache()
+    target.model(input_ids=ids, past_key_values=cache, use_cache=True)
+    nxt = torch.randint(10, V, (1, 1))
+    pos = torch.tensor([[context]])
+
+    def t_target():
+        target.model(input_ids=nxt, past_key_values=cache, use_cache=True, position_ids=pos)
+        cache.crop(context)
+
+    out = {"context": context}
+    timings = {"target": _median(t_target, reps)}
+    emb = target.embed_tokens().weight.detach().float()
+    for name, vd in (("draft", min(draft_vocab, V)), ("draft_full_vocab", V)):
+        cfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vd)
+        d = Eagle3Draft(cfg).eval()
+        d.set_vocab_map(torch.arange(vd))
+        d.set_embeddings(emb)
+        kv = (torch.randn(1, cfg.num_key_value_heads, context, cfg.head_dim),
+              torch.randn(1, cfg.num_key_value_heads, context, cfg.head_dim))
+        h = torch.randn(1, 1, H)
+        mask = torch.ones(1, 1, 1, context + 1, dtype=torch.bool)
+
+        def t_draft(d=d, kv=kv, h=h, mask=mask):
+            o, _ = d(h, nxt, pos, past_kv=kv, mask=mask)
+            d.logits(o).argmax(-1)
+
+        timings[name] = _median(t_draft, reps)
+    out.update({f"{k}_ms": round(v * 1e3, 3) for k, v in timings.items()})
+    out["draft_fraction"] = round(timings["draft"] / timings["target"], 4)
+    out["draft_full_vocab_fraction"] = round(timings["draft_full_vocab"] / timings["target"], 4)
+    return out
+
+
+def _median(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default="/tmp/eyas-dg200", help="shard folder of the bundled target (eyas datagen)")
+    ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per mode")
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=256, help="KV cache length for the decode-step costs")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="bench_train.json")
+    a = ap.parse_args()
+    if not Path(a.data, "manifest.json").exists():
+        raise SystemExit(f"{a.data} is not a shard folder; make one with e.g. `eyas datagen --data sharegpt --num 60 "
+                         f"--max-len 512 --no-regenerate --out {a.data}`")
+    torch.manual_seed(0)
+    source = ShardSource([a.data], heldout_pct=0.0, buffer_mb=4096)
+    target = load_target(source.set.manifests[0].get("target_source") or "smollm2-135m")
+    check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards", "the target")
+    counts = count_tokens(source.token_pairs(source.train), target.identity.vocab_size)
+    vocab = select_draft_vocab(counts, a.draft_vocab, end_token_ids(target.tokenizer), source.hash())
+    cfg = TrainConfig(data=[a.data], out="", batch_tokens=a.batch_tokens, max_len=a.max_len)
+    plan = plan_epoch(source.train, source.groups(), 0, 0, cfg.batch_tokens, cfg.max_len, 1 << 62)
+    batches = [source.batch([source.train[i] for i in b], torch.device("cpu"), cfg.max_len)
+               for b in plan[:a.steps + 1]]
+    res = {"data": a.data, "threads": torch.get_num_threads(), "load_avg_start": load_avg(),
+           "ttt_steps": a.ttt_steps, "draft_vocab": vocab.size, "coverage": vocab.coverage,
+           "batch_tokens": a.batch_tokens}
+    res["fp32"] = train_throughput(source, target, vocab, batches, a.ttt_steps, False, a.steps)
+    res["bf16"] = train_throughput(source, target, vocab, batches, a.ttt_steps, True, a.steps)
+    res["bf16_speedup"] = round(res["bf16"]["tokens_per_s"] / res["fp32"]["tokens_per_s"], 3)
+    res["decode"] = decode_costs(target, a.draft_vocab, a.context, a.reps)
+    res["load_avg_end"] = load_avg()
+    Path(a.out).write_text(json.dumps(res, indent=2))
+    d = res["decode"]
+    print(f"training tokens/s (TTT {a.ttt_steps}, draft vocab {vocab.size}, batch {a.batch_tokens} tokens): "
+          f"fp32 {res['fp32']['tokens_per_s']:.0f}, bf16 autocast {res['bf16']['tokens_per_s']:.0f} "
+          f"(x{res['bf16_speedup']:.2f})")
+    print(f"decode step over {d['context']} cached tokens: target {d['target_ms']:.2f} ms, draft "
+          f"{d['draft_ms']:.2f} ms = {d['draft_fraction']:.1%} of a target step (goal <= 10%); full-vocab draft "
+          f"{d['draft_full_vocab_ms']:.2f} ms = {d['draft_full_vocab_fraction']:.1%}")
+    print(f"load average {res['load_avg_start']:.1f} -> {res['load_avg_end']:.1f} (other work skews absolute "
+          f"numbers; ratios are measured in this one run) -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
