@@ -225,6 +225,8 @@ def _strip_end(ids: list[int], end_ids: list[int]) -> tuple[list[int], str | Non
 def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = None) -> Callable[..., Output]:
     """HF `generate` greedy, or prompt-lookup decoding when lookup_tokens is set. Target forwards are
     counted with a forward pre-hook (each verification of a lookup candidate is one forward)."""
+    from transformers import GenerationConfig
+
     model = target.model
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else end_ids[0]
 
@@ -234,6 +236,10 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
         calls = [0]
         hook = model.register_forward_pre_hook(lambda mod, args: calls.__setitem__(0, calls[0] + 1))
         kw: dict[str, Any] = {"prompt_lookup_num_tokens": lookup_tokens} if lookup_tokens else {}
+        # a model's generation_config (repetition penalty, no-repeat n-grams, ...) is merged into every
+        # generate call, even one given its own config: swap in a neutral one so this is pure argmax
+        saved = model.generation_config
+        model.generation_config = GenerationConfig()
         try:
             _sync(target.device)
             t0 = time.perf_counter()
@@ -244,6 +250,7 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
             dt = time.perf_counter() - t0
         finally:
             hook.remove()
+            model.generation_config = saved
         ids, finish = _strip_end(out[0, len(input_ids):].tolist(), end_ids)
         return Output(ids, dt, calls[0], finish or "length")
 

@@ -93,6 +93,14 @@ def test_hf_runner_counts_forwards(tiny_target):
     assert rows[0]["tau"] == 1.0
     mark_lossless(rows, "hf-greedy")
     assert rows[0]["same_as_ref"] is None and isinstance(rows[1]["same_as_ref"], bool)
+    # the model's own generation defaults must not leak into "greedy"
+    gc = tiny_target.model.generation_config
+    gc.repetition_penalty, gc.no_repeat_ngram_size = 5.0, 1
+    try:
+        assert hf_runner(tiny_target, [2])(ids, 12).token_ids == greedy.token_ids
+    finally:
+        gc.repetition_penalty, gc.no_repeat_ngram_size = 1.0, 0
+    assert tiny_target.model.generation_config is gc
 
 
 def test_summary_pools_stats_and_speedups():
