@@ -45,7 +45,7 @@ from .formats import (
     to_format_names,
     vllm_config,
 )
-from .layout import Layout, LayoutError, from_engine_ids, to_engine_ids
+from .layout import Layout, LayoutError, engine_ids_table, from_engine_ids, to_engine_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "model.safetensors"
@@ -197,7 +197,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
                         target=layout.target, norms=dict(layout.norms))
     try:
-        ids = to_engine_ids(layout.aux_indices, fmt, L)
+        to_engine_ids(layout.aux_indices, fmt, L)  # refuses what the engine cannot express, with why
     except LayoutError as e:
         raise ExportError(f"cannot export to {fmt}: {e}") from e
     if fmt in ("sglang", "vllm") and layout.num_aux != 3:
@@ -238,7 +238,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         "format_version": 1,
         "format": fmt,
         "layout": layout.to_dict(),
-        "engine_ids": {fmt: ids},
+        "engine_ids": engine_ids_table(layout.aux_indices, L),  # the same layout in every convention
         "ids_in_config": read_ids(config).to_dict(),
         "draft_config": cfg.to_dict(),
         "dtype": dtype,

@@ -144,6 +144,82 @@ def test_export_writes_each_engines_convention(tmp_path, target):
     assert man["source_manifest_sha256"].startswith("sha256:") and man["launch"]["command"] == sg.launch
 
 
+def sglang_captures(cfg: dict, L: int) -> list[int]:
+    """Stream indices SGLang's target captures for a draft config (facts, not SGLang code):
+    python/sglang/srt/model_executor/model_runner.py reads eagle_config["eagle_aux_hidden_state_layer_ids"]
+    (None on any error); python/sglang/srt/models/llama.py set_eagle3_layers_to_capture: None ->
+    [2, L//2, L-3], else [x + 1 for x in ids], captured entering layer i (= stream i), in layer order."""
+    try:
+        ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    except (KeyError, TypeError):
+        ids = None
+    want = [2, L // 2, L - 3] if ids is None else [x + 1 for x in ids]
+    return [i for i in range(L) if i in want]
+
+
+def vllm_captures(cfg: dict, L: int) -> list[int]:
+    """vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config: top-level ids, else
+    eagle_config's as-is, else the model default (2, L//2, L-3); interfaces.py EagleModelMixin captures the
+    state entering layer idx (idx = L after the last layer), in layer order."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
+    return [i for i in range(L + 1) if i in ids]
+
+
+# parameter names of each engine's draft module after its load_weights renames (stacked q/k/v and gate/up)
+SGLANG_PARAMS = {  # python/sglang/srt/models/llama_eagle3.py LlamaForCausalLMEagle3.load_weights: "model." prefix
+    "model.fc.weight", "model.midlayer.self_attn.qkv_proj.weight", "model.midlayer.self_attn.o_proj.weight",
+    "model.midlayer.mlp.gate_up_proj.weight", "model.midlayer.mlp.down_proj.weight", "model.norm.weight",
+    "model.midlayer.input_layernorm.weight", "model.midlayer.hidden_norm.weight", "lm_head.weight",
+    "model.midlayer.post_attention_layernorm.weight"}
+VLLM_PARAMS = {  # vllm/model_executor/models/llama_eagle3.py: midlayer. -> layers.0., "model." unless lm_head
+    "model.fc.weight", "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight",
+    "model.layers.0.input_layernorm.weight", "model.layers.0.hidden_norm.weight", "lm_head.weight",
+    "model.layers.0.post_attention_layernorm.weight"}
+STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+           (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+
+
+def engine_param_names(keys, engine: str) -> set[str]:
+    out = set()
+    for k in keys:
+        if k in ("d2t", "t2d"):  # d2t -> hot_token_id / draft_id_to_target_id, t2d skipped by both
+            continue
+        if engine == "vllm":
+            k = k.replace("midlayer.", "layers.0.")
+        for a, b in STACKED:
+            k = k.replace(a, b)
+        out.add(k if k.startswith("lm_head") else "model." + k)
+    return out
+
+
+@pytest.mark.parametrize("aux", [LAYOUT, [2, 4, 5], [0, 3, 8]])
+def test_engines_read_the_exported_layout(tmp_path, target, aux):
+    src = make_draft(tmp_path / "d", target, aux)
+    vl = export(src, "vllm", tmp_path / "vl", target)
+    assert vllm_captures(vl.config, L) == aux
+    w = load_file(str(vl.path / "model.safetensors"))
+    assert engine_param_names(w, "vllm") == VLLM_PARAMS
+    # both engines build fc as Linear(3 * target_hidden_size, hidden_size) and lm_head with draft_vocab_size rows
+    c = vl.config
+    assert tuple(w["fc.weight"].shape) == (c["hidden_size"], 3 * c["target_hidden_size"])
+    assert tuple(w["lm_head.weight"].shape) == (c["draft_vocab_size"], c["hidden_size"])
+    if 0 in aux or L in aux:  # SGLang cannot capture these: refused, and SGLang reading the vLLM export
+        with pytest.raises(ExportError):  # would fall back to its default (recorded in the manifest)
+            export(src, "sglang", tmp_path / "sg", target)
+        assert vl.manifest["engine_ids"]["sglang"].startswith("not expressible")
+        return
+    sg = export(src, "sglang", tmp_path / "sg", target)
+    assert sglang_captures(sg.config, L) == aux
+    assert vllm_captures(sg.config, L) == aux  # vLLM pointed at the SGLang export reads the top level: right
+    assert sglang_captures(vl.config, L) == aux  # and SGLang pointed at the vLLM export reads eagle_config
+    assert engine_param_names(load_file(str(sg.path / "model.safetensors")), "sglang") == SGLANG_PARAMS
+    # the trap the export avoids: SGLang ids alone, read by vLLM's eagle_config fallback, are off by one
+    trap = {"eagle_config": sg.config["eagle_config"]}
+    assert vllm_captures(trap, L) == [k - 1 for k in aux]
+
+
 def test_bf16_export_round_trip(tmp_path, target):
     src = make_draft(tmp_path / "d", target, LAYOUT)
     res = export(src, "vllm", tmp_path / "vl", target, dtype="bf16")
