@@ -409,11 +409,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summ = results["summary"]["methods"]
+    cfg = results["config"]
     methods = list(summ)
+    setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
+               "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
+    ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    bars = a.bar(methods, toks, color=["#888888" if m in HF_METHODS else "#2a6fb0" for m in methods])
+    bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS else "#2a6fb0" for m in methods])
     for bar, m in zip(bars, methods, strict=True):
         sp = summ[m].get(base)
         a.annotate(_fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -421,13 +425,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
     a.set_ylabel("tokens / s")
     a.set_title(f"throughput (speedup vs {'HF greedy' if base == 'speedup_vs_hf' else 'eyas plain'})")
     taus = [summ[m]["tau"] or 0.0 for m in methods]
-    bars = b.bar(methods, taus, color="#4f9a5a")
+    bars = b.bar(ticks, taus, color="#4f9a5a")
     for bar, m in zip(bars, methods, strict=True):
         b.annotate(_fmt(summ[m]["tau"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                    ha="center", va="bottom", fontsize=9)
     b.set_ylabel("tokens per target forward (tau)")
     b.set_title("tau")
-    cfg, env = results["config"], results["environment"]
+    env = results["environment"]
     draft = results.get("draft") or {}
     flag = " — UNTRAINED draft" if draft.get("untrained") else ""
     fig.suptitle(f"{cfg['bench']} x{results['num_prompts']}, {cfg['max_new_tokens']} new tokens, "
