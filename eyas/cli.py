@@ -286,6 +286,48 @@ def train(
         fail(str(e))
 
 
+@app.command()
+def serve(
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
+                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
+    steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
+    depth: int = typer.Option(None, "--depth", help="tree: depth"),
+    topk: int = typer.Option(None, "--topk", help="tree: children per node"),
+    tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
+    max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens", help="longer prompts get a 400"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="cap (and default) for max_tokens"),
+    model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+) -> None:
+    """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
+    from . import server as srv
+
+    key = srv.resolve_api_key(api_key)
+    warning = srv.exposure_warning(host, key)
+    if warning:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+    try:
+        cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
+                              max_new_tokens=max_new_tokens)
+        cfg.check()  # bad flags fail before the model loads
+        engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device)
+        cfg.model_name = model_name or tgt.identity.name or target
+        cfg.context_length = srv.context_length_of(tgt)
+        app_ = srv.create_app(engine, tgt.tokenizer, cfg)
+    except ValueError as e:  # ServeError, EngineError, TargetError, DraftError, LayoutError, BenchError
+        fail(str(e))
+    desc = used if used == "plain" else f"{used}, draft {draft}"
+    typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
+    srv.run(app_, host, port, log_level=log_level)
+
+
 def main() -> None:
     app()
 

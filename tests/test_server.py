@@ -1,0 +1,515 @@
+"""`eyas serve`: a real uvicorn server on 127.0.0.1 over a tiny random Llama (SmolLM2 tokenizer) with a random
+EAGLE-3 draft, driven by the official `openai` client and raw httpx. Served outputs are checked token-for-token
+(via text and usage counts) against Engine.generate in-process for the same greedy or seeded requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from typer.testing import CliRunner
+
+from eyas.cli import app as cli_app
+from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
+from eyas.server import Metrics, ServeConfig, TextStream, create_app, exposure_warning
+from eyas.target import load_target
+from tests.tiny import tiny_config
+
+KEY = "sk-eyas-test"
+MODEL = "tiny-eyas"
+SPEC = SpecParams(method="tree", depth=3, topk=2, tokens=6)
+MAX_NEW = 512
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(smollm2, tmp_path_factory):
+    """A tiny random Llama with the SmolLM2 tokenizer, saved and reloaded as a target, plus a random draft."""
+    root = tmp_path_factory.mktemp("serve")
+    cfg, cls = tiny_config("llama", vocab=len(smollm2.tokenizer), hidden=32, layers=8)
+    cfg.max_position_embeddings = 2048
+    cfg.bos_token_id, cfg.eos_token_id = 1, 2  # <|im_start|>, <|im_end|>
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.config.architectures = [cls.__name__]
+    model.save_pretrained(root / "target", safe_serialization=True)
+    smollm2.tokenizer.save_pretrained(root / "target")
+    target = load_target(str(root / "target"))
+    dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=1024)
+    torch.manual_seed(1)
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab_map(torch.arange(1024))
+    save_draft(root / "draft", draft, target.default_layout())
+    return target, root / "draft"
+
+
+class Served:
+    def __init__(self, target, draft_path):
+        self.target = target
+        self.engine = Engine(target, load_draft(draft_path), SpecParams(**vars(SPEC)))
+        self.ref = Engine(target, load_draft(draft_path), SpecParams(**vars(SPEC)))  # in-process reference
+        self.pool = ThreadPoolExecutor(1)
+        cfg = ServeConfig(model_name=MODEL, api_key=KEY, max_prompt_tokens=300, max_new_tokens=MAX_NEW,
+                          context_length=target.config.max_position_embeddings)
+        self.app = create_app(self.engine, target.tokenizer, cfg)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+    def reference(self, input_ids, max_tokens, stop=(), temperature=0.0, seed=None):
+        # in a thread of its own, like the server's worker: on a loaded machine torch's OpenMP pool in the
+        # main thread can run ~50x slower than in a fresh thread (measured), which would only slow the test
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_tokens, stop=list(stop), seed=seed)
+        return self.pool.submit(self.ref.generate, list(input_ids), params).result()
+
+    def chat_ids(self, messages):
+        return chat_input_ids(self.target.tokenizer, messages)
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples whose name+labels start with `name` (0 if absent)."""
+        text = self.http.get("/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    def wait_idle(self):
+        deadline = time.time() + 60
+        while self.metric("eyas_requests_running") or self.metric("eyas_queue_depth"):
+            assert time.time() < deadline, "the engine worker did not become idle"
+            time.sleep(0.05)
+
+    def close(self):
+        self.pool.shutdown()
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    s = Served(*tiny)
+    yield s
+    s.close()
+
+
+def msgs(text):
+    return [{"role": "user", "content": text}]
+
+
+# ---- text streaming (no server) -------------------------------------------------------------------
+
+def test_text_stream_holds_partial_utf8(smollm2):
+    tok = smollm2.tokenizer
+    text = "héllo 你好 😀 naïve ☃ end"
+    ids = tok.encode(text)
+    ts = TextStream(tok, [], max_tokens=100)
+    deltas = [ts.push([i]) for i in ids] + [ts.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert any(len(tok.decode(ids[:k])) and tok.decode(ids[:k]).endswith("\ufffd") for k in range(len(ids))), \
+        "the sample must contain a token boundary inside a character"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_text_stream_stop_across_chunks(smollm2, chunk):
+    tok = smollm2.tokenizer
+    ids = tok.encode("The answer is forty-two. STOP HERE and then more text")
+    stop = "STOP HERE"
+    ts = TextStream(tok, ["zzz", stop], max_tokens=100)
+    out = ""
+    for i in range(0, len(ids), chunk):
+        out += ts.push(ids[i:i + chunk])
+        assert "STOP"[:2] not in out  # nothing of the stop sequence ever leaks out
+        if ts.finish_reason:
+            break
+    assert out == "The answer is forty-two. "
+    assert ts.finish_reason == "stop"
+    # the token count ends at the token that completed the stop sequence
+    n = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+    assert len(ts.ids) == n
+
+
+def test_text_stream_releases_false_stop_prefix_and_limits(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode("abc STOx def")
+    ts = TextStream(tok, ["STOP"], max_tokens=100)
+    out = "".join(ts.push([i]) for i in ids)
+    assert ts.finish_reason is None and out + ts.finish() == "abc STOx def"
+    ts = TextStream(tok, [], max_tokens=3)
+    assert ts.push(ids[:2]) + ts.push(ids[2:]) == tok.decode(ids[:3]) and ts.finish_reason == "length"
+    assert len(ts.ids) == 3
+
+
+def test_metrics_render_prometheus():
+    m = Metrics()
+    m.inc("eyas_http_requests_total", endpoint="/v1/completions", status="200")
+    m.observe("eyas_time_to_first_token_seconds", 0.07, endpoint="/v1/completions")
+
+    class S:
+        new_tokens, target_forwards, rounds, prefill_s, draft_s, verify_s = 9, 5, 4, 0.1, 0.2, 0.3
+        accepted_per_depth, proposed_per_depth = [3, 1], [4, 3]
+
+    m.record_generation(S())
+    text = m.render()
+    assert 'eyas_http_requests_total{endpoint="/v1/completions",status="200"} 1' in text
+    assert 'eyas_time_to_first_token_seconds_bucket{endpoint="/v1/completions",le="0.05"} 0' in text
+    assert 'eyas_time_to_first_token_seconds_bucket{endpoint="/v1/completions",le="0.1"} 1' in text
+    assert 'eyas_time_to_first_token_seconds_count{endpoint="/v1/completions"} 1' in text
+    assert "eyas_spec_tau 2\n" in text  # (9 - 1) tokens / 4 rounds, as GenStats.tau
+    assert 'eyas_spec_acceptance_rate{depth="1"} 0.75' in text
+    assert "# TYPE eyas_request_latency_seconds histogram" in text
+
+
+def test_exposure_warning_and_cli_flags():
+    assert exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert "without an API key" in exposure_warning("0.0.0.0", None)
+    r = CliRunner().invoke(cli_app, ["serve", "--host", "0.0.0.0", "--max-new-tokens", "0"])
+    assert r.exit_code == 2
+    assert "without an API key" in r.output and "--max-new-tokens must be >= 1" in r.output
+    r = CliRunner().invoke(cli_app, ["serve", "--draft", "none", "--method", "tree"])
+    assert r.exit_code == 2 and "needs a draft" in r.output
+    r = CliRunner().invoke(cli_app, ["serve", "--method", "beam"])
+    assert r.exit_code == 2 and "beam" in r.output
+
+
+# ---- the served API -------------------------------------------------------------------------------
+
+def test_health_and_models(served):
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"  # no key needed
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert served.client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_non_streaming_matches_engine(served):
+    m = msgs("Tell me about hawks.")
+    ref = served.reference(served.chat_ids(m), 24)
+    r = served.client.chat.completions.create(model=MODEL, messages=m, temperature=0, max_tokens=24)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(served.chat_ids(m))
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_matches_engine(served):
+    m = [{"role": "system", "content": "Be brief."}, *msgs("Name a bird.")]
+    ref = served.reference(served.chat_ids(m), 30)
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=m, temperature=0,
+                                                        max_completion_tokens=30, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(served.chat_ids(m))
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+
+
+def test_completions_text_and_token_prompts(served):
+    prompt = "Once upon a time"
+    ids = served.target.tokenizer.encode(prompt)
+    ref = served.reference(ids, 20)
+    r = served.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(ref.token_ids))
+    r2 = served.client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=20)
+    assert r2.choices[0].text == ref.text
+    chunks = list(served.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stop_sequences_match_engine(served):
+    m = msgs("Write a list of colours.")
+    ids = served.chat_ids(m)
+    full = served.reference(ids, 40)
+    assert full.finish_reason == "length" and len(full.text) > 30
+    stop = full.text[12:18]  # spans token boundaries of the random model's output
+    ref = served.reference(ids, 40, stop=[stop])
+    assert ref.finish_reason == "stop" and stop not in ref.text
+    r = served.client.chat.completions.create(model=MODEL, messages=m, temperature=0, max_tokens=40,
+                                              stop=[stop, "never-appears"])
+    assert r.choices[0].message.content == ref.text == full.text[:full.text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(ref.token_ids) < 40
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=m, temperature=0, max_tokens=40,
+                                                        stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+
+
+def test_seeded_sampling_matches_engine(served):
+    m = msgs("Pick a number.")
+    ref = served.reference(served.chat_ids(m), 16, temperature=0.8, seed=1234)
+    r = served.client.chat.completions.create(model=MODEL, messages=m, temperature=0.8, seed=1234, max_tokens=16)
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+def _err(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_error_responses(served):
+    h = served.http
+    ok = {"model": MODEL, "messages": msgs("hi"), "max_tokens": 2}
+    e = _err(h.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={
+        "Content-Type": "application/json"}), 400)
+    assert "not valid JSON" in e["message"] and e["type"] == "invalid_request_error"
+    e = _err(h.post("/v1/chat/completions", json={"model": MODEL}), 400)
+    assert e["param"] == "messages" and "Missing required parameter" in e["message"]
+    e = _err(h.post("/v1/chat/completions", json={**ok, "temperature": "hot"}), 400)
+    assert e["param"] == "temperature"
+    e = _err(h.post("/v1/chat/completions", json={**ok, "messages": [{"role": "robot", "content": "x"}]}), 400)
+    assert e["param"] == "messages[0].role"
+    e = _err(h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "bogus": 1}), 400)
+    assert e["param"] == "bogus"
+    e = _err(h.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10 ** 9]}), 400)
+    assert e["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as ex:
+        served.client.chat.completions.create(model=MODEL, messages=msgs("hi"), n=2)
+    assert ex.value.status_code == 400 and "n" == ex.value.body["param"]
+    with pytest.raises(openai.NotFoundError) as ex:
+        served.client.chat.completions.create(model="gpt-4", messages=msgs("hi"))
+    assert ex.value.body["code"] == "model_not_found" and MODEL in ex.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ex:
+        served.client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=2)
+    assert ex.value.body["code"] == "context_length_exceeded" and "300" in ex.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ex:
+        served.client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_NEW + 1)
+    assert str(MAX_NEW) in ex.value.body["message"]
+    # auth
+    e = _err(httpx.post(served.url + "/v1/chat/completions", json=ok), 401)
+    assert e["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    _err(httpx.get(served.url + "/metrics"), 401)
+    # routes
+    assert "POST /v1/chat/completions" in _err(h.get("/v1/nothing"), 404)["message"]
+    _err(h.get("/v1/chat/completions"), 405)
+    assert served.client.chat.completions.create(model=MODEL, messages=msgs("hi"), max_tokens=2).usage
+
+
+class FaultyEngine:
+    """Fault injection around the real engine: the second round of every generation raises."""
+
+    def __init__(self, inner):
+        self.inner, self.last_result = inner, None
+
+    def stream(self, input_ids, params):
+        it = self.inner.stream(input_ids, params)
+        yield next(it)
+        raise RuntimeError("injected fault")
+
+
+def test_unexpected_error_is_500_and_server_lives(served, monkeypatch):
+    worker = served.app.state.worker
+    monkeypatch.setattr(worker, "engine", FaultyEngine(served.engine))
+    e = _err(served.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 50,
+                                                       "temperature": 0}), 500)
+    assert e["type"] == "server_error" and "injected fault" in e["message"]
+    with served.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 50,
+                                                             "temperature": 0, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert "injected fault" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+    monkeypatch.undo()
+    assert httpx.get(served.url + "/health").status_code == 200
+    assert served.client.completions.create(model=MODEL, prompt="x", max_tokens=3).choices[0].finish_reason
+
+
+# ---- concurrency ----------------------------------------------------------------------------------
+
+def test_load_50_requests_8_clients_match_engine(served):
+    """50 greedy requests (chat/completions x stream/non-stream) from 8 concurrent clients: zero errors and
+    every output equal to Engine.generate for the same request (so no two requests' tokens ever mix)."""
+    n_req, n_clients = 50, 8
+    reqs = []
+    for i in range(n_req):
+        kind, stream, mt = ("chat", "completion")[i % 2], bool(i // 2 % 2), 4 + 2 * (i % 5)
+        text = f"Request {i}: describe the number {i * 7919 % 1000} in a few words."
+        reqs.append((i, kind, stream, mt, text))
+    results: dict[int, tuple[str, int, int, str]] = {}
+    errors: list[str] = []
+
+    async def one(client, i, kind, stream, mt, text):
+        if kind == "chat":
+            kw = dict(model=MODEL, messages=msgs(text), temperature=0, max_tokens=mt)
+            if stream:
+                out, usage, fin = "", None, None
+                async for c in await client.chat.completions.create(**kw, stream=True,
+                                                                    stream_options={"include_usage": True}):
+                    if c.choices:
+                        out += c.choices[0].delta.content or ""
+                        fin = c.choices[0].finish_reason or fin
+                    usage = c.usage or usage
+                return out, usage.prompt_tokens, usage.completion_tokens, fin
+            r = await client.chat.completions.create(**kw)
+            return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.completion_tokens, \
+                r.choices[0].finish_reason
+        kw = dict(model=MODEL, prompt=text, temperature=0, max_tokens=mt)
+        if stream:
+            out, usage, fin = "", None, None
+            async for c in await client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+                if c.choices:
+                    out += c.choices[0].text
+                    fin = c.choices[0].finish_reason or fin
+                usage = c.usage or usage
+            return out, usage.prompt_tokens, usage.completion_tokens, fin
+        r = await client.completions.create(**kw)
+        return r.choices[0].text, r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    async def main():
+        pending = list(reqs)
+
+        async def client_loop():
+            async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0,
+                                          timeout=300) as client:
+                while pending:
+                    i, *rest = pending.pop(0)
+                    try:
+                        results[i] = await one(client, i, *rest)
+                    except Exception as e:  # collected: the assertion below lists them all
+                        errors.append(f"request {i}: {type(e).__name__}: {e}")
+
+        await asyncio.gather(*(client_loop() for _ in range(n_clients)))
+
+    done_before = served.metric('eyas_requests_finished_total{endpoint="/v1/c')
+    asyncio.run(main())
+    assert errors == []
+    assert len(results) == n_req
+    for i, kind, _stream, mt, text in reqs:
+        ids = served.chat_ids(msgs(text)) if kind == "chat" else served.target.tokenizer.encode(text)
+        ref = served.reference(ids, mt)
+        assert results[i] == (ref.text, len(ids), len(ref.token_ids), ref.finish_reason), f"request {i}"
+    assert served.metric('eyas_requests_finished_total{endpoint="/v1/c') - done_before == n_req
+    assert served.metric("eyas_spec_rounds_total") > 0 and served.metric("eyas_spec_tau") >= 1.0
+    assert served.metric('eyas_spec_proposed_tokens_total{depth="1"}') > 0
+
+
+def test_disconnect_cancels_generation(served):
+    """A client that leaves mid-stream stops its generation at the next round; a queued one never starts."""
+    served.wait_idle()
+    cancelled0 = served.metric('eyas_requests_finished_total{endpoint="/v1/completions",finish_reason="cancelled"}')
+    started0, tokens0 = served.metric("eyas_generations_started_total"), served.metric("eyas_worker_tokens_total")
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
+    ref = served.reference(served.target.tokenizer.encode("Count forever:"), 64)
+    assert ref.finish_reason == "length"  # the request would run on (no early EOS)
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"])
+            with c.stream("POST", "/v1/completions", json=body) as queued:
+                assert queued.status_code == 200  # headers sent; it waits in the queue behind `running`
+            # leaving the `with` closed the queued stream's connection; now leave the running one too
+    deadline = time.time() + 60
+    while served.metric('eyas_requests_finished_total{endpoint="/v1/completions",finish_reason="cancelled"}') \
+            < cancelled0 + 2:
+        assert time.time() < deadline, "the disconnected requests were not cancelled"
+        time.sleep(0.05)
+    served.wait_idle()
+    assert served.metric("eyas_generations_started_total") - started0 == 1  # the queued one never ran
+    assert served.metric("eyas_worker_tokens_total") - tokens0 < MAX_NEW  # the running one stopped early
+
+    # a non-streaming client that leaves while its request runs
+    tokens0 = served.metric("eyas_worker_tokens_total")
+    payload = json.dumps({k: v for k, v in body.items() if k != "stream"}).encode()
+    raw = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + KEY.encode() +
+                b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() +
+                b"\r\n\r\n" + payload)
+    deadline = time.time() + 60
+    while served.metric("eyas_generations_started_total") - started0 < 2:
+        assert time.time() < deadline, "the non-streaming request did not start"
+        time.sleep(0.02)
+    raw.close()
+    while served.metric('eyas_requests_finished_total{endpoint="/v1/completions",finish_reason="cancelled"}') \
+            < cancelled0 + 3:
+        assert time.time() < deadline, "the disconnected non-streaming request was not cancelled"
+        time.sleep(0.05)
+    served.wait_idle()
+    assert served.metric("eyas_worker_tokens_total") - tokens0 < MAX_NEW
+    assert served.client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_metrics_after_traffic(served):
+    text = served.http.get("/metrics").text
+    for name in ("eyas_http_requests_total", "eyas_prompt_tokens_total", "eyas_completion_tokens_total",
+                 "eyas_request_latency_seconds_bucket", "eyas_time_to_first_token_seconds_bucket", "eyas_spec_tau",
+                 'eyas_spec_acceptance_rate{depth="1"}'):
+        assert name in text, name
+    assert re.search(r'eyas_http_requests_total\{endpoint="/v1/chat/completions",status="404"\} [1-9]', text)
+    assert re.search(r'eyas_http_requests_total\{endpoint="/v1/chat/completions",status="401"\} [1-9]', text)
+    assert served.metric("eyas_completion_tokens_total") > 0
+
+
+# ---- the real bundled target ----------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_real_target_served_equals_engine(smollm2):
+    """SmolLM2-135M with an untrained EAGLE-3 draft (the real layout [2, 15, 27]) served: streamed greedy chat
+    equals Engine.generate, usage exact."""
+    from eyas.bench import random_draft
+
+    spec = SpecParams(method="chain", steps=2)
+    engine = Engine(smollm2, random_draft(smollm2, draft_vocab=2048), spec)
+    ref_engine = Engine(smollm2, random_draft(smollm2, draft_vocab=2048), spec)
+    app = create_app(engine, smollm2.tokenizer, ServeConfig(model_name="smollm2", max_new_tokens=64,
+                                                            context_length=smollm2.config.max_position_embeddings))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        m = msgs("What is a hawk?")
+        chunks = list(client.chat.completions.create(model="smollm2", messages=m, temperature=0, max_tokens=12,
+                                                     stream=True, stream_options={"include_usage": True}))
+        ids = chat_input_ids(smollm2.tokenizer, m)
+        with ThreadPoolExecutor(1) as pool:
+            ref = pool.submit(ref_engine.generate, ids, SamplingParams(max_new_tokens=12)).result()
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+        assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), len(ref.token_ids))
+        assert ref.text.strip()  # a real reply
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
