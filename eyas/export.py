@@ -354,16 +354,43 @@ def parse_ids(text: str | None, what: str) -> list[int] | None:
         raise ExportError(f"{what} {text!r}: expected comma-separated integers such as 1,14,26") from e
 
 
-def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]]) -> dict[str, Any] | None:
-    """The doctor's layout inference over the candidate layouts, or None while eyas.doctor lacks it."""
+INFER_MARGIN_POINTS = 3.0  # the best reading must beat the next by this much (and 2 standard errors)
+
+
+def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]] | None, recorded: list[int] | None,
+                  samples: list | None = None) -> dict[str, Any] | None:
+    """The doctor's layout inference (eyas.doctor.infer_layout: step-0 accuracy of the draft on features the
+    target produces under each candidate layout), or None while this eyas has no doctor. `candidates` None
+    lets the doctor search around `recorded` (shifts, the embedding, permutations). `samples`: token-id
+    tensors to measure on; None = a few chat conversations through the target's tokenizer.
+    Adds `confident`: whether the best candidate beats the runner-up clearly enough to decide on."""
     try:
-        from . import doctor  # type: ignore[attr-defined]
+        from .doctor import infer_layout, layout_candidates
     except ImportError:
         return None
-    infer = getattr(doctor, "infer_layout", None)
-    if infer is None:
-        return None
-    return infer(target, model, candidates)
+    try:
+        if candidates is None:  # import needs an aux layout: the doctor's final-state-only candidate is no answer
+            L = target.identity.num_layers
+            candidates = {lab: idx for idx, lab in layout_candidates(recorded, L, model.config.num_aux) if idx}
+        ranking = infer_layout(target, model, samples, candidates=candidates, recorded=recorded)
+    except Exception as e:  # the doctor measures through the target; any failure there must stop the import
+        raise ExportError(f"layout inference failed ({type(e).__name__}: {e}); pass the layout explicitly "
+                          "(--aux-ids with --ids-convention, or --aux-indices), or --no-infer") from e
+    d = ranking.to_dict()
+    table = [r for r in d["table"] if r["accuracy"] is not None]
+    if not table:
+        return {**d, "confident": False, "margin_points": None, "se_points": None}
+    best = table[0]
+    a, n = best["accuracy"], max(int(d.get("tokens") or 0), 1)
+    if len(table) > 1:
+        b = table[1]["accuracy"]
+        margin = 100.0 * (a - b)
+        se = 100.0 * ((a * (1 - a) + b * (1 - b)) / n) ** 0.5
+    else:
+        margin, se = float("inf"), 0.0
+    confident = bool(best["indices"]) and margin >= max(INFER_MARGIN_POINTS, 2 * se)
+    return {**d, "chosen": best["label"], "aux_indices": best["indices"], "accuracy": a, "confident": confident,
+            "margin_points": round(margin, 2) if margin != float("inf") else None, "se_points": round(se, 2)}
 
 
 @dataclass
@@ -376,7 +403,8 @@ class ImportResult:
 
 def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", allow_pickle: bool = False,
                  aux_indices: list[int] | None = None, aux_ids: list[int] | None = None,
-                 ids_convention: str | None = None, infer: bool = True, command: str | None = None) -> ImportResult:
+                 ids_convention: str | None = None, infer: bool = True, infer_samples: list | None = None,
+                 command: str | None = None) -> ImportResult:
     """A foreign draft folder -> an eyas draft at `out` for `target` (a loaded eyas Target).
     Precedence for the layout: --aux-indices / --aux-ids (explicit) > the eyas-export manifest > the format's
     reading of the config ids when unambiguous > the doctor's inference; anything else is an error."""
@@ -493,25 +521,33 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     model.eval()
 
     inference = None
+    ids_missing = found.top is None and found.eagle_config is None
     if readings.ambiguous or stream is None or len(readings.candidates) > 1:
         cands = {n: s for n, s in readings.candidates.items() if len(s) == n_aux}
-        if infer and cands:
-            inference = run_inference(target, model, cands)
+        if infer and (cands or ids_missing):
+            # no ids at all: let the doctor search around the reference default; else rank the readings
+            inference = run_inference(target, model, None if ids_missing else cands,
+                                      recorded=next(iter(cands.values()), None), samples=infer_samples)
         if inference is not None:
-            chosen = inference.get("chosen")
-            if stream is None:
-                stream, decided_by = list(inference["aux_indices"]), f"doctor inference ({chosen})"
-            elif list(inference["aux_indices"]) != stream:
-                warnings.append(f"layout inference prefers {chosen} = stream {inference['aux_indices']} over the "
-                                f"chosen stream {stream} ({decided_by}); check the accuracies in the manifest")
+            chosen, best = inference.get("chosen"), inference.get("aux_indices")
+            if stream is None and inference["confident"]:
+                stream, decided_by = list(best), f"doctor inference: {chosen}"
+            elif stream is not None and inference["confident"] and list(best) != stream:
+                warnings.append(f"layout inference prefers {chosen} (accuracy {inference['accuracy']:.3f}) over the "
+                                f"stream {stream} from {decided_by}; check the table in the manifest")
     if stream is None:
         lines = [f"cannot tell which target layers this draft reads ({why}; ids found: {found.to_dict()})."]
         lines += [f"  - {n}: stream {s}" for n, s in readings.candidates.items()]
         lines += [f"  note: {n}" for n in readings.notes]
-        lines.append("Layout inference (eyas.doctor.infer_layout) is " + ("not available in this eyas" if infer
-                     else "disabled (--no-infer)") + ". Pick the layout explicitly: --format sglang|vllm|eagle if "
-                     "you know where the draft was trained, or --aux-ids 1,14,26 --ids-convention sglang, or "
-                     "--aux-indices (eyas stream indices).")
+        if inference is not None:
+            lines.append(f"Layout inference did not separate them (margin {inference['margin_points']} points, "
+                         f"standard error {inference['se_points']} on {inference.get('tokens')} tokens):")
+            lines += [f"  {r['accuracy']}  {r['label']}" for r in inference["table"][:6]]
+        else:
+            lines.append("Layout inference (eyas.doctor.infer_layout) is " + ("not available in this eyas" if infer
+                         else "disabled (--no-infer)") + ".")
+        lines.append("Pick the layout explicitly: --format sglang|vllm|eagle if you know where the draft was trained, "
+                     "or --aux-ids 1,14,26 --ids-convention sglang, or --aux-indices (eyas stream indices).")
         raise ExportError("\n".join(lines))
     if readings.ambiguous and inference is None and decided_by and not decided_by.startswith("--"):
         warnings.append(f"the ids were ambiguous; using {decided_by} because you passed --format {fmt}")
@@ -519,7 +555,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     if len(set(stream)) != len(stream):
         raise ExportError(f"the layout {stream} repeats a stream index: engines capture each layer once per forward, "
                           f"so they would feed fc fewer than the {n_aux} states it takes; the config's ids are wrong")
-    if stream != sorted(stream):
+    if stream != sorted(stream) and not decided_by.startswith(("--aux-indices", "doctor inference")):
         notes.append(f"ids listed as stream {stream}: engines concatenate captured states in ascending layer order, "
                      f"so fc's input blocks are read as stream {sorted(stream)}")
         stream = sorted(stream)
