@@ -440,8 +440,10 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     # separate tokenizer copies: the event loop encodes while the worker decodes
     enc_tok = copy.deepcopy(tokenizer)
     worker = Worker(engine, copy.deepcopy(tokenizer), metrics)
+    enc_lock = threading.Lock()  # requests tokenize on worker threads; one tokenizer copy, one at a time
     created = oai.now()
-    vocab = len(tokenizer)
+    target = getattr(engine, "target", None)
+    vocab = target.identity.vocab_size if target is not None else len(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -493,15 +495,20 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{cfg.model_name}' "
                                 "(GET /v1/models).", param="model", code="model_not_found")
 
-    def prepare(req: GenRequest) -> tuple[list[int], int]:
-        """Tokenize and check limits -> (input ids, max new tokens)."""
-        if req.kind == "chat":
-            try:
-                input_ids = list(chat_input_ids(enc_tok, req.messages))
-            except EngineError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_value") from None
-        elif isinstance(req.prompt, str):
-            input_ids = list(enc_tok.encode(req.prompt))
+    def tokenize(req: GenRequest) -> list[int]:
+        with enc_lock:
+            if req.kind == "chat":
+                try:
+                    return list(chat_input_ids(enc_tok, req.messages))
+                except EngineError as e:
+                    raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            return list(enc_tok.encode(req.prompt))
+
+    async def prepare(req: GenRequest) -> tuple[list[int], int]:
+        """Tokenize (off the event loop: a long prompt must not stall other streams) and check limits
+        -> (input ids, max new tokens)."""
+        if req.kind == "chat" or isinstance(req.prompt, str):
+            input_ids = await asyncio.to_thread(tokenize, req)
         else:
             bad = [t for t in req.prompt if not 0 <= t < vocab]
             if bad:
@@ -556,7 +563,7 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
                            code="request_too_large")
         req = parse(body)
         check_model(req.model)
-        input_ids, max_new = prepare(req)
+        input_ids, max_new = await prepare(req)
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 max_new_tokens=max_new, stop=list(req.stop), seed=req.seed)
         try:
