@@ -339,7 +339,7 @@ def id_readings(found: IdsFound, fmt: str, L: int, explicit_format: bool) -> Rea
             cands = {"vllm fallback (eagle_config used as-is, input-of)": v}
             if s is not None and s != v:
                 cands["sglang (eagle_config, output-of: id + 1)"] = s
-            return Readings(cands, "vllm fallback (eagle_config used as-is, input-of)", True,
+            return Readings(cands, "vllm fallback (eagle_config used as-is, input-of)", not explicit_format,
                             [f"--format vllm with only eagle_config ids {found.eagle_config}: vLLM uses them as-is "
                              f"(stream {v}), an off-by-one if they were written for SGLang (stream {s})"])
         v, v_err = _try(found.top, "vllm", L)
