@@ -698,6 +698,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
                  dtype: str = "fp32", device: str = "cpu"):
     """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
     from .bench import resolve_draft
+    from .draft import bundled_draft_path
     from .engine import Engine, SpecParams
     from .target import load_target
 
@@ -706,6 +707,10 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     spec = SpecParams(method=method, **spec_kw)
     if method not in ("tree", "chain", "plain"):
         spec.validate(None)  # raises EngineError naming the choices
+    if draft == "default" and method != "plain" and not bundled_draft_path().is_dir():
+        raise ServeError(f"the bundled draft ({bundled_draft_path()}) is not shipped in this install: pass --draft DIR "
+                         "(an eyas draft folder, e.g. from `eyas train`), --draft random (untrained: the plumbing, "
+                         "not the speed), or --draft none for plain decoding")
     target = load_target(target_spec, dtype=dtype, device=device)
     ckpt = None if method == "plain" else resolve_draft(draft, target)
     return Engine(target, ckpt, spec), target, method
