@@ -1,0 +1,346 @@
+"""Speculative decoding is lossless: greedy token-identical to plain, sampling distributed as plain.
+
+Tiny random Llama targets (vocab 128, a word-level tokenizer built here) with a random EAGLE-3 draft and
+with a draft trained in the test by eyas.ttt on the target's own greedy continuations (so acceptance is
+well above zero and the deep-acceptance / compaction / EOS-inside-a-run paths really run).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft
+from eyas.engine import Engine, EngineError, SamplingParams, SpecParams, chat_input_ids
+from eyas.sampling import warp
+from eyas.target import Target, capture, identity_of, tensor_fingerprint
+from eyas.ttt import ttt_forward
+from tests.tiny import tiny_model
+
+VOCAB = 128
+SHARPEN = 30.0
+
+
+def word_tokenizer(vocab: int = VOCAB):
+    """A real (fast) HF tokenizer over words w0..w{vocab-1}; 'w2' is the EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w2")
+
+
+def make_target(family: str = "llama", seed: int = 0, eos: int = 2, layers: int = 6) -> Target:
+    m = tiny_model(family, seed=seed, vocab=VOCAB, layers=layers)
+    with torch.no_grad():  # default init gives near-uniform next-token distributions; make them peaked like an LM's
+        m.get_output_embeddings().weight.mul_(SHARPEN)
+    m.config.eos_token_id = eos
+    m.generation_config.eos_token_id = eos
+    return Target(model=m, tokenizer=word_tokenizer(), identity=identity_of(m, tensor_fingerprint(m), "tiny"),
+                  source="tiny", path=None)
+
+
+def random_draft(target: Target, draft_vocab: int = 96, seed: int = 1) -> DraftCheckpoint:
+    torch.manual_seed(seed)
+    d = Eagle3Draft(DraftConfig.from_target_config(target.model.config, draft_vocab_size=draft_vocab))
+    d.set_vocab_map(torch.randperm(VOCAB)[:draft_vocab].sort().values)
+    return DraftCheckpoint(model=d, layout=target.default_layout(), manifest={})
+
+
+PROMPTS = [[5, 6, 7, 8], [1, 3], list(range(10, 40)), [99, 12, 99, 12, 99]]
+
+
+def prompts_for_training(n: int, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def train_draft(target: Target, steps: int = 80, ttt_steps: int = 3) -> DraftCheckpoint:
+    """Fit a draft with eyas.ttt on the target's own greedy continuations (few seconds)."""
+    ck = random_draft(target, draft_vocab=VOCAB, seed=2)  # full vocab: every target token is reachable
+    ck.model.set_vocab_map(torch.arange(VOCAB))
+    plain = Engine(target, None, SpecParams(method="plain"))
+    seqs = []
+    for p in PROMPTS + prompts_for_training(28):
+        r = plain.generate(p, SamplingParams(max_new_tokens=40))
+        seqs.append(p + r.token_ids)
+    S = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = True
+    cap = capture(target.model, ids, ck.layout)
+    draft = ck.model
+    draft.set_embeddings(target.embed_tokens().weight)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    draft.train()
+    for _ in range(steps):
+        out = ttt_forward(draft, cap.aux, cap.final_prenorm, ids, mask, target.final_norm(), target.lm_head(),
+                          ttt_steps)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    draft.eval()
+    return ck
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    return train_draft(tiny)
+
+
+CONFIGS = [
+    SpecParams("chain", steps=1),
+    SpecParams("chain", steps=4),
+    SpecParams("tree", depth=3, topk=3, tokens=8),
+    SpecParams("tree", depth=5, topk=2, tokens=12),
+    SpecParams("tree", depth=2, topk=4, tokens=21),  # the whole pool: 1 + 4 + 16
+    SpecParams("tree", depth=4, topk=1, tokens=5),
+]
+
+
+def greedy(engine: Engine, prompt, n: int = 40) -> list[int]:
+    return engine.generate(prompt, SamplingParams(max_new_tokens=n)).token_ids
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_greedy_speculative_equals_plain(tiny, trained, which):
+    draft = random_draft(tiny) if which == "random" else trained
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    refs = [greedy(plain, p) for p in PROMPTS]
+    taus = []
+    for spec in CONFIGS:
+        eng = Engine(tiny, draft, spec)
+        for p, ref in zip(PROMPTS, refs, strict=True):
+            res = eng.generate(p, SamplingParams(max_new_tokens=40))
+            assert res.token_ids == ref, f"{spec} prompt {p}"
+            st = res.stats
+            assert st.new_tokens == len(ref) and st.target_forwards == st.rounds + 1
+            assert sum(st.accepted_per_depth) + st.rounds >= st.new_tokens - 1
+            taus.append(st.tau)
+    if which == "trained":
+        assert sum(taus) / len(taus) > 1.8, taus  # the trained draft really gets accepted, at depth
+    else:
+        assert min(taus) >= 1.0
+
+
+def test_max_new_tokens_boundaries(tiny, trained):
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    ref = greedy(plain, PROMPTS[2], 30)
+    for spec in (SpecParams("chain", steps=5), SpecParams("tree", depth=4, topk=3, tokens=10)):
+        eng = Engine(tiny, trained, spec)
+        for n in (1, 2, 3, 5, 8, 13, 21):
+            res = eng.generate(PROMPTS[2], SamplingParams(max_new_tokens=n))
+            expect = ref[:n]
+            assert res.token_ids == expect and len(res.token_ids) <= n
+            assert res.finish_reason == ("stop" if 2 in expect else "length")
+
+
+def test_eos_inside_an_accepted_run(trained):
+    """EOS = a token the greedy output repeats: the draft proposes runs through it; everything after the first
+    EOS is dropped, and the output equals plain decoding that stops at that EOS."""
+    base = make_target()
+    plain0 = greedy(Engine(base, None, SpecParams(method="plain")), PROMPTS[0], 40)
+    # the most repeated token of the plain continuation, appearing after a few tokens
+    counts = {t: plain0.count(t) for t in set(plain0[3:])}
+    eos = max(counts, key=counts.get)
+    assert counts[eos] >= 3
+    t = make_target(eos=eos)
+    ck = DraftCheckpoint(model=trained.model, layout=t.default_layout(), manifest={})
+    ref = Engine(t, None, SpecParams(method="plain")).generate(PROMPTS[0], SamplingParams(max_new_tokens=40))
+    assert ref.token_ids[-1] == eos and ref.finish_reason == "stop"
+    dropped_somewhere = False
+    for spec in (SpecParams("chain", steps=4), SpecParams("tree", depth=4, topk=2, tokens=8)):
+        eng = Engine(t, ck, spec)
+        chunks = list(eng.stream(PROMPTS[0], SamplingParams(max_new_tokens=40)))
+        res = eng.last_result
+        assert [x for c in chunks for x in c] == res.token_ids == ref.token_ids
+        assert res.finish_reason == "stop" and res.token_ids.count(eos) == 1
+        st = res.stats
+        dropped_somewhere |= sum(st.accepted_per_depth) + st.rounds > st.new_tokens - 1
+    assert dropped_somewhere, "no round accepted tokens past the EOS; the test did not exercise the case"
+
+
+def test_stop_strings_trim_text_and_tokens(tiny, trained):
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    ref = plain.generate(PROMPTS[1], SamplingParams(max_new_tokens=30))
+    words = ref.text.split()
+    stop = " ".join(words[4:6])  # two words in the middle of the output
+    cut = ref.text.index(stop)
+    for eng in (plain, Engine(tiny, trained, SpecParams("chain", steps=4)),
+                Engine(tiny, trained, SpecParams("tree", depth=3, topk=2, tokens=6))):
+        res = eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=30, stop=["nothing-like-this", stop]))
+        assert res.finish_reason == "stop"
+        assert res.text == ref.text[:cut]
+        # the tokens end with the one that completed the stop string
+        assert tiny.tokenizer.decode(res.token_ids).endswith(stop)
+        assert res.token_ids == ref.token_ids[:len(res.token_ids)]
+
+
+def test_stats_are_consistent(tiny, trained):
+    eng = Engine(tiny, trained, SpecParams("tree", depth=3, topk=2, tokens=6))
+    st = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=25)).stats
+    assert st.prompt_tokens == len(PROMPTS[0]) and st.rounds >= 1
+    assert len(st.accept_rates) == 3 and all(0.0 <= a <= 1.0 for a in st.accept_rates)
+    assert st.proposed_per_depth[0] == st.rounds  # depth 1 is attempted every round
+    for d in range(1, 3):  # depth d+1 can only be attempted after depth d was accepted
+        assert st.proposed_per_depth[d] <= st.accepted_per_depth[d - 1]
+    assert st.total_s >= st.prefill_s + st.draft_s + st.verify_s * 0.99 > 0
+    assert 0.0 < st.draft_share < 1.0 and st.tok_s > 0 and st.decode_tok_s > 0
+    d = st.to_dict()
+    assert d["tau"] == st.tau and d["accept_rates"] == st.accept_rates
+    plain = Engine(tiny, None, SpecParams(method="plain")).generate(PROMPTS[0], SamplingParams(max_new_tokens=9))
+    if plain.finish_reason == "length":
+        assert plain.stats.tau == 1.0 and plain.stats.rounds == 8
+
+
+# ---- sampling: distribution of the first tokens equals plain sampling --------------------------------------
+
+def exact_first_two(target: Target, prompt: list[int], sp: SamplingParams) -> torch.Tensor:
+    """Exact joint P(x1, x2) [V, V] of plain sampling under the warp (one batched forward)."""
+    m = target.model
+    with torch.no_grad():
+        l1 = m(input_ids=torch.tensor([prompt]), use_cache=False).logits[0, -1]
+        p1 = warp(l1, sp.temperature, sp.top_k, sp.top_p)
+        ids = torch.cat([torch.tensor([prompt]).expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
+        l2 = m(input_ids=ids, use_cache=False).logits[:, -1]
+        p2 = warp(l2, sp.temperature, sp.top_k, sp.top_p)
+    return p1[:, None] * p2
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expectation < 5 are pooled into one cell."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = ex > 0
+    stat = (((obs - ex) ** 2)[keep] / ex[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.mark.parametrize("spec", [SpecParams("chain", steps=2), SpecParams("tree", depth=2, topk=3, tokens=7)],
+                         ids=["chain", "tree"])
+def test_sampling_matches_plain_distribution(tiny, trained, spec):
+    """Joint distribution of the first two tokens of 2500 seeded speculative runs vs the exact plain-sampling
+    distribution: Pearson chi-square must not reject at p < 1e-6. Under losslessness the test statistic is
+    chi-square distributed, so a false failure has probability ~1e-6 (and the seeds make it deterministic);
+    a scheme that ignored the p/q correction shifts these cells by several percent, which at n = 2500 gives
+    p-values far below 1e-20 (checked by hand with the naive min(1, p/q) on top-k candidates)."""
+    prompt = PROMPTS[0]
+    sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95, max_new_tokens=2)
+    exact = exact_first_two(tiny, prompt, sp).reshape(-1)
+    eng = Engine(tiny, trained, spec)
+    n = 2500
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    accepted = 0
+    for seed in range(n):
+        res = eng.generate(prompt, SamplingParams(**{**sp.__dict__, "seed": seed}))
+        x1, x2 = res.token_ids[:2]
+        counts[x1 * VOCAB + x2] += 1
+        accepted += res.stats.accepted_per_depth[0]
+    assert accepted > n * 0.2, "the draft is hardly ever accepted; the test would not exercise acceptance"
+    assert chi2_pvalue(counts, exact.double()) > 1e-6
+
+
+def test_sampling_is_reproducible_with_seed(tiny, trained):
+    eng = Engine(tiny, trained, SpecParams("tree", depth=3, topk=2, tokens=6))
+    sp = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=20, seed=11)
+    assert eng.generate(PROMPTS[2], sp).token_ids == eng.generate(PROMPTS[2], sp).token_ids
+
+
+# ---- no silent adjustments ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,match", [
+    (SpecParams("chain", steps=0), "steps 0 < 1"),
+    (SpecParams("tree", depth=3, topk=1, tokens=6), "tokens must be depth \\+ 1 = 4"),
+    (SpecParams("tree", depth=2, topk=3, tokens=14), "at most 1 \\+ topk \\+ \\(depth-1\\)\\*topk\\^2 = 13"),
+    (SpecParams("tree", depth=0, topk=3, tokens=4), "depth 0 < 1"),
+    (SpecParams("tree", depth=3, topk=0, tokens=4), "topk 0 < 1"),
+    (SpecParams("tree", depth=3, topk=2, tokens=1), "tokens 1 < 2"),
+    (SpecParams("tree", depth=2, topk=200, tokens=10), "exceeds the draft vocabulary"),
+    (SpecParams("beam"), "expected one of tree, chain, plain"),
+])
+def test_inconsistent_spec_params_raise(tiny, spec, match):
+    with pytest.raises(EngineError, match=match):
+        Engine(tiny, random_draft(tiny), spec)
+
+
+def test_speculative_method_needs_a_draft(tiny):
+    for m in ("tree", "chain"):
+        with pytest.raises(EngineError, match="needs an EAGLE-3 draft"):
+            Engine(tiny, None, SpecParams(method=m))
+
+
+def test_bad_sampling_params_and_prompts(tiny):
+    eng = Engine(tiny, None, SpecParams(method="plain"))
+    for sp, match in [(SamplingParams(temperature=-1), "temperature"), (SamplingParams(top_p=0), "top_p"),
+                      (SamplingParams(top_k=-2), "top_k"), (SamplingParams(max_new_tokens=0), "max_new_tokens"),
+                      (SamplingParams(stop=[""]), "non-empty"), (SamplingParams(max_new_tokens=300), "positions")]:
+        with pytest.raises(EngineError, match=match):
+            eng.generate([1, 2], sp)
+    with pytest.raises(EngineError, match="empty prompt"):
+        eng.generate([], SamplingParams())
+    with pytest.raises(EngineError, match="0..127"):
+        eng.generate([1, 128], SamplingParams())
+
+
+def test_draft_for_another_target_is_refused(tiny):
+    other = make_target(seed=9)  # same shapes, different weights -> different fingerprint
+    with pytest.raises(ValueError, match="fingerprint"):
+        Engine(tiny, random_draft(other), SpecParams("chain", steps=2))
+    wide = make_target(seed=0)
+    cfg = DraftConfig.from_target_config(wide.model.config, draft_vocab_size=16, target_hidden_size=48)
+    bad = DraftCheckpoint(model=Eagle3Draft(cfg), layout=tiny.default_layout(), manifest={})
+    with pytest.raises(DraftError, match="target_hidden_size 48"):
+        Engine(tiny, bad, SpecParams("chain", steps=2))
+
+
+def test_chat_input_ids_uses_template(smollm2):
+    ids = chat_input_ids(smollm2.tokenizer, [{"role": "user", "content": "Hi"}])
+    text = smollm2.tokenizer.decode(ids)
+    assert text.rstrip().endswith("<|im_start|>assistant") and "Hi" in text
+    with pytest.raises(EngineError, match="role"):
+        chat_input_ids(smollm2.tokenizer, [{"content": "x"}])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_families_lossless_with_random_draft(family):
+    t = make_target(family, seed=3, layers=4)
+    ref = greedy(Engine(t, None, SpecParams(method="plain")), PROMPTS[2], 24)
+    for spec in (SpecParams("chain", steps=3), SpecParams("tree", depth=3, topk=3, tokens=9)):
+        assert greedy(Engine(t, random_draft(t), spec), PROMPTS[2], 24) == ref
+
+
+# ---- integration: the real bundled target -------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_smollm2_mtbench_speculative_equals_plain(smollm2):
+    from eyas.prompts import load_mtbench
+
+    torch.manual_seed(0)
+    d = Eagle3Draft(DraftConfig.from_target_config(smollm2.model.config, draft_vocab_size=4096))
+    d.set_vocab_map(torch.arange(4096))  # the most frequent ids come first in SmolLM2's BPE vocab
+    ck = DraftCheckpoint(model=d, layout=smollm2.default_layout(), manifest={})
+    plain = Engine(smollm2, None, SpecParams(method="plain"))
+    engines = [Engine(smollm2, ck, SpecParams("chain", steps=3)),
+               Engine(smollm2, ck, SpecParams("tree", depth=3, topk=3, tokens=8))]
+    sp = SamplingParams(max_new_tokens=48)
+    for p in load_mtbench(3, 1, None):
+        ids = chat_input_ids(smollm2.tokenizer, p.messages)
+        ref = plain.generate(ids, sp)
+        assert len(ref.token_ids) > 0
+        for eng in engines:
+            assert eng.generate(ids, sp).token_ids == ref.token_ids, (p.id, eng.spec)
+
