@@ -505,6 +505,24 @@ def test_printed_launch_commands(tmp_path, target):
                                                      "num_speculative_tokens": 5}
 
 
+@pytest.mark.parametrize("aux", [LAYOUT, [0, 3, 8]])
+def test_printed_commands_pass_the_flag_lint(tmp_path, target, aux):
+    """`eyas doctor flags` (eyas.flags, another engineer's lint) accepts every launch command export prints."""
+    import shlex
+
+    flags = pytest.importorskip("eyas.flags", reason="the serve-flag lint lives in eyas.flags")
+    src = make_draft(tmp_path / "d", target, aux)
+    cases = [("vllm", LaunchParams(3)), ("speculators", LaunchParams(4)), ("sglang", LaunchParams(3)),
+             ("sglang", LaunchParams(5, 4, 24))]
+    for i, (fmt, lp) in enumerate(cases):
+        if fmt == "sglang" and 0 in aux:
+            continue  # refused at export (tested above)
+        res = export(src, fmt, tmp_path / f"{fmt}{i}", target, target="/models/tiny", launch=lp)
+        lint = flags.lint_serve_command(shlex.split(res.launch), res.path)
+        assert lint.ok, (res.launch, [c.to_dict() for c in lint.checks if c.status not in ("pass", "skip")])
+        assert any(c.name == "aux_ids" and c.status == "pass" for c in lint.checks)
+
+
 def test_cli_export_and_errors(tmp_path, target):
     src = make_draft(tmp_path / "d", target, LAYOUT)
     r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
