@@ -15,6 +15,8 @@ SGLang      draft config `eagle_config.eagle_aux_hidden_state_layer_ids` only; a
             (falls back to hidden_size)), so exactly 3 aux states; weights `fc.`, `midlayer.`, `norm.`,
             `lm_head.`, `d2t` (hot_token_id = d2t + arange), `t2d` ignored; `tie_word_embeddings: true`
             would make lm_head the embedding table, so exports write false.
+            SGLang's newer deepseek path shifts only when ids[0] == 1 (model-specific); exports target the
+            llama-family path above, which is what LlamaForCausalLMEagle3 drafts run with.
 SpecForge   trains and saves in SGLang's convention and names (configs/*-eagle3.json: `eagle_config`
             ids, default output-of ids [1, L//2-1, L-4]; `draft_vocab_size`, `LlamaForCausalLMEagle3`).
 vLLM        top-level `eagle_aux_hidden_state_layer_ids` first; if absent it falls back to
