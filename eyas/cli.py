@@ -328,6 +328,97 @@ def serve(
     srv.run(app_, host, port, log_level=log_level)
 
 
+@app.command()
+def generate(
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
+                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
+    messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
+                                 "or a path to such a file"),
+    raw: bool = typer.Option(False, "--raw", help="send --prompt as raw text, without the chat template"),
+    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
+    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
+    depth: int = typer.Option(4, "--depth", help="tree: draft depth"),
+    topk: int = typer.Option(4, "--topk", help="tree: children per expanded node and frontier width"),
+    tokens: int = typer.Option(16, "--tokens", help="tree: tokens verified per round, root included"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    seed: int = typer.Option(None, "--seed", help="sampling seed (reproducible output)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable); trimmed from the output"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
+    import sys
+
+    from .engine import Engine, SamplingParams, SpecParams, chat_input_ids, check_default_draft, resolve_draft
+    from .target import load_target
+
+    if (prompt is None) == (messages is None):
+        fail("pass exactly one of --prompt TEXT or --messages JSON")
+    if method is None:
+        method = "plain" if draft == "none" else "tree"
+    if method in ("tree", "chain") and draft == "none":
+        fail(f"--method {method} needs a draft: pass --draft PATH, 'default' or 'random', or use --method plain")
+    try:
+        msgs = None
+        if messages is not None:
+            src = Path(messages)
+            text = src.read_text() if len(messages) < 4096 and src.is_file() else messages
+            try:
+                msgs = json.loads(text)
+            except json.JSONDecodeError as e:
+                fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
+        spec = SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                stop=list(stop or []), seed=seed)
+        params.validate()
+        spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
+        if method != "plain":
+            check_default_draft(draft)
+        tgt = load_target(target, dtype=dtype, device=device)
+        ckpt = None if method == "plain" else resolve_draft(draft, tgt)
+        engine = Engine(tgt, ckpt, spec)
+        tok = tgt.tokenizer
+        if msgs is not None:
+            ids = chat_input_ids(tok, msgs)
+        elif raw:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = chat_input_ids(tok, [{"role": "user", "content": prompt}])
+        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
+        out: list[int] = []
+        shown = 0
+        for new in engine.stream(ids, params):
+            out += new
+            text = tok.decode(out, skip_special_tokens=True)
+            end = len(text) - hold
+            while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                end -= 1
+            if end > shown:
+                sys.stdout.write(text[shown:end])
+                sys.stdout.flush()
+                shown = end
+    except ValueError as e:  # EngineError, TargetError, DraftError, LayoutError, ModelError
+        fail(str(e))
+    res = engine.last_result
+    sys.stdout.write(res.text[shown:] + "\n")
+    st = res.stats
+    lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
+             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)"]
+    if method != "plain":
+        rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
+        per = max(st.rounds, 1)
+        lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
+        lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
+                     f"(draft share {st.draft_share:.0%})")
+    for line in lines:
+        typer.secho(line, fg="cyan", err=True)
+
+
 def main() -> None:
     app()
 

@@ -181,6 +181,30 @@ def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in out]
 
 
+def resolve_draft(spec: str, target: Target) -> DraftCheckpoint | None:
+    """--draft: a folder, 'default' (bundled), 'random' (untrained: plumbing only) or 'none'."""
+    from .draft import load_draft
+
+    if spec == "none":
+        return None
+    if spec == "random":
+        from .bench import random_draft
+
+        return random_draft(target)
+    check_default_draft(spec)
+    return load_draft(spec, device=target.device, dtype=target.dtype)
+
+
+def check_default_draft(spec: str) -> None:
+    """Fail before any model loads when --draft default is asked for but not shipped."""
+    from .draft import bundled_draft_path
+
+    if spec == "default" and not bundled_draft_path().is_dir():
+        raise EngineError(f"the bundled draft ({bundled_draft_path()}) is not shipped in this install yet: pass "
+                          "--draft PATH (an eyas draft folder, e.g. from `eyas train`), --draft random (untrained: "
+                          "the plumbing, not the speed) or --draft none with --method plain")
+
+
 def eos_token_ids(target: Target) -> set[int]:
     """Tokenizer eos plus every eos id in the model and generation configs (e.g. <|im_end|> = 2)."""
     ids: set[int] = set()
