@@ -263,10 +263,14 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
 
 
 def recorded_target(ckpt: DraftCheckpoint) -> str | None:
-    """The target spec a draft was made with: datagen/import write target_source, the trainer target.source."""
+    """The target spec a draft was made with: datagen/import write target_source, the trainer target.source;
+    else the layout's target name when it is a bundled target (its name is its spec)."""
+    from .target import BUNDLED
+
     m = ckpt.manifest
     t = m.get("target") if isinstance(m.get("target"), dict) else {}
-    return m.get("target_source") or t.get("source")
+    name = ckpt.layout.target.name if ckpt.layout.target is not None else ""
+    return m.get("target_source") or t.get("source") or (name if name in BUNDLED else None)
 
 
 def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:

@@ -550,7 +550,7 @@ def test_cli_round_trip_on_smollm2(tmp_path, smollm2):
         for p in d.parameters():
             p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
     d.set_vocab_map(torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:512].sort().values)
-    src = save_draft(tmp_path / "d", d, smollm2.default_layout(aux), extra={"target_source": "smollm2-135m"})
+    src = save_draft(tmp_path / "d", d, smollm2.default_layout(aux))  # no target_source: the bundled name is used
     orig = load_draft(src)
     want = {"sglang": ("eagle_config", [2, 15, 27]), "vllm": ("top", aux), "speculators": ("top", aux)}
     for fmt, (where, ids) in want.items():
