@@ -330,7 +330,10 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
             except Exception as e:  # safetensors raises several types on corrupt headers
                 raise ExportError(f"{f} is not a readable safetensors file ({e}); the checkpoint is corrupt") from e
     else:
-        pickles = sorted([*p.glob("*.bin"), *p.glob("*.pt"), *p.glob("*.pth")])
+        # the model's weights, not a trainer's leftovers (training_args.bin, optimizer.pt, rng_state.pth, ...)
+        pickles = sorted(p.glob("pytorch_model*.bin")) or sorted(
+            f for f in [*p.glob("*.bin"), *p.glob("*.pt"), *p.glob("*.pth")]
+            if not f.name.startswith(("training_args", "optimizer", "scheduler", "rng_state", "trainer_state")))
         if not pickles:
             raise ExportError(f"{p} holds no weights (*.safetensors, or pickled *.bin/*.pt)")
         if not allow_pickle:

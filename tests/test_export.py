@@ -373,6 +373,7 @@ def test_eagle_reference_pickle_needs_consent(tmp_path, target):
     cfg = ck.model.config.hf_config(None)  # reference configs carry no ids
     (ref / "config.json").write_text(json.dumps(cfg))
     torch.save(ck.model.state_dict(), ref / "pytorch_model.bin")
+    torch.save({"lr": 1e-4}, ref / "training_args.bin")  # a trainer's leftover: never read as weights
     with pytest.raises(ExportError, match="--allow-pickle"):
         import_draft(ref, target, tmp_path / "x", fmt="eagle", infer=False)
     r = import_draft(ref, target, tmp_path / "ok", fmt="eagle", allow_pickle=True, infer=False)
