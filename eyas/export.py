@@ -408,13 +408,9 @@ class ImportResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", allow_pickle: bool = False,
-                 aux_indices: list[int] | None = None, aux_ids: list[int] | None = None,
-                 ids_convention: str | None = None, infer: bool = True, infer_samples: list | None = None,
-                 command: str | None = None) -> ImportResult:
-    """A foreign draft folder -> an eyas draft at `out` for `target` (a loaded eyas Target).
-    Precedence for the layout: --aux-indices / --aux-ids (explicit) > the eyas-export manifest > the format's
-    reading of the config ids when unambiguous > the doctor's inference; anything else is an error."""
+def check_import_options(fmt: str, aux_indices: list[int] | None, aux_ids: list[int] | None,
+                         ids_convention: str | None) -> None:
+    """Option errors, raised before any target is loaded."""
     if fmt not in IMPORT_FORMATS:
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(IMPORT_FORMATS)}")
     if aux_indices is not None and aux_ids is not None:
@@ -424,6 +420,16 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
                           "numbers mean different layers in SGLang (output-of) and vLLM (input-of)")
     if ids_convention is not None and ids_convention not in ID_CONVENTIONS:
         raise ExportError(f"--ids-convention {ids_convention!r}: expected one of {', '.join(ID_CONVENTIONS)}")
+
+
+def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", allow_pickle: bool = False,
+                 aux_indices: list[int] | None = None, aux_ids: list[int] | None = None,
+                 ids_convention: str | None = None, infer: bool = True, infer_samples: list | None = None,
+                 command: str | None = None) -> ImportResult:
+    """A foreign draft folder -> an eyas draft at `out` for `target` (a loaded eyas Target).
+    Precedence for the layout: --aux-indices / --aux-ids (explicit) > the eyas-export manifest > the format's
+    reading of the config ids when unambiguous > the doctor's inference; anything else is an error."""
+    check_import_options(fmt, aux_indices, aux_ids, ids_convention)
     ident = target.identity
     L, Ht, V = ident.num_layers, ident.hidden_size, ident.vocab_size
     check_out(Path(out), "eyas-draft", Path(src))

@@ -536,6 +536,13 @@ def test_cli_export_and_errors(tmp_path, target):
     r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "sglang", "--out", str(tmp_path / "x"),
                                  "--steps", "1", "--draft-tokens", "16"])
     assert r.exit_code == 2 and "silently force 2" in r.output
+    # import option errors come before any target is loaded (the bogus --target proves it)
+    r = CliRunner().invoke(app, ["import", str(tmp_path / "o"), "--target", "/nowhere", "--out", str(tmp_path / "i"),
+                                 "--aux-ids", "0,2,5"])
+    assert r.exit_code == 2 and "--aux-ids needs --ids-convention" in r.output
+    r = CliRunner().invoke(app, ["import", str(tmp_path / "o"), "--target", "/nowhere", "--out", str(tmp_path / "i"),
+                                 "--aux-ids", "0,2,x", "--ids-convention", "sglang"])
+    assert r.exit_code == 2 and "comma-separated integers" in r.output
 
 
 # ---- the real bundled target, through the CLI ----------------------------------------------------
