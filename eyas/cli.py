@@ -161,12 +161,13 @@ def import_(
     """Import a foreign EAGLE-3 draft: ids translated into stream indices, shapes checked against the target."""
     import sys
 
-    from .export import import_draft, parse_ids
+    from .export import check_import_options, import_draft, parse_ids
     from .target import load_target
 
     try:
         idx = parse_ids(aux_indices, "--aux-indices")
         ids = parse_ids(aux_ids, "--aux-ids")
+        check_import_options(fmt, idx, ids, ids_convention)  # before the target loads
         tgt = load_target(target, dtype=dtype, device=device)
         res = import_draft(src, tgt, out, fmt=fmt, allow_pickle=allow_pickle, aux_indices=idx, aux_ids=ids,
                            ids_convention=ids_convention, infer=infer, command="eyas " + " ".join(sys.argv[1:]))
