@@ -33,6 +33,8 @@ from .formats import (
     ID_CONVENTIONS,
     IMPORT_FORMATS,
     FormatError,
+    IdsFound,
+    Readings,
     check_vocab_map,
     detect_format,
     draft_config_from,
@@ -408,6 +410,39 @@ class ImportResult:
     warnings: list[str] = field(default_factory=list)
 
 
+def _decide_layout(readings: Readings, foreign: Foreign, found: IdsFound, aux_indices: list[int] | None,
+                   aux_ids: list[int] | None, ids_convention: str | None, L: int,
+                   warnings: list[str]) -> tuple[list[int] | None, str | None]:
+    """(stream indices, what decided them) by precedence: explicit flags > the eyas-export manifest > an
+    unambiguous reading of the config ids; (None, None) when only inference or the user can decide."""
+    decided_by, stream = None, None
+    if aux_indices is not None or aux_ids is not None:
+        try:
+            stream = list(aux_indices) if aux_indices is not None else from_engine_ids(aux_ids, ids_convention, L)
+        except LayoutError as e:
+            raise ExportError(str(e)) from e
+        decided_by = ("--aux-indices" if aux_indices is not None
+                      else f"--aux-ids {aux_ids} --ids-convention {ids_convention}")
+        others = {n: s for n, s in readings.candidates.items() if s != stream}
+        if others and readings.preferred is not None and readings.preferred in others:
+            warnings.append(f"your override stream {stream} differs from the config's {readings.preferred} reading "
+                            f"{readings.candidates[readings.preferred]}; using your override")
+    elif foreign.eyas_export is not None:
+        stream = list(foreign.eyas_export["layout"]["aux_indices"])
+        decided_by = "eyas export manifest"
+        pref = readings.candidates.get(readings.preferred) if readings.preferred else None
+        if pref is not None and pref != stream:
+            raise ExportError(f"the config's ids ({found.to_dict()}) read as {readings.preferred} give stream {pref}, "
+                              f"but the eyas export manifest says stream {stream}: the folder was edited after "
+                              "export. Re-export it, or delete eyas_manifest.json to import by the config alone")
+    elif not readings.ambiguous and len(readings.candidates) == 1:
+        (decided_by, stream), = readings.candidates.items()
+    elif not readings.ambiguous and readings.preferred is not None:
+        decided_by, stream = readings.preferred, readings.candidates[readings.preferred]
+
+    return stream, decided_by
+
+
 def check_import_options(fmt: str, aux_indices: list[int] | None, aux_ids: list[int] | None,
                          ids_convention: str | None) -> None:
     """Option errors, raised before any target is loaded."""
@@ -452,9 +487,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
         raise ExportError(f"{src}: no fc.weight among the weights ({sorted(foreign.weights)[:10]}...); "
                           "not an EAGLE-3 draft")
     fc_in = int(sd["fc.weight"].shape[1])
-    declared = foreign.config.get("target_hidden_size")
-    if declared is None and isinstance(foreign.config.get("transformer_layer_config"), dict):
-        declared = foreign.config.get("target_hidden_size")
+    declared = foreign.config.get("target_hidden_size")  # top level in every format
     if declared is not None and int(declared) != Ht:
         raise ExportError(f"the draft declares target_hidden_size {declared} but the target's hidden size is {Ht}: "
                           "it was trained for another target")
@@ -466,31 +499,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     # -- the layout: explicit > eyas manifest > unambiguous config ids > inference
     readings = id_readings(found, "sglang" if fmt == "specforge" else fmt, L, explicit_format)
     notes += readings.notes
-    decided_by, stream = None, None
-    if aux_indices is not None or aux_ids is not None:
-        try:
-            stream = list(aux_indices) if aux_indices is not None else from_engine_ids(aux_ids, ids_convention, L)
-        except LayoutError as e:
-            raise ExportError(str(e)) from e
-        decided_by = ("--aux-indices" if aux_indices is not None
-                      else f"--aux-ids {aux_ids} --ids-convention {ids_convention}")
-        others = {n: s for n, s in readings.candidates.items() if s != stream}
-        if others and readings.preferred is not None and readings.preferred in others:
-            warnings.append(f"your override stream {stream} differs from the config's {readings.preferred} reading "
-                            f"{readings.candidates[readings.preferred]}; using your override")
-    elif foreign.eyas_export is not None:
-        stream = list(foreign.eyas_export["layout"]["aux_indices"])
-        decided_by = "eyas export manifest"
-        pref = readings.candidates.get(readings.preferred) if readings.preferred else None
-        if pref is not None and pref != stream:
-            raise ExportError(f"the config's ids ({found.to_dict()}) read as {readings.preferred} give stream {pref}, "
-                              f"but the eyas export manifest says stream {stream}: the folder was edited after "
-                              "export. Re-export it, or delete eyas_manifest.json to import by the config alone")
-    elif not readings.ambiguous and len(readings.candidates) == 1:
-        (decided_by, stream), = readings.candidates.items()
-    elif not readings.ambiguous and readings.preferred is not None:
-        decided_by, stream = readings.preferred, readings.candidates[readings.preferred]
-
+    stream, decided_by = _decide_layout(readings, foreign, found, aux_indices, aux_ids, ids_convention, L, warnings)
     if n_aux != (len(stream) if stream is not None else n_aux):
         raise ExportError(f"fc.weight takes {n_aux} x {Ht} inputs but the layout has {len(stream)} indices {stream}")
     cfg = draft_config_from(foreign.config, sd, n_aux, notes)
