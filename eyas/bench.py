@@ -141,11 +141,16 @@ def save_random_draft(target: Target, path: str | Path, draft_vocab: int = 8192,
 def resolve_draft(spec: str, target: Target) -> DraftCheckpoint:
     if spec == "random":
         return random_draft(target)
+    check_draft_spec(spec)
+    return load_draft(spec, device=target.device, dtype=target.dtype)
+
+
+def check_draft_spec(spec: str) -> None:
+    """Fail before any model loads when the bundled draft is asked for but not shipped."""
     if spec == "default" and not bundled_draft_path().is_dir():
         raise BenchError(f"the bundled draft ({bundled_draft_path()}) is not shipped yet: pass --draft PATH (an eyas "
                          "draft folder), --draft random (an untrained draft: the plumbing, not the speed), or "
                          "--methods hf-greedy,plain,hf-lookup to skip the speculative methods")
-    return load_draft(spec, device=target.device, dtype=target.dtype)
 
 
 def draft_summary(ckpt: DraftCheckpoint | None, spec: str) -> dict[str, Any] | None:
@@ -602,6 +607,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     if cfg.max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
+    if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
+        check_draft_spec(cfg.draft)
     target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)
@@ -655,6 +662,7 @@ def setting_label(s: dict[str, Any]) -> str:
 
 
 def setting_flags(s: dict[str, Any]) -> str:
+    """The setting as `eyas bench`/`eyas generate` flags (bench takes --methods, generate --method)."""
     if s["method"] == "chain":
         return f"--steps {s['steps']}"
     return f"--depth {s['depth']} --topk {s['topk']} --tokens {s['tokens']}"
@@ -708,7 +716,10 @@ def render_sweep(results: dict[str, Any]) -> None:
     if best:
         con.print(f"[bold]fastest: {best['label']}[/bold] {best['tok_s']:.1f} tok/s "
                   f"({_fmt(best['speedup_vs_plain'], '.2f', 'x')} vs plain, tau {_fmt(best['tau'])})")
-        con.print(f"use it: {best['command']}")
+        con.print(f"use it: {best['command']}\n        {best['generate_command']}")
+        plain = next((r for r in results["settings"] if r["method"] == "plain"), None)
+        if plain and plain["tok_s"] >= best["tok_s"]:
+            con.print("[yellow]plain decoding was faster than every speculative setting here[/yellow]")
         if not best["lossless"]:
             con.print("[red]no setting reproduced plain greedy on every prompt (expected in fp32; in bf16 batched "
                       "verification can round differently): check the '= plain' column[/red]")
@@ -725,6 +736,8 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         torch.set_num_threads(cfg.threads)
     n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
     prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
+    if draft is None:
+        check_draft_spec(cfg.draft)
     target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     draft = draft or resolve_draft(cfg.draft, target)
     end_ids = stop_ids(target)
@@ -762,7 +775,9 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         flags = setting_flags(best)
         best = {**best, "lossless": bool(lossless),
                 "command": f"eyas bench --bench {cfg.bench} --methods {best['method']} {flags} --draft {cfg.draft} "
-                           f"--dtype {cfg.dtype} --device {cfg.device}  (eyas generate: {flags})"}
+                           f"--dtype {cfg.dtype} --device {cfg.device}",
+                "generate_command": f"eyas generate --method {best['method']} {flags} --draft {cfg.draft} "
+                                    f"--dtype {cfg.dtype} --device {cfg.device} --prompt ..."}
     results = {
         "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
         "config": cfg.to_dict(),

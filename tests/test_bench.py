@@ -208,6 +208,7 @@ def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path)
     assert all("tokens" in r["error"] for r in res["refused"])
     assert all(r["identical"] == r["compared"] == 1 for r in res["settings"] if r["method"] != "plain")
     assert res["best"]["method"] != "plain" and res["best"]["command"].startswith("eyas bench")
+    assert f"--method {res['best']['method']}" in res["best"]["generate_command"] and res["best"]["lossless"]
     assert (tmp_path / "sw" / "sweep.png").exists() and (tmp_path / "sw" / "sweep.json").exists()
 
 
@@ -234,5 +235,6 @@ def test_cli_errors_are_clean(tmp_path):
     bad.write_text('{"prompt": "x"}\n{oops\n')
     r = CliRunner().invoke(app, ["bench", "--bench", str(bad), "--target", "/nonexistent-target"])
     assert r.exit_code == 2 and "line 2 is not valid JSON" in r.output  # prompts are checked before any load
-    r = CliRunner().invoke(app, ["bench", "--bench", "humaneval", "--target", str(tmp_path / "nope")])
+    r = CliRunner().invoke(app, ["bench", "--bench", "humaneval", "--methods", "plain", "--target",
+                                 str(tmp_path / "nope")])
     assert r.exit_code == 2 and "not a bundled name" in r.output
