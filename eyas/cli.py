@@ -420,6 +420,76 @@ def generate(
         typer.secho(line, fg="cyan", err=True)
 
 
+# ---- eyas doctor (eyas/doctor.py, eyas/flags.py) --------------------------------------------------
+doctor_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                         help="Find every wiring fault between target, data, draft and serving flags.")
+app.add_typer(doctor_app, name="doctor")
+
+
+@doctor_app.callback(invoke_without_command=True)
+def doctor(
+    ctx: typer.Context,
+    target: str = TargetOpt,
+    draft: str = typer.Option(None, "--draft", help="eyas draft folder (or 'default')"),
+    data: list[Path] = typer.Option(None, "--data", help="shard folder(s): stored features (training path), "
+                                    "compared with fresh captures of the same held-out tokens"),
+    data_source: str = typer.Option(None, "--data-source", help="conversations for the serving path without "
+                                    "--data: sharegpt | ShareGPT/OpenAI JSON(L) path (default: the training source)"),
+    samples: int = typer.Option(8, "--samples", help="samples to measure on"),
+    max_len: int = typer.Option(512, "--max-len", help="tokens per sample at most"),
+    steps: int = typer.Option(None, "--steps", help="TTT steps of the accuracy check (default: the training run's)"),
+    heldout_pct: float = typer.Option(None, "--heldout-pct", help="held-out split (default: the training run's)"),
+    quick: bool = typer.Option(False, "--quick", help="identity and config checks only (no target forward)"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """Check the target, data, draft and config.json from measurements; exit 0 only when every check passes.
+    Subcommands: `flags` (lint a serve command), `trace` (one prompt through the serving path)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .doctor import render, run_doctor
+    from .draft import load_draft
+    from .target import load_target
+
+    if draft is None:
+        fail("--draft is required: the eyas draft folder to check (or 'default'); see `eyas doctor --help`")
+    try:
+        tgt = load_target(target, dtype=dtype, device=device)
+        ck = load_draft(draft, device=device)
+        rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples, max_len=max_len,
+                         steps=steps, heldout_pct=heldout_pct, quick=quick)
+    except ValueError as e:  # DoctorError, DraftError, TargetError, LayoutError, ShardError, DataError
+        fail(str(e))
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=2, default=str))
+    else:
+        render(rep)
+    raise typer.Exit(rep.exit_code)
+
+
+@doctor_app.command("flags", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def doctor_flags(
+    draft: Path = typer.Option(..., "--draft", help="the draft folder the server loads (its config.json)"),
+    num_layers: int = typer.Option(None, "--num-layers", help="target layer count (only for non-eyas drafts)"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    command: list[str] = typer.Argument(None, help="after --: an SGLang launch command, a vLLM serve command, "
+                                        "or a --speculative-config JSON"),
+) -> None:
+    """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
+    from .flags import jsonable, lint_serve_command, render_lint
+
+    try:
+        lint = lint_serve_command(list(command or []), draft, num_layers)
+    except ValueError as e:  # FlagsError, LayoutError
+        fail(str(e))
+    if json_out:
+        typer.echo(json.dumps(jsonable(lint.to_dict()), indent=2))
+    else:
+        render_lint(lint)
+    raise typer.Exit(0 if lint.ok else 1)
+
+
 def main() -> None:
     app()
 

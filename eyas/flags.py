@@ -1,0 +1,592 @@
+"""`eyas doctor flags`: lint an SGLang launch command, a `vllm serve` command or a vLLM
+`--speculative-config` JSON against an EAGLE-3 draft folder, and print the corrected command.
+
+Aux-layer ids never travel in flags: both engines read them from the draft folder's config.json.
+So the lint reads that file exactly as each engine does (`engine_views`) and compares what the
+engine will capture with the layout the draft was trained on (the eyas manifest). Every rule is a
+fact read in the engines' code; the file is cited at each rule. Pure parsing: no model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .layout import LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
+
+STATUSES = ("pass", "warn", "fail", "skip")
+
+
+class FlagsError(ValueError):
+    """The command or the draft folder cannot be read; the message says what was expected."""
+
+
+@dataclass
+class Check:
+    """One named doctor result: status, the measured numbers behind it, and the fix."""
+
+    name: str
+    status: str  # pass | warn | fail | skip
+    summary: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+    details: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"check status {self.status!r} is not one of {STATUSES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- the draft folder as the engines read it ----------------------------------------------------
+
+@dataclass
+class DraftInfo:
+    path: Path
+    config: dict[str, Any]  # config.json, what the engines read
+    layout: list[int] | None  # stream indices the draft was trained on (eyas manifest); None if unknown
+    num_layers: int | None  # target layer count
+    target_hidden: int | None
+    is_eagle3: bool
+
+
+def read_draft_dir(path: str | Path, num_layers: int | None = None) -> DraftInfo:
+    p = Path(path)
+    cfg_path = p / "config.json"
+    if not cfg_path.is_file():
+        raise FlagsError(f"--draft {p}: no config.json there. Expected a draft folder (an eyas draft, or an "
+                         "SGLang/vLLM EAGLE-3 checkpoint) — the engines read their aux ids from that file.")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise FlagsError(f"{cfg_path} is not valid JSON ({e})") from e
+    layout = None
+    target_hidden = None
+    man = p / "eyas_manifest.json"
+    if man.is_file():
+        m = json.loads(man.read_text())
+        lay = m.get("layout") or {}
+        layout = [int(k) for k in lay.get("aux_indices", [])] or None
+        t = lay.get("target") or {}
+        if num_layers is None and t.get("num_layers"):
+            num_layers = int(t["num_layers"])
+        target_hidden = t.get("hidden_size")
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    eagle_cfg = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    is_eagle3 = (man.is_file() or any("eagle3" in a.lower() for a in archs)
+                 or "eagle_aux_hidden_state_layer_ids" in cfg or "eagle_aux_hidden_state_layer_ids" in eagle_cfg
+                 or str(cfg.get("speculators_model_type", "")).lower() == "eagle3")
+    return DraftInfo(path=p, config=cfg, layout=layout, num_layers=num_layers, target_hidden=target_hidden,
+                     is_eagle3=is_eagle3)
+
+
+@dataclass
+class EngineView:
+    """What one engine captures for this draft: stream indices, or None = no aux capture (final state only)."""
+
+    engine: str
+    indices: list[int] | None
+    source: str  # how the engine arrived at them
+    when: str = ""  # the engine versions this applies to ('' = all)
+
+
+def _ids(x: Any) -> list[int] | None:
+    return [int(v) for v in x] if isinstance(x, (list, tuple)) and len(x) > 0 else None
+
+
+def engine_views(cfg: dict[str, Any], engine: str, num_layers: int) -> list[EngineView]:
+    """Read a draft config.json as `engine` does. More than one view means engine versions disagree."""
+    L = num_layers
+    eagle_cfg = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    nested = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids"))
+    top = _ids(cfg.get("eagle_aux_hidden_state_layer_ids"))
+    default = default_aux_indices(L)
+    if eagle_cfg.get("use_aux_hidden_state") is False:
+        # sglang/srt/speculative/eagle_worker.py: eagle_use_aux_hidden_state = eagle_config.get(
+        # "use_aux_hidden_state", True); vllm (v1 eagle proposer, vllm-ascend) reads the same key.
+        return [EngineView(engine, None, "eagle_config.use_aux_hidden_state is false: no aux capture, the "
+                                         "draft gets the final 1xH state")]
+
+    def conv(ids: list[int], eng: str, what: str) -> tuple[list[int] | None, str]:
+        try:
+            return from_engine_ids(ids, eng, L), what
+        except LayoutError as e:
+            return None, f"{what}: {str(e).split(';')[0]} — the engine fails to start or captures garbage"
+
+    if engine == "sglang":
+        # sglang/srt/models/llama.py set_eagle3_layers_to_capture: layers_to_capture = [id + 1 for id in
+        # layer_ids] (ids mean "output of layer id"); layer_ids=None -> [2, L//2, L-3] as capture points.
+        if nested is not None:
+            idx, src = conv(nested, "sglang", f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (+1)")
+            return [EngineView(engine, idx, src)]
+        if top is not None:
+            # newer SGLang (eagle aux-id helper) also reads top-level ids when eagle_config has none, and
+            # still adds +1; older SGLang ignores them and applies its default.
+            idx, src = conv(top, "sglang", f"top-level eagle_aux_hidden_state_layer_ids {top} (+1)")
+            dflt = to_engine_ids(default, "sglang", L)
+            return [EngineView(engine, idx, src, "newer SGLang (reads top-level ids when eagle_config has none)"),
+                    EngineView(engine, default, f"no eagle_config ids: SGLang default {dflt}",
+                               "older SGLang (reads eagle_config only)")]
+        return [EngineView(engine, default, f"no ids in config.json: SGLang default "
+                                            f"{to_engine_ids(default, 'sglang', L)} (output-of)")]
+    if engine == "vllm":
+        # vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config: top-level ids, used as
+        # "input of layer id" (models/llama.py appends hidden_states + residual before layer idx);
+        # none -> model default get_eagle3_aux_hidden_state_layers() = (2, L//2, L-3).
+        if top is not None:
+            idx, src = conv(top, "vllm", f"top-level eagle_aux_hidden_state_layer_ids {top} (as-is)")
+            return [EngineView(engine, idx, src)]
+        views = [EngineView(engine, default, f"no top-level ids: vLLM default {default} (input-of)",
+                            "vLLM builds that read top-level ids only" if nested is not None else "")]
+        if nested is not None:
+            # some vLLM model runners (e.g. vllm-ascend) fall back to eagle_config ids, used as-is (no +1)
+            idx, src = conv(nested, "vllm", f"eagle_config ids {nested} used as-is (no +1)")
+            views.append(EngineView(engine, idx, src, "vLLM builds that fall back to eagle_config ids"))
+        return views
+    raise FlagsError(f"engine {engine!r}: expected 'sglang' or 'vllm'")
+
+
+def config_fix(engine: str, layout: list[int], num_layers: int) -> str:
+    """The config.json edit that pins `layout` for `engine` (ids in that engine's own convention)."""
+    if engine == "sglang":
+        try:
+            ids = to_engine_ids(layout, "sglang", num_layers)
+        except LayoutError:
+            return (f"SGLang cannot capture stream {layout} (its ids mean output-of, so neither the embedding 0 nor "
+                    f"the final state {num_layers} is expressible): serve this draft with vLLM or eyas, or retrain")
+        return (f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {ids}, "use_aux_hidden_state": true}} '
+                f"in the draft's config.json (SGLang ids mean output-of: stream {layout} - 1)")
+    return (f'set top-level "eagle_aux_hidden_state_layer_ids": {to_engine_ids(layout, "vllm", num_layers)} '
+            "in the draft's config.json (vLLM ids mean input-of = eyas stream indices)")
+
+
+# ---- command parsing ----------------------------------------------------------------------------
+
+# SGLang's parser is argparse (sglang/srt/server_args.py ServerArgs.add_cli_args), which also accepts
+# unambiguous prefixes (--speculative-algo). The speculative options, for prefix resolution:
+SGLANG_OPTIONS = {
+    "--speculative-algorithm": "algorithm",
+    "--speculative-draft-model-path": "draft_path",
+    "--speculative-draft-model-revision": "draft_revision",
+    "--speculative-draft-load-format": "draft_load_format",
+    "--speculative-draft-attention-backend": "draft_attention_backend",
+    "--speculative-num-steps": "steps",
+    "--speculative-eagle-topk": "topk",
+    "--speculative-num-draft-tokens": "draft_tokens",
+    "--speculative-accept-threshold-single": "accept_single",
+    "--speculative-accept-threshold-acc": "accept_acc",
+    "--speculative-token-map": "token_map",
+    "--model-path": "model",
+    "--model": "model",  # alias of --model-path
+}
+# sglang/srt/server_args.py auto_choose_speculative_params: (steps, topk, draft tokens) when none is given
+SGLANG_AUTO_PARAMS = (5, 4, 8)
+
+
+@dataclass
+class ServeCommand:
+    engine: str  # sglang | vllm
+    argv: list[str]
+    opts: dict[str, str]  # key -> value as written
+    spellings: dict[str, str]  # key -> the option spelling used (for abbreviations)
+    spec_config: dict[str, Any] | None = None  # vLLM --speculative-config
+    json_only: bool = False  # the input was a bare --speculative-config JSON
+    notes: list[str] = field(default_factory=list)
+
+
+def _resolve_sglang(opt: str) -> tuple[str | None, list[str]]:
+    if opt in SGLANG_OPTIONS:
+        return opt, [opt]
+    matches = [o for o in SGLANG_OPTIONS if o.startswith(opt) and o != "--model"]
+    return (matches[0] if len(matches) == 1 else None), matches
+
+
+def parse_serve_command(argv: list[str]) -> ServeCommand:
+    """argv: an SGLang launch command, a vLLM serve command, or one --speculative-config JSON string."""
+    if len(argv) == 1 and not argv[0].lstrip().startswith("{"):
+        argv = shlex.split(argv[0])  # the whole command given as one quoted string
+    if not argv:
+        raise FlagsError("no serve command given: pass it after `--`, e.g. `eyas doctor flags --draft D -- "
+                         "python -m sglang.launch_server --model-path M --speculative-algorithm EAGLE3 ...`")
+    if len(argv) == 1 and argv[0].lstrip().startswith("{"):
+        return ServeCommand("vllm", argv, {}, {}, spec_config=_parse_json(argv[0]), json_only=True)
+    text = " ".join(argv)
+    if "sglang" in text or any(a.startswith("--speculative-algo") or a.startswith("--speculative-eagle")
+                               for a in argv):
+        return _parse_sglang(argv)
+    if "vllm" in text or any(a.startswith("--speculative-config") or a.startswith("--speculative_config")
+                             for a in argv):
+        return _parse_vllm(argv)
+    raise FlagsError(f"cannot tell which engine this command starts: {text[:200]!r}. Expected an SGLang "
+                     "launch (python -m sglang.launch_server ...), a vLLM serve command (vllm serve ...), or "
+                     "a --speculative-config JSON object")
+
+
+def _parse_json(s: str) -> dict[str, Any]:
+    try:
+        d = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise FlagsError(f"--speculative-config is not valid JSON ({e}): {s[:200]!r}. Quote it for the shell: "
+                         "--speculative-config '{\"method\": \"eagle3\", ...}'") from e
+    if not isinstance(d, dict):
+        raise FlagsError(f"--speculative-config must be a JSON object, found {type(d).__name__}")
+    return d
+
+
+def _parse_sglang(argv: list[str]) -> ServeCommand:
+    opts: dict[str, str] = {}
+    spell: dict[str, str] = {}
+    notes: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--"):
+            name, eq, val = a.partition("=")
+            full, matches = _resolve_sglang(name)
+            if full is None and len(matches) > 1:
+                notes.append(f"`{name}` is an ambiguous abbreviation for SGLang's argparse (matches "
+                             f"{', '.join(matches)}); current SGLang refuses it — write the full option")
+                full = "--speculative-draft-model-path" if "--speculative-draft-model-path" in matches else None
+            if full is not None:
+                key = SGLANG_OPTIONS[full]
+                if not eq:
+                    val = argv[i + 1] if i + 1 < len(argv) else ""
+                    i += 1
+                opts[key] = val
+                spell[key] = name
+        i += 1
+    return ServeCommand("sglang", list(argv), opts, spell, notes=notes)
+
+
+def _parse_vllm(argv: list[str]) -> ServeCommand:
+    opts: dict[str, str] = {}
+    spell: dict[str, str] = {}
+    spec: dict[str, Any] | None = None
+    dotted: dict[str, Any] = {}
+    if "serve" in argv:
+        k = argv.index("serve")
+        if k + 1 < len(argv) and not argv[k + 1].startswith("-"):
+            opts["model"] = argv[k + 1]
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        norm = name.replace("_", "-")
+        if norm.startswith("--speculative-config"):
+            if not eq:
+                val = argv[i + 1] if i + 1 < len(argv) else ""
+                i += 1
+            if norm == "--speculative-config":
+                spec = _parse_json(val)
+                spell["spec"] = name
+            else:  # vLLM also takes --speculative-config.key value
+                key = norm[len("--speculative-config."):].replace("-", "_")
+                dotted[key] = _scalar(val)
+        elif norm == "--model":
+            if not eq:
+                val = argv[i + 1] if i + 1 < len(argv) else ""
+                i += 1
+            opts["model"] = val
+        i += 1
+    if dotted:
+        spec = {**(spec or {}), **dotted}
+    return ServeCommand("vllm", list(argv), opts, spell, spec_config=spec)
+
+
+def _scalar(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def _int(cmd: ServeCommand, key: str) -> int | None:
+    v = cmd.opts.get(key)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError as e:
+        raise FlagsError(f"{cmd.spellings.get(key, key)} {v!r}: expected an integer") from e
+
+
+# ---- the lint -------------------------------------------------------------------------------------
+
+@dataclass
+class FlagLint:
+    engine: str
+    checks: list[Check]
+    corrected: list[str]  # the corrected command (argv), or [json] for a bare speculative config
+    config_edits: list[str]  # config.json edits the command cannot carry
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status in ("pass", "skip") for c in self.checks)
+
+    def corrected_text(self) -> str:
+        if len(self.corrected) == 1 and self.corrected[0].startswith("{"):
+            return self.corrected[0]
+        return " ".join(shlex.quote(a) for a in self.corrected)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "ok": self.ok, "checks": [c.to_dict() for c in self.checks],
+                "corrected": self.corrected_text(), "config_edits": self.config_edits}
+
+
+def _set_opt(argv: list[str], spellings: list[str], canonical: str, value: str) -> list[str]:
+    """Replace the value of an option (any of its spellings, `--x v` or `--x=v`), or append it."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        name, eq, _ = a.partition("=")
+        if name in spellings:
+            if eq:
+                out[i] = f"{canonical}={value}"
+            else:
+                out[i] = canonical
+                if i + 1 < len(out):
+                    out[i + 1] = value
+                else:
+                    out.append(value)
+            return out
+    return out + [canonical, value]
+
+
+def _ids_check(info: DraftInfo, engine: str) -> tuple[Check, str | None]:
+    """Compare what `engine` will capture (from config.json) with the trained layout."""
+    L = info.num_layers
+    if L is None:
+        return Check("aux_ids", "warn", f"cannot tell which layers {engine} captures: the target's layer count "
+                     "is unknown (no eyas manifest in the draft folder)",
+                     fix="pass --num-layers L (the target's num_hidden_layers)"), None
+    views = engine_views(info.config, engine, L)
+    nums: dict[str, Any] = {"views": [asdict(v) for v in views], "trained": info.layout, "num_layers": L}
+    lines = [f"{v.when or 'all versions'}: {v.source} -> "
+             f"{'final state only' if v.indices is None else f'stream {v.indices}'}" for v in views]
+    if info.layout is None:
+        return Check("aux_ids", "warn", f"{engine} will capture " + "; ".join(lines) + ", but the draft folder "
+                     "does not record which layout it was trained on", numbers=nums, details=lines,
+                     fix="run `eyas doctor --target T --draft D` (layout inference) to measure the true layout"), None
+    bad = [v for v in views if v.indices != info.layout]
+    if not bad:
+        return Check("aux_ids", "pass", f"{engine} captures stream {info.layout} = the trained layout "
+                     f"({views[0].source})", numbers=nums, details=lines), None
+    fix = config_fix(engine, info.layout, L)
+    why = []
+    for v in bad:
+        if v.indices is None:
+            why.append(f"{v.when or engine}: {v.source}")
+            continue
+        kind = ""
+        if [k - 1 for k in v.indices] == info.layout or [k + 1 for k in v.indices] == info.layout:
+            other = "vLLM (input-of)" if engine == "sglang" else "SGLang (output-of)"
+            kind = f" — off by one: ids written in {other}'s convention"
+        elif v.indices == default_aux_indices(L):
+            kind = " — the engine default, not what the draft was trained on"
+        why.append(f"{v.when or engine}: {v.source} -> stream {v.indices}, trained on {info.layout}{kind}")
+    status = "fail" if len(bad) == len(views) or any(v.indices is None for v in bad) else "warn"
+    if status == "warn":
+        why.append("which one applies depends on the engine version: pin the ids explicitly")
+    return Check("aux_ids", status, f"{engine} will not capture the trained layout {info.layout}: " + why[0],
+                 numbers=nums, fix=fix, details=why), fix
+
+
+def lint_serve_command(argv: list[str], draft_dir: str | Path, num_layers: int | None = None) -> FlagLint:
+    cmd = parse_serve_command(argv)
+    info = read_draft_dir(draft_dir, num_layers)
+    if cmd.engine == "sglang":
+        return _lint_sglang(cmd, info)
+    return _lint_vllm(cmd, info)
+
+
+def _spellings(cmd: ServeCommand, key: str) -> list[str]:
+    return [s for s, k in SGLANG_OPTIONS.items() if k == key] + [cmd.spellings.get(key, "")]
+
+
+def _lint_sglang(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
+    checks: list[Check] = []
+    argv = list(cmd.argv)
+    for n in cmd.notes:
+        checks.append(Check("option_spelling", "warn", n, fix="use the full option names (corrected command)"))
+    # canonicalise abbreviations in the corrected command
+    for key, used in cmd.spellings.items():
+        full = next(s for s, k in SGLANG_OPTIONS.items() if k == key)
+        if used != full and key != "model":
+            argv = [full + a[len(used):] if a == used or a.startswith(used + "=") else a for a in argv]
+
+    # 1. algorithm. sglang/srt/speculative/eagle_worker.py: only EAGLE3 calls the target's
+    # set_eagle3_layers_to_capture; with EAGLE the draft gets the target's final (post-norm) 1xH state,
+    # and llama_eagle3.py skips fc when the width equals hidden_size, so it runs on the wrong input silently.
+    algo = (cmd.opts.get("algorithm") or "").upper()
+    if info.is_eagle3:
+        if algo == "EAGLE3":
+            checks.append(Check("algorithm", "pass", "--speculative-algorithm EAGLE3 for an EAGLE-3 draft"))
+        else:
+            what = f"--speculative-algorithm {algo}" if algo else "no --speculative-algorithm (no speculation)"
+            checks.append(Check(
+                "algorithm", "fail",
+                f"{what} for an EAGLE-3 draft: only EAGLE3 turns on aux hidden-state capture; "
+                + ("with EAGLE the draft silently gets the final 1xH state instead of the "
+                   f"{len(info.layout or [0, 0, 0])}xH concatenation and acceptance collapses" if algo == "EAGLE"
+                   else "the draft is not used as an EAGLE-3 head"),
+                numbers={"algorithm": algo or None}, fix="--speculative-algorithm EAGLE3"))
+            argv = _set_opt(argv, _spellings(cmd, "algorithm"), "--speculative-algorithm", "EAGLE3")
+    # 2. steps/topk/draft tokens. sglang/srt/server_args.py _handle_speculative_decoding: with none given,
+    # auto_choose_speculative_params picks (5, 4, 8); steps missing while topk/draft tokens are given is an
+    # assertion; with topk == 1, num_draft_tokens != steps + 1 is rewritten to steps + 1 with only a warning.
+    steps, topk, ntok = _int(cmd, "steps"), _int(cmd, "topk"), _int(cmd, "draft_tokens")
+    nums = {"steps": steps, "topk": topk, "draft_tokens": ntok}
+    if steps is None and topk is None and ntok is None:
+        s, k, n = SGLANG_AUTO_PARAMS
+        checks.append(Check("draft_shape", "warn", f"no --speculative-num-steps/--speculative-eagle-topk/"
+                            f"--speculative-num-draft-tokens: SGLang picks ({s}, {k}, {n}) by target architecture "
+                            "(auto_choose_speculative_params); measure and set them", numbers=nums,
+                            fix=f"--speculative-num-steps {s} --speculative-eagle-topk {k} "
+                                f"--speculative-num-draft-tokens {n} (then tune)"))
+    elif steps is None:
+        checks.append(Check("draft_shape", "fail", "--speculative-eagle-topk/--speculative-num-draft-tokens given "
+                            "without --speculative-num-steps: SGLang asserts all three are unset when steps is "
+                            "unset (server_args.py)", numbers=nums, fix="add --speculative-num-steps"))
+    elif topk == 1 and ntok is not None and ntok != steps + 1:
+        checks.append(Check(
+            "draft_shape", "fail",
+            f"--speculative-eagle-topk 1 with --speculative-num-draft-tokens {ntok} != steps + 1 = {steps + 1}: "
+            f"SGLang silently rewrites num_draft_tokens to {steps + 1} (only a log warning), so the server "
+            f"verifies {steps + 1} tokens, not {ntok}", numbers=nums,
+            fix=f"--speculative-num-draft-tokens {steps + 1} (what SGLang runs), or --speculative-num-steps "
+                f"{ntok - 1} for a chain of {ntok - 1} drafted tokens"))
+        argv = _set_opt(argv, _spellings(cmd, "draft_tokens"), "--speculative-num-draft-tokens", str(steps + 1))
+    elif topk is not None and ntok is not None and ntok - 1 > topk + (steps - 1) * topk * topk:
+        # sglang/srt/speculative/eagle_utils.py organize_draft_results: top (num_draft_tokens - 1) of the
+        # topk + (steps - 1) * topk^2 scored candidates, plus the root
+        most = 1 + topk + (steps - 1) * topk * topk
+        checks.append(Check("draft_shape", "fail", f"--speculative-num-draft-tokens {ntok} exceeds the {most} nodes "
+                            f"a tree of {steps} steps and top-k {topk} can hold", numbers=nums,
+                            fix=f"--speculative-num-draft-tokens {most} or fewer"))
+    else:
+        checks.append(Check("draft_shape", "pass", f"steps {steps}, topk {topk}, draft tokens {ntok}: consistent",
+                            numbers=nums))
+    # 3. draft path vs the folder linted
+    _path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
+    # 4. aux ids, read from the draft config.json as SGLang does
+    ids_check, edit = _ids_check(info, "sglang")
+    checks.append(ids_check)
+    return FlagLint("sglang", checks, argv, [edit] if edit else [])
+
+
+def _path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: str) -> None:
+    if path is None:
+        checks.append(Check("draft_path", "fail", f"no {flag}: the server has no draft to load",
+                            fix=f"{flag} {info.path}"))
+    elif Path(path).exists() and Path(path).resolve() != info.path.resolve():
+        checks.append(Check("draft_path", "warn", f"the command loads {path}, but the folder linted is {info.path}; "
+                            "the config.json findings below are about the latter", fix=f"{flag} {info.path}"))
+    else:
+        checks.append(Check("draft_path", "pass", f"draft {path}"))
+
+
+def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
+    checks: list[Check] = []
+    spec = dict(cmd.spec_config or {})
+    if cmd.spec_config is None:
+        checks.append(Check("speculative_config", "fail", "no --speculative-config: vLLM runs without speculation",
+                            fix=f"--speculative-config '{{\"method\": \"eagle3\", \"model\": \"{info.path}\", "
+                                "\"num_speculative_tokens\": 3}'"))
+        spec = {"model": str(info.path), "num_speculative_tokens": 3}
+    # 1. method. vllm/config/speculative.py SpeculativeConfig.__post_init__: without "method" the method
+    # is guessed from the model path: "eagle-" in the lower-cased path -> "eagle" (EAGLE-1: no aux capture),
+    # then "eagle3" -> "eagle3", otherwise a plain draft model. Only "eagle3" turns on aux capture.
+    method = spec.get("method")
+    model = str(spec.get("model") or "")
+    if info.is_eagle3:
+        if method == "eagle3":
+            checks.append(Check("method", "pass", 'method "eagle3" set explicitly'))
+        else:
+            if method is None:
+                low = model.lower()
+                guess = "eagle" if "eagle-" in low else "eagle3" if "eagle3" in low else "draft_model"
+                status = "warn" if guess == "eagle3" else "fail"
+                summary = (f'no "method": vLLM guesses it from the model path {model!r} -> "{guess}"'
+                           + ("" if guess == "eagle3" else ": wrong for an EAGLE-3 draft (no aux capture)")
+                           + ("; set it explicitly — renaming the folder changes the method" if guess == "eagle3"
+                              else ""))
+            else:
+                status = "fail"
+                summary = (f'method "{method}" for an EAGLE-3 draft: only "eagle3" captures aux hidden states'
+                           + ("; with \"eagle\" the draft gets the final 1xH state" if method == "eagle" else ""))
+            checks.append(Check("method", status, summary, numbers={"method": method}, fix='"method": "eagle3"'))
+            spec["method"] = "eagle3"
+    if "num_speculative_tokens" not in spec:
+        checks.append(Check("num_speculative_tokens", "warn", "no num_speculative_tokens: vLLM takes it from the "
+                            "draft config (n_predict) or refuses to start", fix='"num_speculative_tokens": 3'))
+        spec["num_speculative_tokens"] = 3
+    _path_check(checks, model or None, info, '"model" in --speculative-config')
+    if not model:
+        spec["model"] = str(info.path)
+    ids_check, edit = _ids_check(info, "vllm")
+    checks.append(ids_check)
+    new_json = json.dumps(spec)
+    if cmd.json_only:
+        corrected = [new_json]
+    else:
+        argv = _drop_dotted(cmd.argv)  # the dotted form is folded into the one JSON
+        corrected = _set_opt(argv, [cmd.spellings.get("spec", "--speculative-config"), "--speculative-config",
+                                    "--speculative_config"], "--speculative-config", new_json)
+    return FlagLint("vllm", checks, corrected, [edit] if edit else [])
+
+
+def _drop_dotted(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = a.partition("=")
+        if name.replace("_", "-").startswith("--speculative-config."):
+            skip = not eq
+            continue
+        out.append(a)
+    return out
+
+
+def jsonable(obj: Any) -> Any:
+    """NaN/inf -> None, tuples -> lists, recursively: strict JSON for --json output."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+STYLE = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
+
+
+def render_lint(lint: FlagLint, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    t = Table(title=f"eyas doctor flags ({lint.engine})")
+    t.add_column("check")
+    t.add_column("status")
+    t.add_column("finding", overflow="fold")
+    for c in lint.checks:
+        t.add_row(c.name, f"[{STYLE[c.status]}]{c.status}[/]", c.summary)
+    con.print(t)
+    for c in lint.checks:
+        if c.status in ("fail", "warn") and c.fix:
+            con.print(f"[{STYLE[c.status]}]{c.name}[/]: fix: {c.fix}")
+    if lint.ok:
+        con.print("[green]the command and the draft's config.json agree with the trained draft[/]")
+        return
+    con.print("corrected command:", style="bold")
+    con.print(lint.corrected_text(), markup=False, highlight=False, soft_wrap=True)
+    for e in lint.config_edits:
+        con.print(f"and in the draft folder: {e}", markup=False, highlight=False)

@@ -1,0 +1,401 @@
+"""eyas doctor on tiny target+draft pairs: a draft that really learned its layout, then one injected fault per
+test; the doctor must name each one (and pass the clean pair).
+
+The tiny target is a random Llama (8 layers, hidden 32, vocab 64) with init std 0.1 and its residual writes
+(o_proj, down_proj) scaled x3, so consecutive stream indices differ the way a real model's do (adjacent cosine
+~0.5-0.9, norms growing with depth). Its own sampled text (temperature 0.7) is the data; the draft trains on
+stream [2, 4, 5] (the default for L = 8) with the training-time test for a few hundred steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.doctor import LayoutRanking, infer_layout, layout_candidates, run_doctor
+from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eyas.layout import Layout
+from eyas.model import TargetModel
+from eyas.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
+from eyas.target import Target, identity_of, tensor_fingerprint
+from eyas.ttt import ttt_forward
+from eyas.vocab import vocab_hash
+from tests.tiny import tiny_config
+
+V, H, LAYERS, S, N_SEQ = 64, 32, 8, 32, 512
+LAYOUT = [2, 4, 5]
+HELDOUT_PCT = 20.0
+DRAFT_VOCAB = 48
+
+
+def tiny_target(seed: int = 0) -> Target:
+    cfg, cls = tiny_config("llama", vocab=V, hidden=H, layers=LAYERS)
+    cfg.initializer_range = 0.1
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = cls(cfg).eval()
+    m.config.architectures = [cls.__name__]
+    with torch.no_grad():
+        for layer in m.model.layers:  # bigger residual writes: each stream index is its own thing
+            layer.self_attn.o_proj.weight.mul_(3.0)
+            layer.mlp.down_proj.weight.mul_(3.0)
+    m.requires_grad_(False)
+    return Target(model=m, tokenizer=None, identity=identity_of(m, tensor_fingerprint(m), "tiny"), source="tiny",
+                  path=None)
+
+
+@torch.no_grad()
+def sample_text(target: Target, n: int, length: int, seed: int) -> torch.Tensor:
+    """The target's own text: n sequences sampled at temperature 0.7 through eyas's engine forward."""
+    tm = TargetModel(target.model)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (n, 1), generator=g)
+    cache = tm.new_cache(n, length)
+    out = tm.forward(ids, torch.zeros(n, 1, dtype=torch.long), cache, logits="last")
+    cache.length = 1
+    for t in range(1, length):
+        nxt = torch.multinomial(torch.softmax(out.logits[:, -1] / 0.7, -1), 1, generator=g)
+        ids = torch.cat([ids, nxt], 1)
+        out = tm.forward(nxt, torch.full((n, 1), t), cache, logits="last")
+        cache.length = t + 1
+    return ids
+
+
+class Pair:
+    """The clean tiny pair: target, draft folder, held-out samples (token ids) and a shard folder of them."""
+
+    def __init__(self, root: Path):
+        torch.manual_seed(0)
+        self.target = tiny_target()
+        tm = TargetModel(self.target.model)
+        ids = sample_text(self.target, N_SEQ, S, seed=1)  # [N, S]
+        cap = tm.capture(ids, LAYOUT, logits="all")
+        self.rows = list(range(N_SEQ))
+        heldout = [r for r in self.rows if is_heldout(r, HELDOUT_PCT)]
+        train = [r for r in self.rows if not is_heldout(r, HELDOUT_PCT)]
+        self.ids, self.heldout = ids, heldout
+        # draft vocabulary: the most frequent target argmax tokens of the training rows
+        top = cap.logits.argmax(-1)[train].flatten()
+        vocab = torch.sort(torch.bincount(top, minlength=V).argsort(descending=True)[:DRAFT_VOCAB]).values
+        aux_tr = cap.aux[train]
+        norms = {str(k): float(aux_tr[..., i * H:(i + 1) * H].norm(dim=-1).mean()) for i, k in enumerate(LAYOUT)}
+        norms["final"] = float(cap.final_prenorm[train].norm(dim=-1).mean())
+        self.layout = Layout(aux_indices=LAYOUT, target=self.target.identity, norms=norms)
+
+        dc = DraftConfig.from_target_config(self.target.model.config, draft_vocab_size=DRAFT_VOCAB)
+        torch.manual_seed(0)
+        d = Eagle3Draft(dc)
+        d.set_embeddings(self.target.embed_tokens().weight)
+        d.set_vocab_map(vocab)
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=5e-3)
+        g = torch.Generator().manual_seed(2)
+        mask = torch.ones(N_SEQ, S, dtype=torch.bool)
+        tr = torch.tensor(train)
+        norm, head = self.target.final_norm(), self.target.lm_head()
+        for _ in range(300):
+            b = tr[torch.randint(0, len(tr), (32,), generator=g)]
+            o = ttt_forward(d, cap.aux[b], cap.final_prenorm[b], ids[b], mask[b], norm, head, 2)
+            opt.zero_grad()
+            o.loss.backward()
+            opt.step()
+        d.eval()
+        hb = torch.tensor(heldout)
+        with torch.no_grad():
+            o = ttt_forward(d, cap.aux[hb], cap.final_prenorm[hb], ids[hb], mask[hb], norm, head, 2)
+        self.heldout_acc = (o.step_correct / o.step_count).tolist()
+        extra = {"training": {"heldout_pct": HELDOUT_PCT, "ttt_steps": 2},
+                 "metrics": {"heldout_acc": self.heldout_acc, "heldout_rows": o.step_count.tolist()},
+                 "draft_vocab": {"size": DRAFT_VOCAB, "hash": vocab_hash(vocab)}}
+        self.draft_dir = save_draft(root / "draft", d, self.layout, extra=extra)
+        # a shard folder holding the held-out rows (bf16, like datagen's default)
+        self.shards = root / "shards"
+        self.shards.mkdir()
+        samples = [Sample(r, ids[r], mask[r], cap.aux[r], cap.final_prenorm[r]) for r in self.rows]
+        entry = write_shard(self.shards / "shard-00000.safetensors", samples)
+        man = {"kind": KIND, "format_version": 1, "layout": self.layout.to_dict(), "shards": [entry],
+               "counts": {"samples": len(samples)}}
+        (self.shards / MANIFEST).write_text(json.dumps(man))
+
+    def samples(self):
+        return [self.ids[r] for r in self.heldout]
+
+    def copy(self, dst: Path) -> Path:
+        shutil.copytree(self.draft_dir, dst)
+        return dst
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory) -> Pair:
+    with one_thread():
+        return Pair(tmp_path_factory.mktemp("doctor-pair"))
+
+
+@contextmanager
+def one_thread():
+    """Tiny tensors run fastest on one thread, and far faster than two when other jobs share the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+def edit_json(path: Path, fn) -> None:
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d, indent=2))
+
+
+def relabel(pair: Pair, dst: Path, indices: list[int]) -> Path:
+    """A copy of the clean draft whose recorded layout (manifest + config.json ids) claims `indices`."""
+    pair.copy(dst)
+    lay = Layout(aux_indices=indices, target=pair.target.identity, norms={})
+    edit_json(dst / "eyas_manifest.json", lambda m: m.update(layout=lay.to_dict()))
+    cfg = load_draft(dst).model.config.hf_config(lay)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def statuses(report) -> dict[str, str]:
+    return {c.name: c.status for c in report.checks}
+
+
+# ---- the clean pair -------------------------------------------------------------------------------
+
+def test_clean_pair_passes_every_check(pair):
+    assert pair.heldout_acc[0] > 0.4, f"the fixture draft did not learn (held-out step-0 {pair.heldout_acc})"
+    rep = run_doctor(pair.target, load_draft(pair.draft_dir), samples=pair.samples())
+    assert rep.ok, [(c.name, c.status, c.summary) for c in rep.checks]
+    assert rep.exit_code == 0
+    assert rep.layout.best.indices == LAYOUT
+    # the accuracy measured through the engine's forward is the training-time one (same held-out rows)
+    assert abs(rep.accuracy["serving"]["acc"][0] - pair.heldout_acc[0]) < 1e-6
+    assert "TargetModel" in rep.meta["serving_path"]
+
+
+def test_clean_pair_with_shards_is_paired_and_passes(pair):
+    rep = run_doctor(pair.target, load_draft(pair.draft_dir), data=[pair.shards], num_samples=200)
+    st = statuses(rep)
+    assert rep.ok, [(c.name, c.status, c.summary) for c in rep.checks]
+    assert st["data_layout"] == "pass" and rep.check("data_layout").numbers["measured_indices"] == LAYOUT
+    acc = rep.check("accuracy").numbers
+    assert abs(acc["gap_points"][0]) <= 2.0  # bf16-stored vs fresh fp32 features: no skew
+
+
+# ---- layout faults: the doctor measures which layout the draft really reads -------------------------
+
+def test_shifted_ids_are_found_and_the_true_layout_ranked_first(pair, tmp_path):
+    d = relabel(pair, tmp_path / "shifted", [3, 5, 6])  # every id +1: the SGLang/vLLM off-by-one
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
+    c = rep.check("layout")
+    assert c.status == "fail", c.summary
+    assert rep.layout.best.indices == LAYOUT
+    assert "recorded shifted -1" in rep.layout.best.label
+    assert "[2, 4, 5]" in c.summary and "[3, 5, 6]" in c.summary
+    assert c.numbers["diff_points"] > 5
+    assert "--aux-indices 2,4,5" in c.fix
+    assert rep.exit_code == 1
+
+
+def test_wrong_ids_are_found(pair, tmp_path):
+    d = relabel(pair, tmp_path / "wrong", [1, 3, 7])
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
+    c = rep.check("layout")
+    assert c.status == "fail" and rep.layout.best.indices == LAYOUT, (c.summary, rep.layout[:3])
+    assert c.numbers["recorded_acc"] < c.numbers["best_acc"] - 0.05
+
+
+def test_embedding_included_is_found(pair, tmp_path):
+    # the story's misreading: cat([embed, low, mid]) where the draft was trained on cat([low, mid, high])
+    d = relabel(pair, tmp_path / "embed", [0, 2, 4])
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
+    c = rep.check("layout")
+    assert c.status == "fail" and rep.layout.best.indices == LAYOUT, (c.summary, rep.layout[:3])
+    assert "embedding" in c.summary
+
+
+def test_final_state_only_is_named(pair, tmp_path):
+    # config.json turns aux capture off: SGLang and vLLM then feed the 1xH final state, skipping fc
+    d = pair.copy(tmp_path / "final")
+    edit_json(d / "config.json", lambda c: c["eagle_config"].update(use_aux_hidden_state=False))
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
+    c = rep.check("config_ids")
+    assert c.status == "fail" and "final state only" in c.summary, c.summary
+    final = next(s for s in rep.layout if s.indices == [])
+    assert "EAGLE instead of EAGLE3" in final.label
+    assert final.accuracy < rep.layout.find(LAYOUT).accuracy - 0.2  # measured: the draft is useless on it
+    assert rep.check("layout").status == "pass"  # the draft itself still reads its recorded layout
+
+
+def test_infer_layout_api(pair):
+    d = load_draft(pair.draft_dir)
+    r = infer_layout(pair.target, d.model, pair.samples()[:40], recorded=[3, 5, 6])
+    assert isinstance(r, LayoutRanking) and r.best.indices == LAYOUT
+    idx, label, acc = r[0]  # (indices, label, accuracy) tuples
+    assert idx == LAYOUT and 0 < acc <= 1 and label
+    assert r["aux_indices"] == LAYOUT and r.get("chosen") == label and r.tokens > 0
+    # explicit candidates (the import path): exactly those are ranked
+    r2 = infer_layout(pair.target, d.model, pair.samples()[:40], {"sglang reading": [3, 5, 6], "vllm reading": LAYOUT})
+    assert [s.indices for s in r2] == [LAYOUT, [3, 5, 6]]
+    assert r2["chosen"].startswith("vllm reading")
+
+
+def test_layout_candidates_cover_the_brief():
+    c = dict((tuple(i), lab) for i, lab in layout_candidates([2, 15, 27], 30, 3))
+    assert "recorded" in c[(2, 15, 27)] and "default" in c[(2, 15, 27)]
+    assert "shifted +1" in c[(3, 16, 28)] and "shifted -1" in c[(1, 14, 26)]
+    assert "15->16" in c[(2, 16, 27)]
+    assert "embedding (0) in place of 2" in c[(0, 15, 27)]
+    assert "permuted" in c[(27, 15, 2)]
+    assert "final state only" in c[()]
+    assert all(len(k) in (0, 3) and all(0 <= x <= 30 for x in k) for k in c)
+
+
+# ---- config and vocab faults -------------------------------------------------------------------------
+
+def test_missing_target_hidden_size_with_differing_sizes(pair, tmp_path):
+    # a foreign-style draft (own hidden size 48) on the 32-wide target; config.json lacks target_hidden_size
+    dc = DraftConfig.from_target_config(pair.target.model.config, draft_vocab_size=DRAFT_VOCAB, hidden_size=48,
+                                        head_dim=12)
+    d = Eagle3Draft(dc)
+    d.set_vocab_map(torch.arange(DRAFT_VOCAB))
+    p = save_draft(tmp_path / "wide", d, Layout(aux_indices=LAYOUT, target=pair.target.identity))
+    edit_json(p / "config.json", lambda c: c.pop("target_hidden_size"))
+    rep = run_doctor(pair.target, load_draft(p), samples=pair.samples())
+    c = rep.check("config_hidden")
+    assert c.status == "fail" and "no target_hidden_size" in c.summary and "3 x 48" in c.summary, c.summary
+    assert '"target_hidden_size": 32' in c.fix
+    assert rep.check("hidden_size").status == "fail"  # eyas itself cannot run it either (embedding width)
+    assert rep.check("layout").status == "skip"  # nothing is measured on a draft that cannot run
+
+
+def test_missing_target_hidden_size_same_sizes_only_warns(pair, tmp_path):
+    d = pair.copy(tmp_path / "nohidden")
+    edit_json(d / "config.json", lambda c: c.pop("target_hidden_size"))
+    rep = run_doctor(pair.target, load_draft(d), quick=True)
+    assert rep.check("config_hidden").status == "warn"
+
+
+def _set_weights(d: Path, **tensors) -> None:
+    sd = load_file(str(d / "model.safetensors"))
+    sd.update(tensors)
+    save_file(sd, str(d / "model.safetensors"))
+
+
+def test_stale_vocab_mapping_t2d(pair, tmp_path):
+    d = pair.copy(tmp_path / "stale")
+    other = torch.arange(V - DRAFT_VOCAB, V)  # t2d from another vocabulary selection
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[other] = True
+    _set_weights(d, t2d=t2d)
+    rep = run_doctor(pair.target, load_draft(d), quick=True)
+    c = rep.check("vocab_map")
+    assert c.status == "fail" and "stale" in c.summary, c.summary
+
+
+def test_stale_vocab_mapping_d2t_consistent_but_not_the_trained_one(pair, tmp_path):
+    d = pair.copy(tmp_path / "stale2")
+    m = load_draft(d).model
+    m.set_vocab_map(torch.arange(V - DRAFT_VOCAB, V))  # consistent d2t/t2d, but another vocabulary
+    _set_weights(d, d2t=m.d2t, t2d=m.t2d)
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
+    c = rep.check("vocab_map")
+    assert c.status == "fail" and "recorded at training" in c.summary, c.summary
+    assert rep.check("layout").status != "fail"  # not blamed on the layout
+
+
+def test_random_lm_head(pair, tmp_path):
+    d = pair.copy(tmp_path / "randhead")
+    torch.manual_seed(5)
+    _set_weights(d, **{"lm_head.weight": torch.nn.Linear(H, DRAFT_VOCAB, bias=False).weight.detach()})
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
+    c = rep.check("head")
+    assert c.status == "fail" and "lm_head" in c.summary and "init" in c.summary, c.summary
+    assert rep.check("layout").status in ("skip", "pass")  # the layout is not blamed
+    assert rep.check("vocab_map").status == "pass"
+
+
+def test_changed_target_weights(pair, tmp_path):
+    # the same architecture re-quantized: every weight rounded to a 4-bit grid per tensor
+    t = tiny_target()
+    with torch.no_grad():
+        for p in t.model.parameters():
+            if p.dim() == 2:
+                step = p.abs().max() / 7
+                p.copy_(torch.round(p / step) * step)
+    t.identity = identity_of(t.model, tensor_fingerprint(t.model), "tiny-q4")
+    rep = run_doctor(t, load_draft(pair.draft_dir), data=[pair.shards], num_samples=200)
+    c = rep.check("target_identity")
+    assert c.status == "fail" and "weights changed" in c.summary and "re-quantized" in c.summary, c.summary
+    d = rep.check("data_layout")
+    assert d.status == "fail" and "match no stream" in d.summary, d.summary  # measured, not only the fingerprint
+    assert rep.check("layout").status == "pass"  # nothing else is blamed
+    assert "gap_points" in rep.check("accuracy").numbers
+
+
+def test_training_serving_skew(pair, tmp_path):
+    # a capture bug: the stored features sit 4 positions late (a header the capture template added and the
+    # stored ids lack); serving feeds the aligned features, so the same draft scores differently on each path
+    from eyas.shards import ShardSet
+
+    out = tmp_path / "skewed"
+    out.mkdir()
+    samples = list(ShardSet(pair.shards).samples("all"))
+    for s in samples:
+        s.aux = torch.cat([s.aux[:4], s.aux[:-4]])
+    entry = write_shard(out / "shard-00000.safetensors", samples)
+    man = json.loads((pair.shards / MANIFEST).read_text())
+    man["shards"] = [entry]
+    (out / MANIFEST).write_text(json.dumps(man))
+    rep = run_doctor(pair.target, load_draft(pair.draft_dir), data=[out], num_samples=200)
+    c = rep.check("accuracy")
+    assert c.status == "fail" and "training/serving skew" in c.summary, c.summary
+    tr, sv = c.numbers["training_acc"][0], c.numbers["serving_acc"][0]
+    assert f"{100 * tr:.1f}%" in c.summary and f"{100 * sv:.1f}%" in c.summary  # both numbers
+    assert sv - tr > 0.03
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+def test_eagle_instead_of_eagle3_flags(pair):
+    from eyas.flags import lint_serve_command
+
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", "M", "--speculative-algorithm", "EAGLE",
+           "--speculative-draft-model-path", str(pair.draft_dir), "--speculative-num-steps", "3",
+           "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"]
+    r = lint_serve_command(cmd, pair.draft_dir)
+    algo = next(c for c in r.checks if c.name == "algorithm")
+    assert algo.status == "fail" and "final 1xH" in algo.summary
+    assert "--speculative-algorithm EAGLE3" in r.corrected_text()
+    assert {c.name: c.status for c in r.checks}["aux_ids"] == "pass"
+
+
+def test_cli_doctor_flags_exit_codes(pair):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    good = ["python", "-m", "sglang.launch_server", "--model-path", "M", "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", str(pair.draft_dir), "--speculative-num-steps", "3",
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    r = CliRunner().invoke(app, ["doctor", "flags", "--draft", str(pair.draft_dir), "--", *good])
+    assert r.exit_code == 0, r.output
+    bad = [a if a != "4" else "16" for a in good]
+    r = CliRunner().invoke(app, ["doctor", "flags", "--draft", str(pair.draft_dir), "--json", "--", *bad])
+    assert r.exit_code == 1, r.output
+    out = json.loads(r.output[r.output.index("{"):])
+    assert out["corrected"].endswith("--speculative-num-draft-tokens 4")
+    r = CliRunner().invoke(app, ["doctor", "flags", "--draft", str(pair.draft_dir / "nope"), "--", *good])
+    assert r.exit_code == 2 and "no config.json" in r.output
