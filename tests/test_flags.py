@@ -1,0 +1,203 @@
+"""eyas doctor flags: SGLang / vLLM serve-command lint against a draft folder (pure parsing, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.flags import FlagsError, engine_views, lint_serve_command, parse_serve_command
+
+L = 30  # a SmolLM2-sized target: the EAGLE-3 default is stream [2, 15, 27] = SGLang ids [1, 14, 26]
+
+
+def draft_dir(tmp_path, config: dict | None = None, layout=(2, 15, 27), manifest: bool = True):
+    d = tmp_path / "draft"
+    d.mkdir(exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 576, "target_hidden_size": 576,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layout], "use_aux_hidden_state": True},
+           "eagle_aux_hidden_state_layer_ids": list(layout)}
+    if config is not None:
+        cfg = config
+    (d / "config.json").write_text(json.dumps(cfg))
+    if manifest:
+        (d / "eyas_manifest.json").write_text(json.dumps({
+            "kind": "eyas-draft", "layout": {"convention": "eyas-stream-v1", "aux_indices": list(layout),
+                                             "target": {"num_layers": L, "hidden_size": 576}}}))
+    return d
+
+
+def sglang(d, *extra):
+    return ["python", "-m", "sglang.launch_server", "--model-path", "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "--speculative-draft-model-path", str(d), *extra]
+
+
+def by_name(lint):
+    return {c.name: c for c in lint.checks}
+
+
+def test_clean_sglang_command_passes(tmp_path):
+    d = draft_dir(tmp_path)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                                     "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"), d)
+    assert lint.ok, [(c.name, c.status, c.summary) for c in lint.checks]
+    assert by_name(lint)["aux_ids"].numbers["views"][0]["indices"] == [2, 15, 27]
+
+
+def test_eagle_instead_of_eagle3_is_a_fail_and_corrected(tmp_path):
+    d = draft_dir(tmp_path)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                                     "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"), d)
+    c = by_name(lint)["algorithm"]
+    assert c.status == "fail" and "only EAGLE3 turns on aux hidden-state capture" in c.summary
+    assert "--speculative-algorithm EAGLE3" in lint.corrected_text()
+    assert "--speculative-algorithm EAGLE " not in lint.corrected_text() + " "
+
+
+def test_topk1_draft_tokens_rewrite(tmp_path):
+    # the story: --speculative-num-steps 1 with 16 draft tokens and topk 1 -> SGLang runs 2
+    d = draft_dir(tmp_path)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm=EAGLE3", "--speculative-num-steps", "1",
+                                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens=16"), d)
+    c = by_name(lint)["draft_shape"]
+    assert c.status == "fail" and "silently rewrites num_draft_tokens to 2" in c.summary
+    assert "--speculative-num-steps 15" in c.fix
+    assert lint.corrected[-1] == "--speculative-num-draft-tokens=2"  # the = form is kept
+
+
+def test_tree_too_small_for_draft_tokens(tmp_path):
+    d = draft_dir(tmp_path)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
+                                     "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "16"), d)
+    c = by_name(lint)["draft_shape"]
+    assert c.status == "fail" and "7 nodes" in c.summary  # 1 + 2 + (2-1)*2*2
+
+
+def test_no_draft_shape_flags_warns_about_auto_choice(tmp_path):
+    d = draft_dir(tmp_path)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3"), d)
+    assert by_name(lint)["draft_shape"].status == "warn" and "(5, 4, 8)" in by_name(lint)["draft_shape"].summary
+
+
+def test_abbreviated_options_are_resolved_like_argparse(tmp_path):
+    d = draft_dir(tmp_path)
+    argv = ["python3", "-m", "sglang.launch_server", "--model", "M", "--speculative-algo", "EAGLE",
+            "--speculative-draft", str(d), "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "4"]
+    cmd = parse_serve_command(argv)
+    assert cmd.opts["algorithm"] == "EAGLE" and cmd.opts["draft_path"] == str(d)
+    lint = lint_serve_command(argv, d)
+    names = by_name(lint)
+    assert names["option_spelling"].status == "warn" and "ambiguous" in names["option_spelling"].summary
+    text = lint.corrected_text()
+    assert "--speculative-algorithm EAGLE3" in text and f"--speculative-draft-model-path {d}" in text
+
+
+def test_ids_in_vllm_convention_read_by_sglang_are_off_by_one(tmp_path):
+    # eagle_config written with stream indices (vLLM's input-of) instead of SGLang's output-of ids
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": 576,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}
+    d = draft_dir(tmp_path, cfg)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"), d)
+    c = by_name(lint)["aux_ids"]
+    assert c.status == "fail" and "off by one" in c.details[0] and "stream [3, 16, 28]" in c.details[0]
+    assert "[1, 14, 26]" in c.fix and lint.config_edits
+
+
+def test_missing_ids_fall_back_to_engine_defaults(tmp_path):
+    # a draft trained on another layout whose config names no ids: both engines apply their default
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": 576}
+    d = draft_dir(tmp_path, cfg, layout=(3, 16, 28))
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"), d)
+    c = by_name(lint)["aux_ids"]
+    assert c.status == "fail" and "SGLang default [1, 14, 26]" in c.summary
+    v = engine_views(cfg, "vllm", L)
+    assert [x.indices for x in v] == [[2, 15, 27]]
+
+
+def test_vllm_views_of_an_sglang_only_config():
+    cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    v = engine_views(cfg, "vllm", L)
+    assert {tuple(x.indices) for x in v} == {(2, 15, 27), (1, 14, 26)}  # default vs eagle_config used as-is
+    assert all(x.when for x in v)
+    s = engine_views(cfg, "sglang", L)
+    assert s[0].indices == [2, 15, 27] and not s[0].when
+
+
+def test_use_aux_hidden_state_false_means_final_state_only():
+    cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "use_aux_hidden_state": False}}
+    for eng in ("sglang", "vllm"):
+        (v,) = engine_views(cfg, eng, L)
+        assert v.indices is None and "final 1xH" in v.source
+
+
+def test_vllm_method_missing_is_guessed_from_the_path(tmp_path):
+    d = draft_dir(tmp_path)
+    spec = json.dumps({"model": str(d), "num_speculative_tokens": 3})
+    lint = lint_serve_command(["vllm", "serve", "M", "--speculative-config", spec], d)
+    c = by_name(lint)["method"]
+    assert c.status == "fail" and '"draft_model"' in c.summary
+    fixed = json.loads(lint.corrected[lint.corrected.index("--speculative-config") + 1])
+    assert fixed["method"] == "eagle3" and fixed["model"] == str(d)
+    assert by_name(lint)["aux_ids"].status == "pass"  # top-level ids present: vLLM reads them as-is
+
+
+def test_vllm_eagle_dash_in_path_means_eagle1(tmp_path):
+    d = draft_dir(tmp_path)
+    lint = lint_serve_command(['{"model": "org/EAGLE-3-smollm", "num_speculative_tokens": 3}'], d)
+    c = by_name(lint)["method"]
+    assert c.status == "fail" and '-> "eagle"' in c.summary  # "eagle-" wins over "eagle3"
+    assert json.loads(lint.corrected_text())["method"] == "eagle3"
+
+
+def test_vllm_explicit_eagle3_and_dotted_options(tmp_path):
+    d = draft_dir(tmp_path)
+    argv = ["vllm", "serve", "M", "--speculative-config.method", "eagle3", f"--speculative-config.model={d}",
+            "--speculative-config.num_speculative_tokens", "3"]
+    lint = lint_serve_command(argv, d)
+    assert lint.ok, [(c.name, c.status, c.summary) for c in lint.checks]
+
+
+def test_vllm_sglang_only_ids_warn(tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": 576,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    d = draft_dir(tmp_path, cfg)
+    lint = lint_serve_command([json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})], d)
+    c = by_name(lint)["aux_ids"]
+    assert c.status == "warn" and "off by one" in " ".join(c.details)
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 15, 27]' in c.fix
+
+
+def test_foreign_draft_without_manifest_needs_the_layer_count(tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"],
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    d = draft_dir(tmp_path, cfg, manifest=False)
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3"), d)
+    assert by_name(lint)["aux_ids"].status == "warn" and "--num-layers" in by_name(lint)["aux_ids"].fix
+    lint = lint_serve_command(sglang(d, "--speculative-algorithm", "EAGLE3"), d, num_layers=L)
+    c = by_name(lint)["aux_ids"]
+    assert c.status == "warn" and "does not record" in c.summary and "stream [2, 15, 27]" in c.summary
+
+
+def test_bad_inputs_are_loud(tmp_path):
+    d = draft_dir(tmp_path)
+    with pytest.raises(FlagsError, match="no serve command"):
+        lint_serve_command([], d)
+    with pytest.raises(FlagsError, match="not valid JSON"):
+        lint_serve_command(["{method: eagle3"], d)
+    with pytest.raises(FlagsError, match="cannot tell which engine"):
+        lint_serve_command(["llama-server", "-m", "x.gguf"], d)
+    with pytest.raises(FlagsError, match="no config.json"):
+        lint_serve_command(["vllm", "serve", "M"], tmp_path / "nope")
+    with pytest.raises(FlagsError, match="expected an integer"):
+        lint_serve_command(sglang(d, "--speculative-num-steps", "three"), d)
+
+
+def test_command_as_one_string(tmp_path):
+    d = draft_dir(tmp_path)
+    line = f"python -m sglang.launch_server --model-path M --speculative-algorithm EAGLE3 " \
+           f"--speculative-draft-model-path {d} --speculative-num-steps 3 --speculative-eagle-topk 1 " \
+           "--speculative-num-draft-tokens 4"
+    assert lint_serve_command([line], d).ok
