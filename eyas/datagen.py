@@ -65,6 +65,7 @@ class DatagenConfig:
     gen_batch: int = 32  # prompts per generate call
     gen_tokens: int = 32768  # padded (prompt + new) tokens per generate call: bounds the KV cache
     capture_tokens: int = 8192  # padded tokens per capture forward: bounds activation memory
+    threads: int = 0  # torch CPU threads (0 = torch's default); 1 is far faster on an oversubscribed machine
 
     def validate(self) -> None:
         checks = [
@@ -79,6 +80,7 @@ class DatagenConfig:
             (self.shard_tokens >= 1, f"--shard-tokens must be >= 1, got {self.shard_tokens}"),
             (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
             (self.capture_tokens >= 1, f"--capture-tokens must be >= 1, got {self.capture_tokens}"),
+            (self.threads >= 0, f"--threads must be >= 0 (0 = torch's default), got {self.threads}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -101,7 +103,7 @@ def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[st
         "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
         "max_turns": cfg.max_turns, "repetition_limit": cfg.repetition_limit, "dtype": cfg.dtype,
         "target_dtype": cfg.target_dtype, "num": cfg.num, "shard_samples": cfg.shard_samples,
-        "shard_tokens": cfg.shard_tokens,
+        "shard_tokens": cfg.shard_tokens, "threads": torch.get_num_threads(),
     }
 
 
@@ -357,7 +359,8 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
                                "use another --out folder") from e
         _refuse_mismatch(out, m, layout, cfg.target, conf)
         m["config"]["num"] = cfg.num  # --num may grow (extends the run) or change; it does not alter content
-        m["config"]["shard_samples"], m["config"]["shard_tokens"] = cfg.shard_samples, cfg.shard_tokens
+        for k in ("shard_samples", "shard_tokens", "threads"):  # speed settings only: may change on resume
+            m["config"][k] = conf[k]
     else:
         layout.norms = {}
         m = {
@@ -420,6 +423,8 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
                 progress: bool = True, target: Target | None = None) -> dict[str, Any]:
     """Run (or resume) a datagen job into cfg.out; returns the final manifest (with derived rates)."""
     cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
