@@ -464,11 +464,12 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
     bar = tqdm(total=cfg.num, initial=done_convs, unit="conv", disable=not progress, dynamic_ncols=True,
                desc="datagen", file=sys.stderr)
     m["complete"] = False
-    run_t0, run_tokens = time.perf_counter(), 0
+    run_t0, run_tokens, base_tokens = time.perf_counter(), 0, counts["tokens"]
 
-    def postfix(phase: str) -> None:
+    def postfix(phase: str) -> None:  # tokens captured so far (committed or not) and this run's rate
         dt = time.perf_counter() - run_t0
-        bar.set_postfix_str(f"{phase} | {counts['tokens']} tok | {run_tokens / max(dt, 1e-9):.0f} tok/s", refresh=True)
+        bar.set_postfix_str(f"{phase} | {base_tokens + run_tokens} tok | {run_tokens / max(dt, 1e-9):.0f} tok/s",
+                            refresh=True)
 
     for convs, skips, last_row, exhausted in _chunks(cfg, int(m["watermark"]), remaining):
         t0 = time.perf_counter()
