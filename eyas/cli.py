@@ -436,8 +436,8 @@ def doctor(
                                     "compared with fresh captures of the same held-out tokens"),
     data_source: str = typer.Option(None, "--data-source", help="conversations for the serving path without "
                                     "--data: sharegpt | ShareGPT/OpenAI JSON(L) path (default: the training source)"),
-    samples: int = typer.Option(8, "--samples", help="samples to measure on"),
-    max_len: int = typer.Option(512, "--max-len", help="tokens per sample at most"),
+    samples: int = typer.Option(6, "--samples", help="samples to measure on"),
+    max_len: int = typer.Option(384, "--max-len", help="tokens per sample at most"),
     steps: int = typer.Option(None, "--steps", help="TTT steps of the accuracy check (default: the training run's)"),
     heldout_pct: float = typer.Option(None, "--heldout-pct", help="held-out split (default: the training run's)"),
     quick: bool = typer.Option(False, "--quick", help="identity and config checks only (no target forward)"),
@@ -489,6 +489,39 @@ def doctor_flags(
     else:
         render_lint(lint)
     raise typer.Exit(0 if lint.ok else 1)
+
+
+@doctor_app.command("trace")
+def doctor_trace(
+    target: str = TargetOpt,
+    draft: str = typer.Option(..., "--draft", help="eyas draft folder (or 'default')"),
+    prompt: str = typer.Option(..., "--prompt", help="a user message (the chat template is applied)"),
+    method: str = typer.Option("tree", "--method", help="tree | chain (the engine's own defaults otherwise)"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    rounds: int = typer.Option(4, "--rounds", help="speculative rounds to show"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
+    from .doctor import render_trace, trace
+    from .draft import load_draft
+    from .engine import SpecParams, chat_input_ids
+    from .target import load_target
+
+    try:
+        tgt = load_target(target, dtype=dtype, device=device)
+        ck = load_draft(draft, device=device)
+        tok = tgt.tokenizer
+        ids = chat_input_ids(tok, [{"role": "user", "content": prompt}]) if getattr(tok, "chat_template", None) \
+            else tok(prompt, add_special_tokens=True)["input_ids"]
+        rep = trace(tgt, ck, ids, SpecParams(method=method), max_new_tokens=max_new_tokens, max_rounds=rounds)
+    except ValueError as e:  # EngineError, DraftError, TargetError, LayoutError
+        fail(str(e))
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        render_trace(rep)
 
 
 def main() -> None:

@@ -399,3 +399,118 @@ def test_cli_doctor_flags_exit_codes(pair):
     assert out["corrected"].endswith("--speculative-num-draft-tokens 4")
     r = CliRunner().invoke(app, ["doctor", "flags", "--draft", str(pair.draft_dir / "nope"), "--", *good])
     assert r.exit_code == 2 and "no config.json" in r.output
+
+
+# ---- norms and trace -----------------------------------------------------------------------------------
+
+def test_norm_fingerprint_drift(pair, tmp_path):
+    # norms recorded on another model (x1.8): the doctor compares them with what this target gives
+    d = pair.copy(tmp_path / "norms")
+    edit_json(d / "eyas_manifest.json",
+              lambda m: m["layout"].update(norms={k: 1.8 * v for k, v in m["layout"]["norms"].items()}))
+    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples()[:20])
+    c = rep.check("norms")
+    assert c.status == "fail" and "norm fingerprint drift" in c.summary, c.summary
+    assert rep.check("layout").status == "pass"
+
+
+def tiny_tokenizer():
+    """A real word-level tokenizer over the tiny vocabulary (t0..t63), so the engine can decode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+def test_trace_walks_the_serving_path(pair):
+    from eyas.doctor import trace
+    from eyas.engine import SpecParams
+
+    t = pair.target
+    t.tokenizer = tiny_tokenizer()
+    try:
+        prompt = pair.samples()[0][:12].tolist()
+        rep = trace(t, load_draft(pair.draft_dir), prompt, SpecParams(method="tree", depth=3, topk=2, tokens=6),
+                    max_new_tokens=12, max_rounds=3)
+    finally:
+        t.tokenizer = None
+    stages = [(e.round, e.stage) for e in rep.events]
+    assert stages[:5] == [(0, "target"), (0, "capture 2"), (0, "capture 4"), (0, "capture 5"), (0, "concatenation")]
+    r1 = [e for e in rep.events if e.round == 1]
+    names = [e.stage for e in r1]
+    assert names[0] == "fc" and names[1] == "draft layer" and names[2] == "draft logits"
+    assert "target" in names and names[-1] == "accepted"
+    fc = r1[0]
+    assert fc.shape == [1, 12, H] and "[1, 12, 96]" in fc.note  # cat of 3 streams -> hidden
+    cap = next(e for e in rep.events if e.stage == "capture 5")
+    assert cap.shape == [1, 12, H] and cap.norm > 0
+    logit = next(e for e in r1 if e.stage == "draft logits")
+    assert logit.shape[-1] == DRAFT_VOCAB and "top of the last row: 't" in logit.note
+    assert len(rep.accepted) == 4 and all(len(a) >= 1 for a in rep.accepted)
+    # the trace observes only: the engine's greedy output is the target's own greedy continuation
+    from eyas.engine import Engine, SamplingParams
+
+    t.tokenizer = tiny_tokenizer()
+    try:
+        plain = Engine(t, None, SpecParams(method="plain")).generate(prompt, SamplingParams(max_new_tokens=12))
+    finally:
+        t.tokenizer = None
+    got = [x for a in rep.accepted for x in a]
+    assert got == plain.token_ids[:len(got)]
+
+
+# ---- the real bundled target (integration) ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_random(smollm2, tmp_path_factory):
+    """An untrained draft for the real target, saved like any eyas draft."""
+    torch.manual_seed(0)
+    d = Eagle3Draft(DraftConfig.from_target_config(smollm2.config, draft_vocab_size=4096))
+    d.set_vocab_map(torch.arange(4096))
+    return save_draft(tmp_path_factory.mktemp("real") / "random", d, smollm2.default_layout())
+
+
+@pytest.mark.integration
+def test_real_target_fast_checks_with_a_random_draft(smollm2, real_random, tmp_path):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    rep = run_doctor(smollm2, load_draft(real_random), quick=True)
+    assert rep.ok and [c.name for c in rep.checks] == ["target_identity", "hidden_size", "vocab_map", "config_hidden",
+                                                        "config_ids"], [(c.name, c.status) for c in rep.checks]
+    r = CliRunner().invoke(app, ["doctor", "--draft", str(real_random), "--quick", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output[r.output.index("{"):])["ok"] is True
+    # SGLang ids written in vLLM's convention: the off-by-one, named per engine
+    d = shutil.copytree(real_random, tmp_path / "offbyone")
+    edit_json(d / "config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 15, 27]))
+    c = run_doctor(smollm2, load_draft(d), quick=True).check("config_ids")
+    assert c.status == "fail" and "stream [3, 16, 28]" in c.summary and "[1, 14, 26]" in c.fix, c.summary
+    # the same draft recorded for another file of the same model: only the fingerprint differs
+    e = shutil.copytree(real_random, tmp_path / "otherfile")
+    edit_json(e / "eyas_manifest.json", lambda m: m["layout"]["target"].update(fingerprint="sha256:0123"))
+    c = run_doctor(smollm2, load_draft(e), quick=True).check("target_identity")
+    assert c.status == "fail" and "weights changed: re-quantized or another file" in c.summary
+    # the story's flags, linted against this draft
+    story = ["python", "-m", "sglang.launch_server", "--model-path", "HuggingFaceTB/SmolLM2-135M-Instruct",
+             "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(real_random),
+             "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "16"]
+    r = CliRunner().invoke(app, ["doctor", "flags", "--draft", str(real_random), "--json", "--", *story])
+    assert r.exit_code == 1, r.output
+    out = json.loads(r.output[r.output.index("{"):])
+    st = {c["name"]: c["status"] for c in out["checks"]}
+    assert st["algorithm"] == "fail" and st["draft_shape"] == "fail" and st["aux_ids"] == "pass"
+    assert "--speculative-algorithm EAGLE3" in out["corrected"]
+    assert "--speculative-num-draft-tokens 2" in out["corrected"]
+
+
+@pytest.mark.integration
+def test_real_target_random_head_is_named(smollm2, real_random):
+    rep = run_doctor(smollm2, load_draft(real_random), num_samples=2, max_len=192)
+    c = rep.check("head")
+    assert c.status == "fail" and "lm_head and fc look untrained" in c.summary, c.summary
+    assert rep.check("layout").status == "skip"  # no layout predicts anything: not blamed on the layout
+    assert rep.meta["samples_from"].endswith("conversations of sharegpt")
