@@ -700,7 +700,7 @@ def infer_layout(target, draft_model: Eagle3Draft, samples: Sequence[Any] | Mapp
     if candidates is None:
         cands = layout_candidates(recorded, L, nA)
     elif isinstance(candidates, Mapping):
-        cands = [(list(v), f"{k} {list(v)}") for k, v in candidates.items()]
+        cands = [(list(v), k if str(list(v)) in k else f"{k} {list(v)}") for k, v in candidates.items()]
     else:
         cands = [(list(v), f"{list(v)}") for v in candidates]
     need = {k for idx, _ in cands for k in idx}
@@ -717,7 +717,8 @@ def _pct(x: float) -> str:
 
 
 def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorded_metric: list[float] | None,
-                    recorded_rows: list[int] | None, serving_path: str, paired: bool) -> Check:
+                    recorded_rows: list[int] | None, serving_path: str, paired: bool,
+                    caveat: str | None = None) -> Check:
     s_acc = serve["acc"]
     nums: dict[str, Any] = {"serving_acc": s_acc, "serving_count": serve["count"], "serving_path": serving_path}
     lines = [f"serving path ({serving_path}, fresh features): " + ", ".join(_pct(a) for a in s_acc)]
@@ -753,7 +754,8 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
             return Check("accuracy", "warn",
                          f"possible training/serving skew: step-0 held-out accuracy {_pct(m0)} at training vs "
                          f"{_pct(v0)} now through the engine's forward ({gap:+.1f} points, SE {se:.1f}); other "
-                         "samples than the training run's held-out set, so the data distribution may differ",
+                         "samples than the training run's held-out set, so the data distribution may differ"
+                         + (f" ({caveat})" if caveat else ""),
                          numbers=nums, details=lines,
                          fix="pass --data SHARDS (the training data) for a paired test on the same tokens")
         return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through the engine's forward vs "
@@ -1004,10 +1006,10 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
                samples: Sequence[Any] | None = None, source: str | None = None, num_samples: int = 6,
                max_len: int = 384, steps: int | None = None, heldout_pct: float | None = None,
                quick: bool = False) -> DoctorReport:
-    """All checks. data: shard folders (training path + paired serving path on the same held-out tokens);
-    samples: token-id samples for the serving path (tests, tiny targets); else `num_samples` conversations
-    of `source` (default: the draft's training source when it is a conversation source, else bundled ShareGPT),
-    held-out rows only when that is the training source. quick: identity and config checks only."""
+    """All checks. data: shard folders (training path + paired serving path on the same held-out tokens;
+    default: the training folders the draft manifest names, when they exist here); samples: token-id samples
+    for the serving path (tests, tiny targets); else `num_samples` conversations of `source` (default: the
+    training source, held-out rows only; else bundled ShareGPT). quick: identity and config checks only."""
     checks = check_identity(target, ckpt)
     man = ckpt.manifest or {}
     training = man.get("training") or {}
@@ -1026,6 +1028,10 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     draft = _prepare(ckpt.model, target)
     L, recorded = target.num_layers, list(ckpt.layout.aux_indices)
     shard_set = None
+    trained_on = _training_data(man)
+    if not data and samples is None and source is None and trained_on["folders"]:
+        data = trained_on["folders"]  # the training shards are here: measure paired on their held-out rows
+        meta["data_from_manifest"] = True
     if data:
         evs, shard_set = shard_samples(data, num_samples, pct, max_len)
         meta["samples_from"] = f"held-out rows of {[str(d) for d in data]} ({pct}% split)"
@@ -1033,12 +1039,13 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
         evs = as_samples(samples)
         meta["samples_from"] = "given token samples"
     else:
-        train_src = (man.get("data") or {}).get("source") if isinstance(man.get("data"), dict) else None
-        src = source or (train_src if isinstance(train_src, str) and not Path(str(train_src)).is_dir() else None) \
-            or "sharegpt"
-        same = train_src is not None and src == train_src
+        src = source or trained_on["source"] or "sharegpt"
+        same = trained_on["source"] is not None and src == trained_on["source"]
         evs = conversation_samples(target.tokenizer, src, num_samples, max_len, pct if same else None)
         meta["samples_from"] = f"{len(evs)} conversations of {src}" + (f" (held-out rows, {pct}%)" if same else "")
+        if same and trained_on["regenerated"]:
+            meta["caveat"] = ("the draft trained on replies regenerated by the target; these samples carry the "
+                              "source's original replies, which a draft predicts less well")
     meta["samples"] = len(evs)
     meta["tokens"] = int(sum(s.input_ids.numel() for s in evs))
 
@@ -1064,7 +1071,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     metric = (man.get("metrics") or {}).get("heldout_acc")
     rows = (man.get("metrics") or {}).get("heldout_rows")
     checks.append(_check_accuracy(serve, train, metric[:K] if metric else None, rows, serving.path,
-                                  paired=train is not None))
+                                  paired=train is not None, caveat=meta.get("caveat")))
     rank = _rank(draft, target, evs, fresh, cands, keep=[recorded, *configured.values()])
     checks.append(_check_layout(rank, recorded, L, configured))
     checks.append(_check_norms(ckpt.layout.norms, fresh, evs, recorded, L, _recorded_length(man, shard_set)))
@@ -1073,6 +1080,18 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     checks.append(_check_head(draft, serve, rank))
     acc = {"steps": K, "serving": serve, "training": train, "training_time_metric": metric}
     return DoctorReport(_ordered(checks), layout=rank, accuracy=acc, meta=meta)
+
+
+def _training_data(man: dict[str, Any]) -> dict[str, Any]:
+    """What the draft manifest says it trained on: shard folders that exist here, the conversation source
+    (its row ids are the shards' row ids, so the held-out split can be rebuilt), whether replies were
+    regenerated."""
+    d = man.get("data") if isinstance(man.get("data"), dict) else {}
+    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    folders = [f for f in d.get("folders") or [] if (Path(f) / "manifest.json").is_file()]
+    src = d.get("source") if isinstance(d.get("source"), str) else cfg.get("source")
+    return {"folders": folders if folders and len(folders) == len(d.get("folders") or []) else [],
+            "source": src if isinstance(src, str) else None, "regenerated": bool(cfg.get("regenerate"))}
 
 
 def _recorded_length(man: dict[str, Any], shard_set) -> float | None:

@@ -160,8 +160,13 @@ def edit_json(path: Path, fn) -> None:
 
 def relabel(pair: Pair, dst: Path, indices: list[int]) -> Path:
     """A copy of the clean draft whose recorded layout (manifest + config.json ids) claims `indices`."""
-    pair.copy(dst)
-    lay = Layout(aux_indices=indices, target=pair.target.identity, norms={})
+    return relabel_dir(pair.draft_dir, dst, indices)
+
+
+def relabel_dir(src: Path, dst: Path, indices: list[int]) -> Path:
+    shutil.copytree(src, dst)
+    old = load_draft(dst).layout
+    lay = Layout(aux_indices=indices, target=old.target, norms=old.norms)
     edit_json(dst / "eyas_manifest.json", lambda m: m.update(layout=lay.to_dict()))
     cfg = load_draft(dst).model.config.hf_config(lay)
     (dst / "config.json").write_text(json.dumps(cfg))
@@ -514,3 +519,18 @@ def test_real_target_random_head_is_named(smollm2, real_random):
     assert c.status == "fail" and "lm_head and fc look untrained" in c.summary, c.summary
     assert rep.check("layout").status == "skip"  # no layout predicts anything: not blamed on the layout
     assert rep.meta["samples_from"].endswith("conversations of sharegpt")
+
+
+@pytest.mark.integration
+def test_shipped_draft_passes_and_a_shifted_copy_fails(smollm2, tmp_path):
+    from eyas.draft import bundled_draft_path
+
+    if not bundled_draft_path().is_dir():
+        pytest.skip(f"no shipped draft at {bundled_draft_path()} yet")
+    rep = run_doctor(smollm2, load_draft("default"))
+    assert rep.ok, [(c.name, c.status, c.summary) for c in rep.checks]
+    true = load_draft("default").layout.aux_indices
+    d = relabel_dir(bundled_draft_path(), tmp_path / "shifted", [k + 1 for k in true])
+    rep = run_doctor(smollm2, load_draft(d))
+    c = rep.check("layout")
+    assert c.status == "fail" and rep.layout.best.indices == true, (c.summary, rep.layout[:3])
