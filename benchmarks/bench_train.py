@@ -25,7 +25,7 @@ import torch
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.layout import check_layouts
 from eyas.target import load_target
-from eyas.train import ShardSource, TrainConfig, init_draft, plan_epoch
+from eyas.train import ShardSource, TrainConfig, feature_norm, init_draft, plan_epoch
 from eyas.ttt import ttt_forward
 from eyas.vocab import count_tokens, end_token_ids, select_draft_vocab
 
@@ -39,7 +39,7 @@ def train_throughput(source, target, vocab, batches, ttt_steps: int, bf16: bool,
     layout = source.layout
     dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux)
     emb = target.embed_tokens().weight.detach().float()
-    draft = init_draft(dcfg, layout, vocab, emb, 0, "scaled")
+    draft = init_draft(dcfg, vocab, emb, 0, "scaled", feature_norm(source, source.train, 1024))
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
     norm, head = target.final_norm(), target.lm_head()
     times, tokens = [], []
@@ -113,9 +113,9 @@ def _median(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="/tmp/eyas-dg200", help="shard folder of the bundled target (eyas datagen)")
-    ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per mode")
-    ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per mode")
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--context", type=int, default=256, help="KV cache length for the decode-step costs")

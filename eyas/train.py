@@ -325,27 +325,38 @@ def plan_epoch(items: list[Item], groups: list[tuple[int, int]], seed: int, epoc
 
 # ---- model, schedule, checkpoint -------------------------------------------------------------------
 
-def init_draft(cfg: DraftConfig, layout: Layout, vocab: DraftVocab, embed_weight: torch.Tensor, seed: int,
-               fc_init: str) -> Eagle3Draft:
+def init_draft(cfg: DraftConfig, vocab: DraftVocab, embed_weight: torch.Tensor, seed: int, fc_init: str,
+               feat_norm: float | None = None) -> Eagle3Draft:
     """Build the draft deterministically from `seed`.
 
     fc_init 'scaled': the aux features are huge (SmolLM2 stream norms ~80-1100, one channel ~355) while the
-    token embedding is ~3, so a default-initialised fc gives a residual h ~100x the attention/MLP outputs and
-    the layer barely changes it. Scaling fc so that E|fc(f)| ~ sqrt(H) (per-element RMS ~1, using the
-    layout's measured stream norms) starts the residual at the scale the layer's own outputs have."""
+    token embedding is ~3, so a default-initialised fc gives a residual h far larger than the attention/MLP
+    outputs and the layer barely changes it. With fc ~ N(0, 1/|f|^2), |f| the RMS norm of the concatenated
+    features measured on the data, each fc output element starts with RMS ~1, the scale the layer's own
+    outputs have."""
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     draft.set_vocab_map(vocab.ids)
     draft.set_embeddings(embed_weight)
     if fc_init == "scaled":
-        norms = [layout.norms.get(str(k)) for k in layout.aux_indices]
-        if all(n is not None and n > 0 for n in norms):
-            feat_norm = math.sqrt(sum(n * n for n in norms))  # |cat(f_k)|
-            with torch.no_grad():
-                draft.fc.weight.normal_(0.0, 1.0 / feat_norm)  # each output elem: N(0, |f|^2 / |f|^2)
+        if not feat_norm or not math.isfinite(feat_norm):
+            raise TrainError(f"fc_init 'scaled' needs the features' measured norm, got {feat_norm}")
+        with torch.no_grad():
+            draft.fc.weight.normal_(0.0, 1.0 / feat_norm)
     elif fc_init != "default":
         raise TrainError(f"--fc-init {fc_init!r}: expected 'scaled' or 'default'")
     return draft
+
+
+@torch.no_grad()
+def feature_norm(source, items: list[Item], max_len: int) -> float:
+    """RMS over real tokens of |cat(aux)| on the first (up to) 16 samples: what fc's input scale is."""
+    b = source.batch(items[:16], torch.device("cpu"), max_len)
+    valid = torch.zeros(b.input_ids.shape, dtype=torch.bool)
+    for i, it in enumerate(items[:16]):
+        valid[i, :min(it.length, max_len)] = True
+    sq = b.aux.cpu().float().pow(2).sum(-1)[valid]
+    return float(sq.mean().sqrt())
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -510,6 +521,43 @@ def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
 
 # ---- the run --------------------------------------------------------------------------------------
 
+def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, source, refs: list[Item], lr: float,
+               cfg: TrainConfig, dd: Dist, device: torch.device, norm, head, autocast) -> torch.Tensor:
+    """One optimizer step on a global batch; this rank takes refs[rank::world]. Returns the global stats
+    [loss, ce_sum x steps, correct x steps, count x steps, tokens] (float64, CPU)."""
+    steps = cfg.ttt_steps
+    params = list(draft.parameters())
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=False)
+    stats = torch.zeros(2 + 3 * steps, dtype=torch.float64)
+    mine = refs[dd.rank::dd.world]
+    if mine:
+        b = source.batch(mine, device, cfg.max_len)
+        denom = dd.sum_(step_counts(b.loss_mask, steps).to(device))  # global valid rows per TTT step
+        with autocast:
+            o: TTTOutput = ttt_forward(draft, b.aux, b.final, b.input_ids, b.loss_mask, norm, head, steps,
+                                       denom=denom)
+        o.loss.backward()
+        stats[0] = float(o.loss.detach())
+        stats[1:1 + steps] = o.step_loss_sum.double().cpu()
+        stats[1 + steps:1 + 2 * steps] = o.step_correct.double().cpu()
+        stats[1 + 2 * steps:1 + 3 * steps] = o.step_count.double().cpu()
+        stats[-1] = b.tokens
+    else:  # more ranks than samples in this batch: zero gradients, but join every reduction
+        dd.sum_(torch.zeros(steps, dtype=torch.long, device=device))
+    if dd.world > 1:  # sum (not average): each rank's loss is already divided by the global counts
+        flat = dd.sum_(torch.cat([p.grad.reshape(-1) for p in params]))
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        stats = dd.sum_(stats.to(device)).cpu()
+    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return stats
+
+
 @dataclass
 class TrainResult:
     out: Path
@@ -599,7 +647,8 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
     dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux,
                                           intermediate_size=cfg.intermediate_size)
     emb = target.embed_tokens().weight.detach().to(device=device, dtype=torch.float32)
-    draft = init_draft(dcfg, layout, vocab, emb, cfg.seed, cfg.fc_init).to(device)
+    fnorm = feature_norm(source, source.train, cfg.max_len) if cfg.fc_init == "scaled" else None
+    draft = init_draft(dcfg, vocab, emb, cfg.seed, cfg.fc_init, fnorm).to(device)
     draft.set_embeddings(emb)
     if dd.world > 1:  # identical start on every rank (same seed already; broadcast makes it certain)
         for p in draft.parameters():
@@ -620,6 +669,7 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
 
     # resume
     step, epoch, bi, tokens_seen, train_time = 0, 0, 0, 0, 0.0
+    resumed_metrics = None
     ck = _ckpt_dir(out)
     if ck is not None and not cfg.resume:
         raise TrainError(f"{out} already holds a training checkpoint ({ck}); pass --resume to continue it or "
@@ -632,34 +682,38 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
         set_rng(load_file(str(ck / RNG_FILE)))
         step, epoch, bi = state["step"], state["epoch"], state["batch_in_epoch"]
         tokens_seen, train_time = state["tokens_seen"], state["train_time_s"]
+        resumed_metrics = json.loads((ck / DRAFT_MANIFEST).read_text()).get("metrics")
         if dd.main:
             _truncate_jsonl(out / "train_log.jsonl", step)
             _truncate_jsonl(out / "metrics.jsonl", step)
-    elif cfg.resume and dd.main and not cfg.quiet:
-        print(f"--resume: no checkpoint in {out}; starting a new run")
+    else:
+        if cfg.resume and dd.main and not cfg.quiet:
+            print(f"--resume: no checkpoint in {out}; starting a new run")
+        if dd.main:  # logs of a run killed before its first checkpoint belong to no checkpoint
+            _truncate_jsonl(out / "train_log.jsonl", 0)
+            _truncate_jsonl(out / "metrics.jsonl", 0)
     if dd.main:
         out.mkdir(parents=True, exist_ok=True)
         run = {"config": cfg.to_dict(), "command": sys.argv, "world_size": dd.world, "data": source.describe(),
                "draft_vocab": vocab.to_manifest(), "draft_config": dcfg.to_dict(), "total_steps": total,
                "steps_per_epoch": steps_per_epoch, "train_samples": len(source.train),
-               "heldout_samples": len(heldout)}
+               "heldout_samples": len(heldout), "feature_norm": fnorm}
         (out / "run.json").write_text(json.dumps(run, indent=2, default=str))
 
     norm, head = target.final_norm(), target.lm_head()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
     steps = cfg.ttt_steps
-    params = list(draft.parameters())
-    for p in params:  # real zero grads from the start: a rank without samples still joins the all-reduce
+    for p in draft.parameters():  # real zero grads from the start: a rank without samples still all-reduces
         p.grad = torch.zeros_like(p)
     losses: list[float] = []
-    last_eval: dict[str, Any] | None = None
+    last_eval: dict[str, Any] | None = resumed_metrics
     win = torch.zeros(1 + 3 * steps, dtype=torch.float64)  # loss sum over steps, ce sums, correct, count
     win_steps, win_tokens, win_time = 0, 0, 0.0
 
     def manifest_extra(metrics: dict[str, Any] | None) -> dict[str, Any]:
         return {"target": {**target.identity.to_dict(), "source": target.source},
-                "draft_vocab": vocab.to_manifest(), "training": cfg.to_dict(),
+                "draft_vocab": vocab.to_manifest(), "training": {**cfg.to_dict(), "feature_norm": fnorm},
                 "data": {**source.describe(), "train_samples": len(source.train), "heldout_samples": len(heldout)},
                 "metrics": metrics, "step": step, "total_steps": total, "tokens_seen": tokens_seen,
                 "training_time_s": round(train_time, 2), "command": " ".join(sys.argv), "world_size": dd.world,
@@ -715,36 +769,8 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
             t0 = time.perf_counter()
             refs = [source.train[i] for i in cur_plan[bi]]
             bi += 1
-            mine = refs[dd.rank::dd.world]
             lr = lr_at(step, total, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            opt.zero_grad(set_to_none=False)
-            stats = torch.zeros(2 + 3 * steps, dtype=torch.float64)
-            if mine:
-                b = source.batch(mine, device, cfg.max_len)
-                denom = dd.sum_(step_counts(b.loss_mask, steps).to(device))
-                with autocast:
-                    o: TTTOutput = ttt_forward(draft, b.aux, b.final, b.input_ids, b.loss_mask, norm, head, steps,
-                                               denom=denom)
-                o.loss.backward()
-                stats[0] = float(o.loss.detach())
-                stats[1:1 + steps] = o.step_loss_sum.double().cpu()
-                stats[1 + steps:1 + 2 * steps] = o.step_correct.double().cpu()
-                stats[1 + 2 * steps:1 + 3 * steps] = o.step_count.double().cpu()
-                stats[-1] = b.tokens
-            else:  # more ranks than samples in this batch: contribute zero gradients, join the reductions
-                dd.sum_(torch.zeros(steps, dtype=torch.long, device=device))
-            if dd.world > 1:
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
-                dd.sum_(flat)
-                off = 0
-                for p in params:
-                    p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                    off += p.numel()
-                stats = dd.sum_(stats.to(device)).cpu()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
+            stats = train_step(draft, opt, source, refs, lr, cfg, dd, device, norm, head, autocast)
             step += 1
             dt = time.perf_counter() - t0
             train_time += dt

@@ -196,8 +196,9 @@ def test_refusals(world, tmp_path):
     with pytest.raises(TrainError, match="--lr"):
         train(_cfg(root, "once", max_steps=4, lr=1e-2, resume=True), target=target)
     make_shards(target, tmp_path / "other_shards", n=30, seed=5)
-    with pytest.raises(TrainError, match="data hash"):
+    with pytest.raises(TrainError, match="data hash") as e:
         train(_cfg(root, "once", max_steps=4, resume=True, data=[str(tmp_path / "other_shards")]), target=target)
+    assert "draft vocab" in str(e.value)
     # shards of two different targets cannot be mixed
     make_shards(other, tmp_path / "other_target_shards", n=9)
     with pytest.raises(LayoutError, match="fingerprint"):
