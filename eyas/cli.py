@@ -102,6 +102,157 @@ def bench(
 
 
 @app.command()
+def train(
+    data: list[str] = typer.Option(..., "--data", help="shard folder(s); with --online a conversation source"),
+    out: str = typer.Option(..., "--out", help="output folder: OUT/draft, OUT/checkpoint, metrics, curves"),
+    target: str = typer.Option(None, "--target", help="default: the shards' target_source (online: smollm2-135m)"),
+    online: bool = typer.Option(False, "--online", help="capture features on the fly from conversations"),
+    num_samples: int = typer.Option(None, "--num-samples", help="online: conversations to read"),
+    aux_indices: str = typer.Option(None, "--aux-indices", help="online: stream indices, e.g. 2,15,27"),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="draft vocabulary size (clamped to the target's)"),
+    ttt_steps: int = typer.Option(7, "--ttt-steps"),
+    epochs: float = typer.Option(1.0, "--epochs"),
+    max_steps: int = typer.Option(None, "--max-steps", help="overrides --epochs"),
+    lr: float = typer.Option(1e-4, "--lr"),
+    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    grad_clip: float = typer.Option(0.5, "--grad-clip"),
+    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="padded tokens per global batch"),
+    max_len: int = typer.Option(2048, "--max-len", help="samples are cut to this many tokens"),
+    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast for the draft (CPU and CUDA)"),
+    seed: int = typer.Option(0, "--seed"),
+    eval_every: int = typer.Option(200, "--eval-every"),
+    save_every: int = typer.Option(500, "--save-every"),
+    heldout_pct: float = typer.Option(5.0, "--heldout-pct"),
+    eval_samples: int = typer.Option(256, "--eval-samples", help="held-out samples per eval (0 = all)"),
+    intermediate_size: int = typer.Option(None, "--intermediate-size", help="draft MLP width (default: target's)"),
+    fc_init: str = typer.Option("scaled", "--fc-init", help="scaled (by the layout's stream norms) | default"),
+    resume: bool = typer.Option(False, "--resume", help="continue from OUT/checkpoint"),
+    device: str = DeviceOpt,
+    dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
+    from .train import TrainConfig
+    from .train import train as run_train
+
+    if online and target is None:
+        target = "smollm2-135m"
+    try:
+        aux = [int(x) for x in aux_indices.split(",")] if aux_indices else None
+    except ValueError:
+        fail(f"--aux-indices {aux_indices!r}: expected comma-separated stream indices such as 2,15,27")
+    if aux is not None and not online:
+        fail("--aux-indices applies to --online only: shards carry their own layout")
+    cfg = TrainConfig(data=data, out=out, target=target, online=online, num_samples=num_samples, aux_indices=aux,
+                      draft_vocab=draft_vocab, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                      warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
+                      batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
+                      save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
+                      intermediate_size=intermediate_size, fc_init=fc_init, resume=resume, device=device,
+                      target_dtype=dtype, quiet=quiet)
+    try:
+        run_train(cfg)
+    except ValueError as e:
+        fail(str(e))
+
+
+@app.command()
+def datagen(
+    data: str = typer.Option("sharegpt", "--data", help="sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL"),
+    out: str = typer.Option(..., "--out", help="shard folder (created; rerun the same command to resume)"),
+    target: str = TargetOpt,
+    num: int = typer.Option(None, "--num", help="first N usable conversations (default: all); more extends a run"),
+    max_len: int = typer.Option(2048, "--max-len", help="tokens per sample (longer ones are truncated)"),
+    regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate", help="target writes the replies"),
+    temperature: float = typer.Option(0.0, "--temperature", help="regeneration: 0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", help="regeneration: nucleus sampling when --temperature > 0"),
+    seed: int = typer.Option(0, "--seed", help="regeneration sampling seed"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="regeneration: tokens per reply"),
+    max_turns: int = typer.Option(None, "--max-turns", help="keep at most N assistant replies per conversation"),
+    repetition_limit: int = typer.Option(32, "--repetition-limit",
+                                         help="stop a regenerated reply once it repeats an N-token loop (0 = off)"),
+    dtype: str = typer.Option("bf16", "--dtype", help="stored feature dtype: bf16 | fp16 | fp32"),
+    target_dtype: str = typer.Option("fp32", "--target-dtype", help="dtype the target runs in"),
+    device: str = DeviceOpt,
+    aux_indices: str = typer.Option(None, "--aux-indices", help="stream indices, e.g. 2,15,27 (default EAGLE-3)"),
+    shard_samples: int = typer.Option(64, "--shard-samples", help="conversations per chunk/shard"),
+    shard_tokens: int = typer.Option(65536, "--shard-tokens", help="max tokens per shard"),
+    gen_batch: int = typer.Option(32, "--gen-batch", help="prompts per regeneration batch"),
+    capture_tokens: int = typer.Option(8192, "--capture-tokens", help="padded tokens per capture forward"),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = default; 1 on a busy machine)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Capture the target's hidden states on conversations (optionally regenerated by the target) into
+    resumable safetensors shards with the layout recorded."""
+    import sys
+
+    from .data import DataError
+    from .datagen import DatagenConfig, DatagenError, run_datagen, summary
+    from .layout import LayoutError
+    from .shards import ShardError
+    from .target import TargetError
+
+    try:
+        aux = [int(x) for x in aux_indices.split(",")] if aux_indices else None
+    except ValueError:
+        fail(f"--aux-indices {aux_indices!r}: expected comma-separated integers such as 2,15,27")
+    cfg = DatagenConfig(out=out, target=target, data=data, num=num, max_len=max_len, regenerate=regenerate,
+                        temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+                        max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
+                        device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
+                        gen_batch=gen_batch, capture_tokens=capture_tokens, threads=threads)
+    try:
+        m = run_datagen(cfg, command=" ".join(["eyas", *sys.argv[1:]]), log=typer.echo, progress=not quiet)
+    except (DatagenError, DataError, LayoutError, ShardError, TargetError) as e:
+        fail(str(e))
+    for line in summary(m):
+        typer.echo(line)
+
+
+@app.command()
+def serve(
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
+                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
+    steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
+    depth: int = typer.Option(None, "--depth", help="tree: depth"),
+    topk: int = typer.Option(None, "--topk", help="tree: children per node"),
+    tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
+    max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens", help="longer prompts get a 400"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="cap (and default) for max_tokens"),
+    model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+) -> None:
+    """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
+    from . import server as srv
+
+    key = srv.resolve_api_key(api_key)
+    warning = srv.exposure_warning(host, key)
+    if warning:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+    try:
+        cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
+                              max_new_tokens=max_new_tokens)
+        cfg.check()  # bad flags fail before the model loads
+        engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device)
+        cfg.model_name = model_name or tgt.identity.name or target
+        cfg.context_length = srv.context_length_of(tgt)
+        app_ = srv.create_app(engine, tgt.tokenizer, cfg)
+    except ValueError as e:  # ServeError, EngineError, TargetError, DraftError, LayoutError, BenchError
+        fail(str(e))
+    desc = used if used == "plain" else f"{used}, draft {draft}"
+    typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
+    srv.run(app_, host, port, log_level=log_level)
+
+
+@app.command()
 def export(
     draft: str = typer.Option(..., "--draft", help="eyas draft folder (or 'default', the bundled draft)"),
     fmt: str = typer.Option(..., "--format", help="sglang | vllm | speculators"),
@@ -184,248 +335,6 @@ def import_(
         typer.echo(f"  note: {n}")
     for w in res.warnings:
         typer.secho(f"  warning: {w}", fg="yellow", err=True)
-
-
-@app.command()
-def datagen(
-    data: str = typer.Option("sharegpt", "--data", help="sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL"),
-    out: str = typer.Option(..., "--out", help="shard folder (created; rerun the same command to resume)"),
-    target: str = TargetOpt,
-    num: int = typer.Option(None, "--num", help="first N usable conversations (default: all); more extends a run"),
-    max_len: int = typer.Option(2048, "--max-len", help="tokens per sample (longer ones are truncated)"),
-    regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate", help="target writes the replies"),
-    temperature: float = typer.Option(0.0, "--temperature", help="regeneration: 0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p", help="regeneration: nucleus sampling when --temperature > 0"),
-    seed: int = typer.Option(0, "--seed", help="regeneration sampling seed"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="regeneration: tokens per reply"),
-    max_turns: int = typer.Option(None, "--max-turns", help="keep at most N assistant replies per conversation"),
-    repetition_limit: int = typer.Option(32, "--repetition-limit",
-                                         help="stop a regenerated reply once it repeats an N-token loop (0 = off)"),
-    dtype: str = typer.Option("bf16", "--dtype", help="stored feature dtype: bf16 | fp16 | fp32"),
-    target_dtype: str = typer.Option("fp32", "--target-dtype", help="dtype the target runs in"),
-    device: str = DeviceOpt,
-    aux_indices: str = typer.Option(None, "--aux-indices", help="stream indices, e.g. 2,15,27 (default EAGLE-3)"),
-    shard_samples: int = typer.Option(64, "--shard-samples", help="conversations per chunk/shard"),
-    shard_tokens: int = typer.Option(65536, "--shard-tokens", help="max tokens per shard"),
-    gen_batch: int = typer.Option(32, "--gen-batch", help="prompts per regeneration batch"),
-    capture_tokens: int = typer.Option(8192, "--capture-tokens", help="padded tokens per capture forward"),
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = default; 1 on a busy machine)"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
-) -> None:
-    """Capture the target's hidden states on conversations (optionally regenerated by the target) into
-    resumable safetensors shards with the layout recorded."""
-    import sys
-
-    from .data import DataError
-    from .datagen import DatagenConfig, DatagenError, run_datagen, summary
-    from .layout import LayoutError
-    from .shards import ShardError
-    from .target import TargetError
-
-    try:
-        aux = [int(x) for x in aux_indices.split(",")] if aux_indices else None
-    except ValueError:
-        fail(f"--aux-indices {aux_indices!r}: expected comma-separated integers such as 2,15,27")
-    cfg = DatagenConfig(out=out, target=target, data=data, num=num, max_len=max_len, regenerate=regenerate,
-                        temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-                        max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
-                        device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
-                        gen_batch=gen_batch, capture_tokens=capture_tokens, threads=threads)
-    try:
-        m = run_datagen(cfg, command=" ".join(["eyas", *sys.argv[1:]]), log=typer.echo, progress=not quiet)
-    except (DatagenError, DataError, LayoutError, ShardError, TargetError) as e:
-        fail(str(e))
-    for line in summary(m):
-        typer.echo(line)
-
-
-@app.command()
-def train(
-    data: list[str] = typer.Option(..., "--data", help="shard folder(s); with --online a conversation source"),
-    out: str = typer.Option(..., "--out", help="output folder: OUT/draft, OUT/checkpoint, metrics, curves"),
-    target: str = typer.Option(None, "--target", help="default: the shards' target_source (online: smollm2-135m)"),
-    online: bool = typer.Option(False, "--online", help="capture features on the fly from conversations"),
-    num_samples: int = typer.Option(None, "--num-samples", help="online: conversations to read"),
-    aux_indices: str = typer.Option(None, "--aux-indices", help="online: stream indices, e.g. 2,15,27"),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="draft vocabulary size (clamped to the target's)"),
-    ttt_steps: int = typer.Option(7, "--ttt-steps"),
-    epochs: float = typer.Option(1.0, "--epochs"),
-    max_steps: int = typer.Option(None, "--max-steps", help="overrides --epochs"),
-    lr: float = typer.Option(1e-4, "--lr"),
-    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio"),
-    weight_decay: float = typer.Option(0.0, "--weight-decay"),
-    grad_clip: float = typer.Option(0.5, "--grad-clip"),
-    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="padded tokens per global batch"),
-    max_len: int = typer.Option(2048, "--max-len", help="samples are cut to this many tokens"),
-    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast for the draft (CPU and CUDA)"),
-    seed: int = typer.Option(0, "--seed"),
-    eval_every: int = typer.Option(200, "--eval-every"),
-    save_every: int = typer.Option(500, "--save-every"),
-    heldout_pct: float = typer.Option(5.0, "--heldout-pct"),
-    eval_samples: int = typer.Option(256, "--eval-samples", help="held-out samples per eval (0 = all)"),
-    intermediate_size: int = typer.Option(None, "--intermediate-size", help="draft MLP width (default: target's)"),
-    fc_init: str = typer.Option("scaled", "--fc-init", help="scaled (by the layout's stream norms) | default"),
-    resume: bool = typer.Option(False, "--resume", help="continue from OUT/checkpoint"),
-    device: str = DeviceOpt,
-    dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
-    quiet: bool = typer.Option(False, "--quiet"),
-) -> None:
-    """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
-    from .train import TrainConfig
-    from .train import train as run_train
-
-    if online and target is None:
-        target = "smollm2-135m"
-    try:
-        aux = [int(x) for x in aux_indices.split(",")] if aux_indices else None
-    except ValueError:
-        fail(f"--aux-indices {aux_indices!r}: expected comma-separated stream indices such as 2,15,27")
-    if aux is not None and not online:
-        fail("--aux-indices applies to --online only: shards carry their own layout")
-    cfg = TrainConfig(data=data, out=out, target=target, online=online, num_samples=num_samples, aux_indices=aux,
-                      draft_vocab=draft_vocab, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
-                      warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
-                      batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
-                      save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
-                      intermediate_size=intermediate_size, fc_init=fc_init, resume=resume, device=device,
-                      target_dtype=dtype, quiet=quiet)
-    try:
-        run_train(cfg)
-    except ValueError as e:
-        fail(str(e))
-
-
-@app.command()
-def serve(
-    target: str = TargetOpt,
-    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
-                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
-    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
-    steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
-    depth: int = typer.Option(None, "--depth", help="tree: depth"),
-    topk: int = typer.Option(None, "--topk", help="tree: children per node"),
-    tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included"),
-    host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
-    port: int = typer.Option(8000, "--port"),
-    api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
-    max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens", help="longer prompts get a 400"),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="cap (and default) for max_tokens"),
-    model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
-) -> None:
-    """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
-    from . import server as srv
-
-    key = srv.resolve_api_key(api_key)
-    warning = srv.exposure_warning(host, key)
-    if warning:
-        typer.secho(f"warning: {warning}", fg="yellow", err=True)
-    try:
-        cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
-                              max_new_tokens=max_new_tokens)
-        cfg.check()  # bad flags fail before the model loads
-        engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device)
-        cfg.model_name = model_name or tgt.identity.name or target
-        cfg.context_length = srv.context_length_of(tgt)
-        app_ = srv.create_app(engine, tgt.tokenizer, cfg)
-    except ValueError as e:  # ServeError, EngineError, TargetError, DraftError, LayoutError, BenchError
-        fail(str(e))
-    desc = used if used == "plain" else f"{used}, draft {draft}"
-    typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
-    srv.run(app_, host, port, log_level=log_level)
-
-
-@app.command()
-def generate(
-    target: str = TargetOpt,
-    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
-                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
-    prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
-    messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
-                                 "or a path to such a file"),
-    raw: bool = typer.Option(False, "--raw", help="send --prompt as raw text, without the chat template"),
-    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
-    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
-    depth: int = typer.Option(4, "--depth", help="tree: draft depth"),
-    topk: int = typer.Option(4, "--topk", help="tree: children per expanded node and frontier width"),
-    tokens: int = typer.Option(16, "--tokens", help="tree: tokens verified per round, root included"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
-    seed: int = typer.Option(None, "--seed", help="sampling seed (reproducible output)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable); trimmed from the output"),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-) -> None:
-    """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
-    import sys
-
-    from .engine import Engine, SamplingParams, SpecParams, chat_input_ids, check_default_draft, resolve_draft
-    from .target import load_target
-
-    if (prompt is None) == (messages is None):
-        fail("pass exactly one of --prompt TEXT or --messages JSON")
-    if method is None:
-        method = "plain" if draft == "none" else "tree"
-    if method in ("tree", "chain") and draft == "none":
-        fail(f"--method {method} needs a draft: pass --draft PATH, 'default' or 'random', or use --method plain")
-    try:
-        msgs = None
-        if messages is not None:
-            src = Path(messages)
-            text = src.read_text() if len(messages) < 4096 and src.is_file() else messages
-            try:
-                msgs = json.loads(text)
-            except json.JSONDecodeError as e:
-                fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
-        spec = SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens)
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                stop=list(stop or []), seed=seed)
-        params.validate()
-        spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
-        if method != "plain":
-            check_default_draft(draft)
-        tgt = load_target(target, dtype=dtype, device=device)
-        ckpt = None if method == "plain" else resolve_draft(draft, tgt)
-        engine = Engine(tgt, ckpt, spec)
-        tok = tgt.tokenizer
-        if msgs is not None:
-            ids = chat_input_ids(tok, msgs)
-        elif raw:
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        else:
-            ids = chat_input_ids(tok, [{"role": "user", "content": prompt}])
-        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
-        out: list[int] = []
-        shown = 0
-        for new in engine.stream(ids, params):
-            out += new
-            text = tok.decode(out, skip_special_tokens=True)
-            end = len(text) - hold
-            while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                end -= 1
-            if end > shown:
-                sys.stdout.write(text[shown:end])
-                sys.stdout.flush()
-                shown = end
-    except ValueError as e:  # EngineError, TargetError, DraftError, LayoutError, ModelError
-        fail(str(e))
-    res = engine.last_result
-    sys.stdout.write(res.text[shown:] + "\n")
-    st = res.stats
-    lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
-             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)"]
-    if method != "plain":
-        rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
-        per = max(st.rounds, 1)
-        lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
-        lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
-                     f"(draft share {st.draft_share:.0%})")
-    for line in lines:
-        typer.secho(line, fg="cyan", err=True)
 
 
 # ---- eyas doctor (eyas/doctor.py, eyas/flags.py) --------------------------------------------------
@@ -529,6 +438,121 @@ def doctor_trace(
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     else:
         render_trace(rep)
+
+
+@app.command()
+def generate(
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
+                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
+    messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
+                                 "or a path to such a file"),
+    raw: bool = typer.Option(False, "--raw", help="send --prompt as raw text, without the chat template"),
+    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
+    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
+    depth: int = typer.Option(4, "--depth", help="tree: draft depth"),
+    topk: int = typer.Option(4, "--topk", help="tree: children per expanded node and frontier width"),
+    tokens: int = typer.Option(16, "--tokens", help="tree: tokens verified per round, root included"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    seed: int = typer.Option(None, "--seed", help="sampling seed (reproducible output)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable); trimmed from the output"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
+    import sys
+
+    from .engine import Engine, SamplingParams, SpecParams, chat_input_ids, check_default_draft, resolve_draft
+    from .target import load_target
+
+    if (prompt is None) == (messages is None):
+        fail("pass exactly one of --prompt TEXT or --messages JSON")
+    if method is None:
+        method = "plain" if draft == "none" else "tree"
+    if method in ("tree", "chain") and draft == "none":
+        fail(f"--method {method} needs a draft: pass --draft PATH, 'default' or 'random', or use --method plain")
+    try:
+        msgs = None
+        if messages is not None:
+            src = Path(messages)
+            text = src.read_text() if len(messages) < 4096 and src.is_file() else messages
+            try:
+                msgs = json.loads(text)
+            except json.JSONDecodeError as e:
+                fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
+        spec = SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                stop=list(stop or []), seed=seed)
+        params.validate()
+        spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
+        if method != "plain":
+            check_default_draft(draft)
+        tgt = load_target(target, dtype=dtype, device=device)
+        ckpt = None if method == "plain" else resolve_draft(draft, tgt)
+        engine = Engine(tgt, ckpt, spec)
+        tok = tgt.tokenizer
+        if msgs is not None:
+            ids = chat_input_ids(tok, msgs)
+        elif raw:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = chat_input_ids(tok, [{"role": "user", "content": prompt}])
+        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
+        out: list[int] = []
+        shown = 0
+        for new in engine.stream(ids, params):
+            out += new
+            text = tok.decode(out, skip_special_tokens=True)
+            end = len(text) - hold
+            while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                end -= 1
+            if end > shown:
+                sys.stdout.write(text[shown:end])
+                sys.stdout.flush()
+                shown = end
+    except ValueError as e:  # EngineError, TargetError, DraftError, LayoutError, ModelError
+        fail(str(e))
+    res = engine.last_result
+    sys.stdout.write(res.text[shown:] + "\n")
+    st = res.stats
+    lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
+             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)"]
+    if method != "plain":
+        rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
+        per = max(st.rounds, 1)
+        lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
+        lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
+                     f"(draft share {st.draft_share:.0%})")
+    for line in lines:
+        typer.secho(line, fg="cyan", err=True)
+
+
+@app.command()
+def recipe(
+    name: str = typer.Argument("smollm2-135m", help="the recipe (target) to run"),
+    work: str = typer.Option("runs/recipe", "--work", help="work folder (resume by rerunning the same command)"),
+    stages: str = typer.Option("data,train,eval,ship", "--stages", help="subset of data,train,eval,ship"),
+    device: str = DeviceOpt,
+    orig_num: int = typer.Option(4000, "--orig-num", help="ShareGPT rows with original replies"),
+    regen_num: int = typer.Option(0, "--regen-num", help="ShareGPT rows, target-regenerated"),
+    epochs: float = typer.Option(2.0, "--epochs"),
+    ttt_steps: int = typer.Option(5, "--ttt-steps"),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab"),
+    ship_to: str = typer.Option(None, "--ship-to", help="default: eyas/assets/drafts/default"),
+) -> None:
+    """Run the whole pipeline (datagen -> train -> bench -> ship) for a bundled target; resumable at every stage."""
+    from .recipe import RecipeConfig, run_recipe
+
+    try:
+        run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
+                                orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
+                                draft_vocab=draft_vocab, ship_to=ship_to))
+    except ValueError as e:
+        fail(str(e))
 
 
 def main() -> None:
