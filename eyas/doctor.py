@@ -53,6 +53,7 @@ UNIFORM_ENTROPY = 0.97  # draft logits whose entropy is >= 97% of log(Vd) carry 
 UNIFORM_GAP = 0.05  # ... unless the target's own distribution is about as flat (a high-entropy target)
 INIT_STD_TOL = 0.03  # weight std within 3% of an init distribution's std ...
 INIT_KURT_TOL = 0.15  # ... and its kurtosis within 0.15 of the init's (uniform 1.8, normal 3.0)
+IID_SPREAD = 1.5  # row/column norm spread within 1.5x of i.i.d. sampling noise = never trained
 FINAL_ONLY = "final state only"
 
 
@@ -783,6 +784,17 @@ def _check_layout(rank: LayoutRanking, recorded: list[int], L: int, configured: 
                      f"most frequent token (best {_pct(best.accuracy)} vs {_pct(rank.baseline)}); see the head check",
                      numbers=nums, details=table)
     conf = [f"{k} {v}: {_pct(rank.find(v).accuracy) if rank.find(v) else 'n/a'}" for k, v in configured.items()]
+    aux_acc = [s.accuracy for s in rank if s.indices and not math.isnan(s.accuracy)]
+    worst = min(aux_acc) if aux_acc else best.accuracy
+    spread = 100 * (best.accuracy - worst)
+    nums["spread_points"] = round(spread, 2)
+    if len(aux_acc) > 1 and spread <= max(LAYOUT_MARGIN_POINTS, 2 * _se_points(best.accuracy, worst, rank.tokens)):
+        return Check("layout", "warn", f"inconclusive: the draft barely uses its features — every one of "
+                     f"{len(aux_acc)} candidate layouts scores {_pct(worst)}..{_pct(best.accuracy)} (recorded "
+                     f"{recorded}: {_pct(rec.accuracy) if rec else 'n/a'}), so the layout cannot be verified; "
+                     "it predicts mostly from the token alone", numbers=nums, details=table,
+                     fix="train the draft longer / on more data (a trained EAGLE-3 draft loses tens of points on a "
+                         "wrong layout), then re-run the doctor")
     if rec is None or list(best.indices) == list(recorded):
         nxt = next((s for s in rank if list(s.indices) != list(recorded)), None)
         return Check("layout", "pass", f"trained on {recorded}: {_pct(best.accuracy)} is the best of {len(rank)} "
@@ -946,6 +958,18 @@ def _looks_init(w: torch.Tensor) -> str | None:
         return f"torch's default init U(+-1/sqrt({fan_in})) (std {std:.4g}, kurtosis {kurt:.2f}, max |w| <= bound)"
     if abs(std / 0.02 - 1) < INIT_STD_TOL and abs(kurt - 3.0) < INIT_KURT_TOL and abs(float(flat.mean())) < 0.1 * std:
         return f"N(0, 0.02) init (std {std:.4g}, kurtosis {kurt:.2f})"
+    # any other i.i.d. init (e.g. a scaled normal): every row and column has the same squared norm up to
+    # sampling noise, CV = sqrt((kurtosis - 1) / n) for n entries; training spreads them far wider
+    if min(w.shape) >= 128 and (abs(kurt - 3.0) < INIT_KURT_TOL or abs(kurt - 1.8) < INIT_KURT_TOL):
+        def cv(n2: torch.Tensor) -> float:
+            return float(n2.std() / n2.mean())
+
+        rows, cols = w.pow(2).sum(1), w.pow(2).sum(0)
+        exp_r = math.sqrt(max(kurt - 1, 0.1) / w.shape[1])
+        exp_c = math.sqrt(max(kurt - 1, 0.1) / w.shape[0])
+        if cv(rows) < IID_SPREAD * exp_r and cv(cols) < IID_SPREAD * exp_c:
+            return (f"an i.i.d. random init (kurtosis {kurt:.2f}; row/column norm spread {100 * cv(rows) / 2:.1f}%/"
+                    f"{100 * cv(cols) / 2:.1f}%, as sampling noise alone gives)")
     return None
 
 

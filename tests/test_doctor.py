@@ -534,3 +534,15 @@ def test_shipped_draft_passes_and_a_shifted_copy_fails(smollm2, tmp_path):
     rep = run_doctor(smollm2, load_draft(d))
     c = rep.check("layout")
     assert c.status == "fail" and rep.layout.best.indices == true, (c.summary, rep.layout[:3])
+
+
+def test_untrained_weight_signatures():
+    from eyas.doctor import _looks_init
+
+    torch.manual_seed(0)
+    assert "torch's default init" in _looks_init(torch.nn.Linear(576, 4096, bias=False).weight)
+    assert "N(0, 0.02)" in _looks_init(torch.randn(512, 576) * 0.02)
+    assert "i.i.d. random" in _looks_init(torch.randn(576, 1728) * 1e-3)  # e.g. train.py's scaled fc init
+    trained = torch.randn(576, 1728) * 1e-3 * torch.linspace(0.5, 2.0, 576)[:, None]  # rows of unequal norm
+    assert _looks_init(trained) is None
+    assert _looks_init(torch.zeros(64, 64)) == "all zeros"
