@@ -16,6 +16,9 @@ Checks (each a named `Check` with status pass/warn/fail/skip, the numbers behind
 Every accuracy is `eyas.ttt.ttt_forward` on the draft (the training-time-test alignment of
 docs/CONTRACTS.md); the serving path captures with `eyas.model.TargetModel`, the forward the engine runs.
 All stream indices a sample needs are captured in ONE target forward per sample.
+
+Also here: `infer_layout` (the layout-inference API `eyas import` uses) and `trace` (one prompt through the
+engine, observed stage by stage). The serve-flag lint lives in eyas/flags.py.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ import torch
 from torch import nn
 
 from .draft import DraftCheckpoint, Eagle3Draft
-from .flags import Check, engine_views, jsonable
+from .flags import Check, engine_views, jsonable, render_checks, render_fixes
 from .layout import default_aux_indices, layout_diff
 from .ttt import step_valid, target_labels, ttt_forward
 
 __all__ = ["Check", "DoctorReport", "LayoutScore", "LayoutRanking", "EvalSample", "infer_layout",
-           "layout_candidates", "run_doctor", "check_identity", "DoctorError"]
+           "layout_candidates", "run_doctor", "check_identity", "DoctorError", "trace", "TraceReport"]
 
 # ---- thresholds (why each value) ------------------------------------------------------------------
 SKEW_POINTS = 2.0  # the issue's bar: a training/serving accuracy gap above 2 points is skew
@@ -484,17 +487,9 @@ BATCH_TOKENS = 8192  # padded tokens per ttt_forward batch
 
 def _batches(lengths: list[int], budget: int = BATCH_TOKENS) -> list[list[int]]:
     """Sample indices grouped by similar length so that (longest x count) stays within budget."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and lengths[i] * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
+    from .datagen import length_batches
+
+    return length_batches(lengths, 1 << 30, budget)
 
 
 def _pad(xs: list[torch.Tensor], S: int) -> torch.Tensor:
@@ -761,7 +756,7 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
                          fix="pass --data SHARDS (the training data) for a paired test on the same tokens")
         return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through the engine's forward vs "
                      f"{_pct(m0)} at training ({gap:+.1f} points, SE {se:.1f})", numbers=nums, details=lines)
-    return Check("accuracy", "pass" if not paired else "skip",
+    return Check("accuracy", "skip",
                  f"serving-path held-out accuracy per step: {', '.join(_pct(a) for a in s_acc)} (no training-path "
                  "features or training-time metric to compare with)", numbers=nums, details=lines,
                  fix="pass --data SHARDS to compare with the stored features")
@@ -1146,21 +1141,12 @@ def _ordered(checks: list[Check]) -> list[Check]:
 
 # ---- rendering ------------------------------------------------------------------------------------
 
-STYLE = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
-
-
 def render(report: DoctorReport, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     con = console or Console()
-    t = Table(title="eyas doctor", show_lines=False)
-    t.add_column("check")
-    t.add_column("status")
-    t.add_column("finding", overflow="fold")
-    for c in report.checks:
-        t.add_row(c.name, f"[{STYLE[c.status]}]{c.status}[/]", c.summary)
-    con.print(t)
+    render_checks(report.checks, "eyas doctor", con)
     if report.layout is not None:
         lt = Table(title=f"layout inference (step-0 accuracy over {report.layout.tokens} positions; always proposing "
                          f"the most frequent token: {_pct(report.layout.baseline)})")
@@ -1186,9 +1172,7 @@ def render(report: DoctorReport, console=None) -> None:
             m = m + [float("nan")] * (a["steps"] - len(m))
             at.add_row("training-time metric (manifest)", *[_pct(x) for x in m])
         con.print(at)
-    fixes = [c for c in report.checks if c.status in ("fail", "warn") and c.fix]
-    for c in fixes:
-        con.print(f"[{STYLE[c.status]}]{c.name}[/]: fix: {c.fix}")
+    render_fixes(report.checks, con)
     con.print("[green]all checks pass[/]" if report.ok else
               f"[red]{sum(c.status == 'fail' for c in report.checks)} failed[/], "
               f"[yellow]{sum(c.status == 'warn' for c in report.checks)} warned[/]")

@@ -568,21 +568,31 @@ def jsonable(obj: Any) -> Any:
 STYLE = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
 
 
-def render_lint(lint: FlagLint, console=None) -> None:
-    from rich.console import Console
+def render_checks(checks: list[Check], title: str, con) -> None:
+    """The checks as a table (name, colored status, finding); fixes are printed by the caller."""
     from rich.table import Table
 
-    con = console or Console()
-    t = Table(title=f"eyas doctor flags ({lint.engine})")
+    t = Table(title=title)
     t.add_column("check")
     t.add_column("status")
     t.add_column("finding", overflow="fold")
-    for c in lint.checks:
+    for c in checks:
         t.add_row(c.name, f"[{STYLE[c.status]}]{c.status}[/]", c.summary)
     con.print(t)
-    for c in lint.checks:
+
+
+def render_fixes(checks: list[Check], con) -> None:
+    for c in checks:
         if c.status in ("fail", "warn") and c.fix:
             con.print(f"[{STYLE[c.status]}]{c.name}[/]: fix: {c.fix}")
+
+
+def render_lint(lint: FlagLint, console=None) -> None:
+    from rich.console import Console
+
+    con = console or Console()
+    render_checks(lint.checks, f"eyas doctor flags ({lint.engine})", con)
+    render_fixes(lint.checks, con)
     if lint.ok:
         con.print("[green]the command and the draft's config.json agree with the trained draft[/]")
         return
