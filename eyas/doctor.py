@@ -446,11 +446,15 @@ def _prepare(draft: Eagle3Draft, target) -> Eagle3Draft:
     return draft
 
 
-def _fresh(serving: Serving, draft: Eagle3Draft, target, samples: list[EvalSample], indices: set[int]) -> list[_Fresh]:
+def _fresh(serving: Serving, draft: Eagle3Draft, target, samples: list[EvalSample], indices: set[int],
+           all_streams_first: bool = False) -> list[_Fresh]:
+    """One serving-path forward per sample capturing `indices` (every stream 0..L for the first sample when
+    asked: the data-layout check compares stored slices with all of them)."""
     out = []
     ids_map = draft.target_token_ids()
-    for s in samples:
-        streams, final = serving.streams(s.input_ids, sorted(indices))
+    for i, s in enumerate(samples):
+        want = range(serving.L + 1) if (i == 0 and all_streams_first) else indices
+        streams, final = serving.streams(s.input_ids, sorted(want))
         labels = target_labels(final[None].float(), target.final_norm(), target.lm_head(), ids_map)
         out.append(_Fresh(streams, final, labels))
     return out
@@ -891,7 +895,9 @@ def _check_norms(recorded: dict[str, float], fresh: list[_Fresh], samples: list[
 
 # ---- data layout: which stream each stored slice holds --------------------------------------------
 
-def _check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, serving: Serving) -> Check:
+def _check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, streams: dict[int, torch.Tensor],
+                       L: int) -> Check:
+    """Which stream each stored slice of `sample` holds: relative error against every fresh stream 0..L."""
     from .layout import LayoutError, check_layouts
 
     lines = []
@@ -901,8 +907,6 @@ def _check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, 
     except LayoutError as e:
         problems.append(str(e).splitlines()[0])
         lines += str(e).splitlines()[1:]
-    L = serving.L
-    streams, _ = serving.streams(sample.input_ids, list(range(L + 1)))
     recorded = list(shard_layout.aux_indices)
     H = sample.stored_aux.shape[-1] // max(len(recorded), 1)
     found = []
@@ -1080,7 +1084,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     serving = Serving(target)
     meta["serving_path"] = serving.path
     need = {k for idx, _ in cands for k in idx} | set(recorded)
-    fresh = _fresh(serving, draft, target, evs, need)  # ONE target forward per sample
+    fresh = _fresh(serving, draft, target, evs, need, all_streams_first=shard_set is not None)  # ONE per sample
 
     serve = _score(draft, target, [torch.cat([f.streams[k] for k in recorded], -1) for f in fresh],
                    [f.final for f in fresh], evs, K, [f.labels for f in fresh], want_logits=True)
@@ -1095,7 +1099,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     checks.append(_check_layout(rank, recorded, L, configured))
     checks.append(_check_norms(ckpt.layout.norms, fresh, evs, recorded, L, _recorded_length(man, shard_set)))
     if shard_set is not None:
-        checks.append(_check_data_layout(shard_set.layout, ckpt, evs[0], serving))
+        checks.append(_check_data_layout(shard_set.layout, ckpt, evs[0], fresh[0].streams, L))
     checks.append(_check_head(draft, serve, rank))
     acc = {"steps": K, "serving": serve, "training": train, "training_time_metric": metric}
     return DoctorReport(_ordered(checks), layout=rank, accuracy=acc, meta=meta)
