@@ -287,7 +287,11 @@ class Engine:
         if params.temperature > 0:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else int(torch.seed() % (1 << 62)))
-        run = _Run(self, prompt, params, gen, need, depth, topk, ntok)
+        self.last_result = None
+        return self._iterate(_Run(self, prompt, params, gen, need, depth, topk, ntok))
+
+    def _iterate(self, run: _Run) -> Iterator[list[int]]:
+        # a separate generator so that stream() validates its arguments when called, not at the first next()
         yield from run.loop()
         self.last_result = run.result()
 

@@ -12,6 +12,15 @@ from tests.tiny import tiny_model
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine spinning threads cost a lot."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_full_forward_logits_and_capture_match_hf(family):
     m = tiny_model(family, seed=3)
