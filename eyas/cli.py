@@ -466,7 +466,7 @@ def generate(
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
 
-    from .engine import Engine, SamplingParams, SpecParams, chat_input_ids, check_default_draft, resolve_draft
+    from . import engine as eng
     from .target import load_target
 
     if (prompt is None) == (messages is None):
@@ -484,23 +484,24 @@ def generate(
                 msgs = json.loads(text)
             except json.JSONDecodeError as e:
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
-        spec = SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens)
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+            eng.check_messages(msgs)
+        spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens)
+        params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()
         spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
         if method != "plain":
-            check_default_draft(draft)
+            eng.check_default_draft(draft)
         tgt = load_target(target, dtype=dtype, device=device)
-        ckpt = None if method == "plain" else resolve_draft(draft, tgt)
-        engine = Engine(tgt, ckpt, spec)
+        ckpt = None if method == "plain" else eng.resolve_draft(draft, tgt)
+        engine = eng.Engine(tgt, ckpt, spec)
         tok = tgt.tokenizer
         if msgs is not None:
-            ids = chat_input_ids(tok, msgs)
+            ids = eng.chat_input_ids(tok, msgs)
         elif raw:
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
         else:
-            ids = chat_input_ids(tok, [{"role": "user", "content": prompt}])
+            ids = eng.chat_input_ids(tok, [{"role": "user", "content": prompt}])
         hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
         out: list[int] = []
         shown = 0

@@ -168,11 +168,17 @@ class GenResult:
     stats: GenStats
 
 
+def check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise EngineError('messages must be a non-empty list of {"role": "...", "content": "..."} objects (strings); '
+                          f"found {str(messages)[:120]}")
+
+
 def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Chat template with the generation prompt -> token ids."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in messages):
-        raise EngineError('messages must be a list of {"role": ..., "content": ...} objects')
+    check_messages(messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise EngineError("this target's tokenizer has no chat template; pass a plain prompt instead")
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
