@@ -324,17 +324,15 @@ def masked_spans(tokenizer, input_ids: torch.Tensor, loss_mask: torch.Tensor) ->
 # ---- repetition loops ------------------------------------------------------------------------------
 
 def loop_end(tokens: list[int], n: int) -> int | None:
-    """Smallest length t such that tokens[t-n:t] == tokens[t-n-p:t-p] for some period p in 1..n, i.e. the reply
-    has just repeated an n-token stretch of a loop (period p); None if it never does. n <= 0 disables."""
+    """Smallest length t at which the last n tokens, tokens[t-n:t], repeat an n-token stretch that already
+    started earlier in the sequence: the reply has gone round a loop of any period p (after p + n tokens of it;
+    period 1..n loops are caught after n + p tokens too). None if it never happens; n <= 0 disables."""
     if n <= 0:
         return None
-    best = None
-    for p in range(1, n + 1):
-        run = 0
-        for t in range(p, len(tokens)):
-            run = run + 1 if tokens[t] == tokens[t - p] else 0
-            if run >= n:
-                if best is None or t + 1 < best:
-                    best = t + 1
-                break
-    return best
+    seen: set[tuple[int, ...]] = set()
+    for t in range(n, len(tokens) + 1):
+        w = tuple(tokens[t - n:t])
+        if w in seen:
+            return t
+        seen.add(w)
+    return None

@@ -55,7 +55,7 @@ class DatagenConfig:
     seed: int = 0
     max_new_tokens: int = 512
     max_turns: int | None = None  # keep at most this many assistant replies per conversation
-    repetition_limit: int = 32  # stop a regenerated reply once it repeats an n-token loop; 0 = off
+    repetition_limit: int = 32  # stop a regenerated reply once its last n tokens repeat an earlier stretch; 0 = off
     dtype: str = "bf16"  # stored feature dtype
     target_dtype: str = "fp32"  # dtype the target runs in
     device: str = "cpu"
@@ -148,15 +148,16 @@ def _loop_criteria(n: int, prompt_len: int):
     from transformers import StoppingCriteria
 
     class LoopStop(StoppingCriteria):
-        """Per row: stop once the last n generated tokens equal the n tokens p earlier, some p in 1..n."""
+        """Per row: stop once the last n generated tokens already occurred as an earlier n-token window of the
+        reply (the same rule as eyas.data.loop_end, checked after every new token)."""
 
         def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
             gen = input_ids[:, prompt_len:]  # [B, T]
             T = gen.shape[1]
-            done = torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
-            for p in range(1, min(n, T - n) + 1):
-                done |= (gen[:, T - n:] == gen[:, T - n - p:T - p]).all(dim=-1)
-            return done
+            if T <= n:
+                return torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
+            earlier = gen[:, :T - 1].unfold(1, n, 1)  # [B, T-n, n] windows starting before the last one
+            return (earlier == gen[:, None, T - n:]).all(dim=-1).any(dim=-1)  # [B]
 
     return LoopStop()
 

@@ -190,6 +190,8 @@ def test_loop_end():
     assert loop_end([7, 7, 7, 7], 0) is None  # disabled
     seq = [9, 8] + [1, 2, 3, 4] * 3
     assert loop_end(seq, 4) == 2 + 8  # the second copy of the 4-token loop completes at length 10
+    assert loop_end(list(range(10)) * 3, 4) == 14  # a period-10 loop, longer than n: caught after 10 + 4
+    assert loop_end([1, 2, 3, 1, 2, 4, 1, 2, 5], 3) is None  # shorter repeats than n are fine
 
 
 def test_conversation_contract():
