@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft
+from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, bundled_draft_path
 from eyas.engine import Engine, EngineError, SamplingParams, SpecParams, chat_input_ids
 from eyas.sampling import warp
 from eyas.target import Target, capture, identity_of, tensor_fingerprint
@@ -367,3 +367,33 @@ def test_smollm2_mtbench_speculative_equals_plain(smollm2):
         for eng in engines:
             assert eng.generate(ids, sp).token_ids == ref.token_ids, (p.id, eng.spec)
 
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------
+
+def test_generate_cli(tmp_path, tiny):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    folder = tmp_path / "tiny"
+    tiny.model.save_pretrained(folder, safe_serialization=True)
+    tiny.tokenizer.save_pretrained(folder)
+    runner = CliRunner()
+    base = ["generate", "--target", str(folder), "--prompt", "w5 w6 w7 w8", "--raw", "--max-new-tokens", "12"]
+    plain = runner.invoke(app, base + ["--draft", "none"])
+    assert plain.exit_code == 0, plain.output
+    assert "[plain] " in plain.output and "tok/s" in plain.output
+    ref = Engine(tiny, None, SpecParams(method="plain")).generate([5, 6, 7, 8], SamplingParams(max_new_tokens=12))
+    assert ref.text in plain.output
+    spec = runner.invoke(app, base + ["--draft", "random", "--method", "chain", "--steps", "2"])
+    assert spec.exit_code == 0, spec.output
+    assert ref.text in spec.output and "tau " in spec.output and "acceptance per depth: d1=" in spec.output
+    cases = [(["--draft", "none", "--method", "tree"], "needs a draft"),
+             (["--draft", "random", "--topk", "1", "--depth", "3", "--tokens", "8"], "--tokens 4"),
+             (["--draft", "random", "--temperature", "-1"], "temperature")]
+    if not bundled_draft_path().is_dir():  # until the shipped draft exists
+        cases.append((["--draft", "default"], "bundled draft"))
+    for extra, match in cases:
+        bad = runner.invoke(app, base + extra)
+        assert bad.exit_code == 2 and match in bad.output, (extra, bad.output)
