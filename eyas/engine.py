@@ -19,9 +19,9 @@ Sampling (lossless, see eyas/sampling.py): the tree's candidates are chosen dete
 so each is verified as a point-mass proposal: accept child x with probability p(x), else remove x from
 p, renormalise and try the next sibling; if all fail, draw the bonus from what is left. Using the draft's
 softmax as q with deterministically chosen tokens would NOT be lossless (q(x)=0.6, p(x)=0.3 would emit x
-half the time). The chain samples its candidates from the draft's warped distribution q (same
-temperature/top-k/top-p as p) and accepts with min(1, p/q), residual norm(max(p-q, 0)) — the classic
-scheme, which gains when the draft spreads mass like the target.
+half the time). The chain (and a topk-1 tree, which is one) samples its candidates from the draft's
+warped distribution q (same temperature/top-k/top-p as p) and accepts with min(1, p/q), residual
+norm(max(p-q, 0)) — the classic scheme, which gains when the draft spreads mass like the target.
 """
 
 from __future__ import annotations
@@ -461,7 +461,6 @@ class _Run:
         front_score = torch.zeros(1, device=dev)
         front_h = h_root  # [1, F, H] outputs of the rows run last (whose logits made `cand`)
         scratch = n  # next free draft-cache slot for tree rows
-        run_slot: dict[int, int] = {}  # pool index -> draft cache slot
         anc: dict[int, list[int]] = {}  # pool index -> slots of itself and its run ancestors
         for dep in range(1, D + 1):
             Fn = logits.shape[0]
@@ -495,7 +494,6 @@ class _Run:
             for r, (ci, pp) in enumerate(zip(fi_l, pool_par, strict=True)):
                 slots = anc.get(pp, []) + [scratch + r]
                 anc[base + ci] = slots
-                run_slot[base + ci] = scratch + r
                 mk[0, 0, r, slots] = True
             out = self.draft_step(hidden, ids, posd, scratch, mk)  # [1, kf, H]
             scratch = T
