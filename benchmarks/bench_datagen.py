@@ -2,12 +2,13 @@
 
 1. Capture: the datagen capture path (`capture_samples`: hooks, right padding, real-token slicing, norm
    statistics, bf16 cast to CPU) vs a bare Hugging Face forward of the same padded batches computing logits
-   for the last position only. Batches alternate A/B, B/A so machine noise hits both sides alike.
+   for the last position only. Batches alternate A/B, B/A so machine noise hits both sides alike, and the
+   fastest of --repeats timings per batch counts.
    Goal: ratio (capture tok/s / bare tok/s) >= 0.8.
 2. End to end: `run_datagen --no-regenerate` on the same rows (tokenization + capture + shard writes + manifest).
 3. Regeneration tokens/s (batched greedy generate, a few samples) in bf16 and fp32.
 
-    .venv/bin/python benchmarks/bench_datagen.py [--num 32] [--max-len 1024] [--out /tmp/eyas-bench-datagen]
+    .venv/bin/python benchmarks/bench_datagen.py [--num 32] [--max-len 512] [--threads 1] [--out DIR]
 
 Writes results.json and datagen.png into --out. Speeds are machine-dependent: compare ratios within one run.
 """
@@ -30,7 +31,8 @@ from eyas.target import load_target
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num", type=int, default=32, help="ShareGPT conversations (the first N usable rows)")
-    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2, help="timings per batch and side (the fastest counts)")
     ap.add_argument("--capture-tokens", type=int, default=8192, help="padded tokens per forward (as datagen)")
     ap.add_argument("--regen-samples", type=int, default=4)
     ap.add_argument("--regen-new-tokens", type=int, default=128)
@@ -74,18 +76,22 @@ def main() -> None:
                             use_cache=False, logits_to_keep=1).logits
 
     bare(small)
-    t_cap = t_hf = 0.0
-    for k, b in enumerate(batches):
-        bi = [items[i] for i in b]
-        order = ("cap", "hf") if k % 2 == 0 else ("hf", "cap")
-        for which in order:
-            s = time.perf_counter()
-            if which == "cap":
-                capture_samples(target, bi, layout, torch.bfloat16, args.capture_tokens)
-                t_cap += time.perf_counter() - s
-            else:
-                bare(bi)
-                t_hf += time.perf_counter() - s
+    # per batch, the fastest of --repeats timings of each side: a busy machine only ever adds time
+    best: dict[tuple[str, int], float] = {}
+    for r in range(args.repeats):
+        for k, b in enumerate(batches):
+            bi = [items[i] for i in b]
+            order = ("cap", "hf") if (k + r) % 2 == 0 else ("hf", "cap")
+            for which in order:
+                s = time.perf_counter()
+                if which == "cap":
+                    capture_samples(target, bi, layout, torch.bfloat16, args.capture_tokens)
+                else:
+                    bare(bi)
+                dt = time.perf_counter() - s
+                best[(which, k)] = min(best.get((which, k), dt), dt)
+    t_cap = sum(v for (w, _), v in best.items() if w == "cap")
+    t_hf = sum(v for (w, _), v in best.items() if w == "hf")
     cap_tps, hf_tps = n_tokens / t_cap, n_tokens / t_hf
     print(f"capture path      {cap_tps:8.1f} tok/s  ({t_cap:.1f} s)")
     print(f"bare HF forward   {hf_tps:8.1f} tok/s  ({t_hf:.1f} s, logits for the last position only)")
@@ -124,7 +130,7 @@ def main() -> None:
 
     res = {
         "samples": len(items), "tokens": n_tokens, "max_len": args.max_len, "batches": len(batches),
-        "threads": torch.get_num_threads(), "device": str(target.device),
+        "threads": torch.get_num_threads(), "device": str(target.device), "repeats": args.repeats,
         "capture_tok_s": round(cap_tps, 1), "bare_hf_tok_s": round(hf_tps, 1), "ratio": round(cap_tps / hf_tps, 3),
         "datagen_end_to_end_tok_s": e2e_tps, "datagen_ratio_to_bare": round(e2e_tps / hf_tps, 3),
         "bytes_per_token": m["counts"]["bytes_per_token"], "regeneration": regen,
