@@ -59,38 +59,41 @@ def train_throughput(source, target, vocab, batches, ttt_steps: int, bf16: bool,
 
 
 @torch.no_grad()
-def decode_costs(target, draft_vocab: int, context: int, reps: int) -> dict:
-    """Median seconds of one target forward (1 token, cache of `context`) vs one draft step (1 token, draft
-    cache of `context`) with a `draft_vocab` head and with the full vocab."""
-    from transformers import DynamicCache
+def decode_costs(target, layout, draft_vocab: int, context: int, reps: int) -> dict:
+    """Median seconds of one target forward as the engine runs it (eyas.model.TargetModel: 1 new token over a
+    KV cache of `context`, aux states captured) vs one draft step as the engine runs it (1 row over a draft
+    cache of `context`: qkv + attend + finish + logits) with a `draft_vocab` head and with the full vocab."""
+    from eyas.model import TargetModel
 
     V, H = target.identity.vocab_size, target.hidden_size
-    ids = torch.randint(10, V, (1, context))
-    cache = DynamicCache()
-    target.model(input_ids=ids, past_key_values=cache, use_cache=True)
+    tm = TargetModel(target.model)
+    cache = tm.new_cache(1, context + 8)
+    tm.forward(torch.randint(10, V, (1, context)), torch.arange(context)[None], cache, logits="none")
+    cache.length = context
     nxt = torch.randint(10, V, (1, 1))
     pos = torch.tensor([[context]])
 
-    def t_target():
-        target.model(input_ids=nxt, past_key_values=cache, use_cache=True, position_ids=pos)
-        cache.crop(context)
+    def t_target():  # not committed: cache.length stays at `context`
+        tm.forward(nxt, pos, cache, capture=layout.aux_indices, logits="last")
 
-    out = {"context": context}
+    out = {"context": context, "target_forward": "eyas.model.TargetModel (the engine's forward)"}
     timings = {"target": _median(t_target, reps)}
     emb = target.embed_tokens().weight.detach().float()
     for name, vd in (("draft", min(draft_vocab, V)), ("draft_full_vocab", V)):
-        cfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vd)
+        cfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vd, num_aux=layout.num_aux)
         d = Eagle3Draft(cfg).eval()
         d.set_vocab_map(torch.arange(vd))
         d.set_embeddings(emb)
-        kv = (torch.randn(1, cfg.num_key_value_heads, context, cfg.head_dim),
-              torch.randn(1, cfg.num_key_value_heads, context, cfg.head_dim))
+        dk = torch.randn(1, cfg.num_key_value_heads, context + 1, cfg.head_dim)
+        dv = torch.randn(1, cfg.num_key_value_heads, context + 1, cfg.head_dim)
         h = torch.randn(1, 1, H)
         mask = torch.ones(1, 1, 1, context + 1, dtype=torch.bool)
 
-        def t_draft(d=d, kv=kv, h=h, mask=mask):
-            o, _ = d(h, nxt, pos, past_kv=kv, mask=mask)
-            d.logits(o).argmax(-1)
+        def t_draft(d=d, dk=dk, dv=dv, h=h, mask=mask):
+            q, k, v = d.qkv(h, nxt, pos)
+            dk[:, :, context:context + 1] = k
+            dv[:, :, context:context + 1] = v
+            d.logits(d.finish(d.attend(q, dk, dv, mask), h)).argmax(-1)
 
         timings[name] = _median(t_draft, reps)
     out.update({f"{k}_ms": round(v * 1e3, 3) for k, v in timings.items()})
@@ -121,10 +124,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="KV cache length for the decode-step costs")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="bench_train.json")
+    ap.add_argument("--parts", default="train,decode", help="train and/or decode")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     a = ap.parse_args()
     if not Path(a.data, "manifest.json").exists():
         raise SystemExit(f"{a.data} is not a shard folder; make one with e.g. `eyas datagen --data sharegpt --num 60 "
                          f"--max-len 512 --no-regenerate --out {a.data}`")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     source = ShardSource([a.data], heldout_pct=0.0, buffer_mb=4096)
     target = load_target(source.set.manifests[0].get("target_source") or "smollm2-135m")
@@ -138,19 +145,21 @@ def main() -> None:
     res = {"data": a.data, "threads": torch.get_num_threads(), "load_avg_start": load_avg(),
            "ttt_steps": a.ttt_steps, "draft_vocab": vocab.size, "coverage": vocab.coverage,
            "batch_tokens": a.batch_tokens}
-    res["fp32"] = train_throughput(source, target, vocab, batches, a.ttt_steps, False, a.steps)
-    res["bf16"] = train_throughput(source, target, vocab, batches, a.ttt_steps, True, a.steps)
-    res["bf16_speedup"] = round(res["bf16"]["tokens_per_s"] / res["fp32"]["tokens_per_s"], 3)
-    res["decode"] = decode_costs(target, a.draft_vocab, a.context, a.reps)
+    parts = set(a.parts.split(","))
+    if "train" in parts:
+        res["fp32"] = train_throughput(source, target, vocab, batches, a.ttt_steps, False, a.steps)
+        res["bf16"] = train_throughput(source, target, vocab, batches, a.ttt_steps, True, a.steps)
+        res["bf16_speedup"] = round(res["bf16"]["tokens_per_s"] / res["fp32"]["tokens_per_s"], 3)
+        print(f"training tokens/s (TTT {a.ttt_steps}, draft vocab {vocab.size}, batch {a.batch_tokens} tokens): "
+              f"fp32 {res['fp32']['tokens_per_s']:.0f}, bf16 autocast {res['bf16']['tokens_per_s']:.0f} "
+              f"(x{res['bf16_speedup']:.2f})", flush=True)
+    if "decode" in parts:
+        res["decode"] = d = decode_costs(target, source.layout, a.draft_vocab, a.context, a.reps)
+        print(f"decode step over {d['context']} cached tokens: target {d['target_ms']:.2f} ms, draft "
+              f"{d['draft_ms']:.2f} ms = {d['draft_fraction']:.1%} of a target step (goal <= 10%); full-vocab "
+              f"draft {d['draft_full_vocab_ms']:.2f} ms = {d['draft_full_vocab_fraction']:.1%}")
     res["load_avg_end"] = load_avg()
     Path(a.out).write_text(json.dumps(res, indent=2))
-    d = res["decode"]
-    print(f"training tokens/s (TTT {a.ttt_steps}, draft vocab {vocab.size}, batch {a.batch_tokens} tokens): "
-          f"fp32 {res['fp32']['tokens_per_s']:.0f}, bf16 autocast {res['bf16']['tokens_per_s']:.0f} "
-          f"(x{res['bf16_speedup']:.2f})")
-    print(f"decode step over {d['context']} cached tokens: target {d['target_ms']:.2f} ms, draft "
-          f"{d['draft_ms']:.2f} ms = {d['draft_fraction']:.1%} of a target step (goal <= 10%); full-vocab draft "
-          f"{d['draft_full_vocab_ms']:.2f} ms = {d['draft_full_vocab_fraction']:.1%}")
     print(f"load average {res['load_avg_start']:.1f} -> {res['load_avg_end']:.1f} (other work skews absolute "
           f"numbers; ratios are measured in this one run) -> {a.out}")
 

@@ -131,6 +131,7 @@ def train(
     device: str = DeviceOpt,
     dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
     quiet: bool = typer.Option(False, "--quiet"),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0 = torch default; 1 is faster on a busy CPU)"),
 ) -> None:
     """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
     from .train import TrainConfig
@@ -150,7 +151,7 @@ def train(
                       batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
                       intermediate_size=intermediate_size, fc_init=fc_init, resume=resume, device=device,
-                      target_dtype=dtype, quiet=quiet)
+                      target_dtype=dtype, quiet=quiet, threads=threads)
     try:
         run_train(cfg)
     except ValueError as e:
