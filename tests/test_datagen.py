@@ -29,6 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from more threads, and on a shared, oversubscribed CPU OpenMP's spin-waits make
+    every small op ~30x slower; restored for the other test modules afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _save_tiny(path: Path, tokenizer, seed: int) -> Path:
     """A tiny random Llama with the real SmolLM2 tokenizer (vocab 49152), saved as a HF folder."""
     import transformers as tf
@@ -79,7 +89,7 @@ def _cfg(out, tiny_dir, conv_file, **kw):
 def _args(cfg: DatagenConfig) -> list[str]:
     a = ["datagen", "--target", cfg.target, "--data", cfg.data, "--out", cfg.out, "--max-len", str(cfg.max_len),
          "--dtype", cfg.dtype, "--shard-samples", str(cfg.shard_samples), "--max-new-tokens", str(cfg.max_new_tokens),
-         "--regenerate" if cfg.regenerate else "--no-regenerate", "--quiet"]
+         "--regenerate" if cfg.regenerate else "--no-regenerate", "--quiet", "--threads", "1"]
     if cfg.num is not None:
         a += ["--num", str(cfg.num)]
     return a
@@ -187,7 +197,7 @@ def loop_end_len(reply):
 
 
 def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path, tiny_dir, tiny_target, conv_file):
-    cfg = _cfg(tmp_path / "killed", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=2,
+    cfg = _cfg(tmp_path / "killed", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,
                max_len=96, num=30)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "eyas", *_args(cfg)], cwd=ROOT, env=env,
@@ -215,7 +225,7 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path, tiny_dir, t
     assert "never committed" in res.output
 
     full = run_datagen(_cfg(tmp_path / "full", tiny_dir, conv_file, regenerate=True, max_new_tokens=8,
-                            shard_samples=2, max_len=96, num=30), command="test", progress=False, log=lambda s: None)
+                            shard_samples=1, max_len=96, num=30), command="test", progress=False, log=lambda s: None)
     resumed = load_manifest(tmp_path / "killed")
     a = list(ShardSet(tmp_path / "killed").samples())
     b = list(ShardSet(tmp_path / "full").samples())
