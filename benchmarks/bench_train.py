@@ -133,7 +133,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    source = ShardSource([a.data], heldout_pct=0.0, buffer_mb=4096)
+    source = ShardSource([a.data], heldout_pct=0.0, buffer_mb=4096, max_len=a.max_len)
     target = load_target(source.set.manifests[0].get("target_source") or "smollm2-135m")
     check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards", "the target")
     counts = count_tokens(source.token_pairs(source.train), target.identity.vocab_size)

@@ -33,7 +33,7 @@ from .draft import MANIFEST as DRAFT_MANIFEST
 from .draft import DraftConfig, Eagle3Draft, save_draft
 from .layout import Layout, check_layouts
 from .shards import ShardSet, is_heldout
-from .ttt import TTTOutput, step_counts, ttt_forward
+from .ttt import STEP_DECAY, TTTOutput, step_counts, ttt_forward
 from .vocab import DraftVocab, count_tokens, end_token_ids, select_draft_vocab
 
 STATE_FILE = "trainer_state.json"
@@ -149,11 +149,18 @@ def _pad_stack(seqs: list[torch.Tensor], S: int, value=0) -> torch.Tensor:
     return out
 
 
+def has_rows(loss_mask: torch.Tensor, max_len: int) -> bool:
+    """A sample trains only if some row has a label: TTT step 0 row t needs loss_mask[t+2] within max_len.
+    Samples without (e.g. the reply starts past --max-len) would make all-padding steps that still move
+    AdamW's weights through its momentum, so they are skipped and counted."""
+    return bool(loss_mask[2:max_len].any())
+
+
 class ShardSource:
     """Captured shards. Token ids and masks are indexed up front (small); aux/final are read per shard
     on demand and held up to `buffer_mb` (the planner keeps each shuffling window inside that budget)."""
 
-    def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int):
+    def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30):
         self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
         self.layout = self.set.layout
         self.paths = self.set.shard_paths()
@@ -162,6 +169,7 @@ class ShardSource:
         self.tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.train: list[Item] = []
         self.heldout: list[Item] = []
+        self.skipped: dict[str, int] = {}
         for si, p in enumerate(self.paths):
             with safe_open(str(p), framework="pt") as f:
                 off = f.get_tensor("offsets").tolist()
@@ -169,6 +177,9 @@ class ShardSource:
                 ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
             for i, row in enumerate(rows):
                 a, b = off[i], off[i + 1]
+                if not has_rows(mask[a:b], max_len):
+                    self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
+                    continue
                 self.tokens[(si, i)] = (ids[a:b], mask[a:b])
                 it = Item(key=(si, i), length=b - a, row_id=int(row))
                 (self.heldout if is_heldout(int(row), heldout_pct) else self.train).append(it)
@@ -180,6 +191,7 @@ class ShardSource:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "shards", "folders": [str(f) for f in self.set.folders], "hash": self.hash(),
+                "skipped": self.skipped,
                 "target_source": self.set.manifests[0].get("target_source"),
                 "config": self.set.manifests[0].get("config")}
 
@@ -238,8 +250,8 @@ class OnlineSource:
         h = hashlib.sha256()
         for i, conv in enumerate(convs):
             ids, mask = tokenize_conversation(target.tokenizer, conv.messages, max_len)
-            if ids.numel() < 3 or not mask.any():
-                self.skipped["no_assistant_tokens"] = self.skipped.get("no_assistant_tokens", 0) + 1
+            if not has_rows(mask, max_len):
+                self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
                 continue
             self.tokens[(-1, i)] = (ids.long(), mask.bool())
             h.update(ids.to(torch.int64).numpy().tobytes() + mask.to(torch.uint8).numpy().tobytes())
@@ -502,12 +514,12 @@ def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
     if log:
         a1.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.6, alpha=0.6, label="train loss")
     if evals:
-        a1.plot([e["step"] for e in evals], [sum(e["heldout_loss"]) for e in evals], "o-",
-                label="held-out loss (sum over steps)")
+        a1.plot([e["step"] for e in evals], [sum(STEP_DECAY ** j * x for j, x in enumerate(e["heldout_loss"]))
+                                             for e in evals], "o-", label="held-out loss")
         for j in range(len(evals[0]["heldout_acc"])):
             a2.plot([e["step"] for e in evals], [e["heldout_acc"][j] for e in evals], "o-", ms=3, label=f"step {j}")
     a1.set_xlabel("optimizer step")
-    a1.set_title("loss")
+    a1.set_title("loss (sum over TTT steps of 0.8^j x soft CE)")
     a1.legend()
     a2.set_xlabel("optimizer step")
     a2.set_title("held-out accuracy per TTT step")
@@ -608,8 +620,16 @@ def _load_target(cfg: TrainConfig, source_desc: dict[str, Any] | None):
 def train(cfg: TrainConfig, target=None) -> TrainResult:
     """Run (or resume) a training job. `target`: an already loaded eyas Target (tests); else loaded from
     --target or the shards manifest."""
+    prev = torch.get_num_threads()
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, target)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _train(cfg: TrainConfig, target) -> TrainResult:
     dd, device = init_dist(cfg.device)
     if cfg.ttt_steps < 1:
         raise TrainError(f"--ttt-steps must be >= 1, got {cfg.ttt_steps}")
@@ -627,7 +647,7 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
             raise TrainError(f"--online takes one conversation source in --data, got {cfg.data}")
         source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices)
     else:
-        source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb)
+        source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len)
         if target is None:
             target = _load_target(cfg, source.describe())
         check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards",
@@ -760,7 +780,8 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
         progress.console.print(
             f"[bold]eyas train[/]: {len(source.train)} train / {len(heldout)} held-out samples, "
             f"{steps_per_epoch} steps/epoch, {total} steps, draft vocab {vocab.size} (coverage "
-            f"{vocab.coverage:.3f}), TTT {steps}, world {dd.world}, setup {time.perf_counter() - t_setup:.1f}s")
+            f"{vocab.coverage:.3f}), TTT {steps}, world {dd.world}, setup {time.perf_counter() - t_setup:.1f}s"
+            + (f", skipped {source.skipped}" if source.skipped else ""))
     draft.train()
     cur_plan = plan(epoch)
     try:

@@ -78,7 +78,8 @@ def world(tmp_path_factory):
 
 def _cfg(root: Path, out: str, **kw) -> TrainConfig:
     base = dict(data=[str(root / "shards")], out=str(root / out), draft_vocab=64, ttt_steps=3, lr=3e-3,
-                batch_tokens=512, max_len=64, heldout_pct=20, eval_every=1000, save_every=1000, quiet=True)
+                batch_tokens=512, max_len=64, heldout_pct=20, eval_every=1000, save_every=1000, quiet=True,
+                threads=1)  # tiny matmuls: a second thread only adds sync cost (restored after each run)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -279,7 +280,7 @@ def test_online_training_on_smollm2(smollm2, tmp_path):
     src.write_text("".join(json.dumps(c) + "\n" for c in convs))
     cfg = TrainConfig(data=[str(src)], out=str(tmp_path / "o"), online=True, target="smollm2-135m",
                       draft_vocab=256, ttt_steps=2, max_steps=3, batch_tokens=512, max_len=128, heldout_pct=30,
-                      quiet=True)
+                      quiet=True, threads=1)
     res = train(cfg, target=smollm2)
     man = load_draft(tmp_path / "o" / "draft").manifest
     assert man["data"]["kind"] == "online" and man["layout"]["aux_indices"] == [2, 15, 27]
