@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_train.json")
     ap.add_argument("--parts", default="train,decode", help="train and/or decode")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    ap.add_argument("--modes", default="fp32,bf16", help="training precision modes to time: fp32 and/or bf16")
     a = ap.parse_args()
     if not Path(a.data, "manifest.json").exists():
         raise SystemExit(f"{a.data} is not a shard folder; make one with e.g. `eyas datagen --data sharegpt --num 60 "
@@ -147,12 +148,14 @@ def main() -> None:
            "batch_tokens": a.batch_tokens}
     parts = set(a.parts.split(","))
     if "train" in parts:
-        res["fp32"] = train_throughput(source, target, vocab, batches, a.ttt_steps, False, a.steps)
-        res["bf16"] = train_throughput(source, target, vocab, batches, a.ttt_steps, True, a.steps)
-        res["bf16_speedup"] = round(res["bf16"]["tokens_per_s"] / res["fp32"]["tokens_per_s"], 3)
-        print(f"training tokens/s (TTT {a.ttt_steps}, draft vocab {vocab.size}, batch {a.batch_tokens} tokens): "
-              f"fp32 {res['fp32']['tokens_per_s']:.0f}, bf16 autocast {res['bf16']['tokens_per_s']:.0f} "
-              f"(x{res['bf16_speedup']:.2f})", flush=True)
+        for mode in a.modes.split(","):
+            res[mode] = train_throughput(source, target, vocab, batches, a.ttt_steps, mode == "bf16", a.steps)
+            print(f"training tokens/s (TTT {a.ttt_steps}, draft vocab {vocab.size}, batch {a.batch_tokens} tokens, "
+                  f"{mode}): {res[mode]['tokens_per_s']:.0f} (median step {res[mode]['step_s_median']:.2f} s)",
+                  flush=True)
+        if "fp32" in res and "bf16" in res:
+            res["bf16_speedup"] = round(res["bf16"]["tokens_per_s"] / res["fp32"]["tokens_per_s"], 3)
+            print(f"bf16 autocast / fp32: x{res['bf16_speedup']:.2f}", flush=True)
     if "decode" in parts:
         res["decode"] = d = decode_costs(target, source.layout, a.draft_vocab, a.context, a.reps)
         print(f"decode step over {d['context']} cached tokens: target {d['target_ms']:.2f} ms, draft "

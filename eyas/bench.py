@@ -33,9 +33,9 @@ from .draft import DraftCheckpoint, DraftConfig, Eagle3Draft, bundled_draft_path
 from .prompts import BenchPrompt, load_prompts
 from .target import Target, file_fingerprint, load_target
 
-METHODS = ("hf-greedy", "plain", "chain", "tree", "hf-lookup")
-ENGINE_METHODS = ("plain", "chain", "tree")
-SPEC_METHODS = ("chain", "tree")
+METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup")
+ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup")
+SPEC_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
 HF_METHODS = ("hf-greedy", "hf-lookup")
 WARMUP_TOKENS = 16
 
@@ -96,6 +96,7 @@ class BenchConfig:
     topk: int = 4
     tokens: int = 16
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
+    lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
     threads: int | None = None
     out: str | None = None
     resume: bool = False
@@ -109,7 +110,7 @@ class BenchConfig:
 
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "methods",
-               "steps", "depth", "topk", "tokens", "lookup_tokens")
+               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "sweep_limit",
                      "grid")
 
@@ -275,7 +276,7 @@ def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[
         s = res.stats
         stats = {k: getattr(s, k) for k in ("prompt_tokens", "new_tokens", "target_forwards", "rounds", "prefill_s",
                                             "draft_s", "verify_s", "total_s", "accepted_per_depth",
-                                            "proposed_per_depth")}
+                                            "proposed_per_depth", "lookup_proposed", "lookup_accepted")}
         stats["tau"] = s.tau
         return Output(ids, dt, int(s.target_forwards), res.finish_reason, stats)
 
@@ -336,6 +337,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         draft_s = sum(st["draft_s"] for st in stats)
         round_s = sum(st["total_s"] - st["prefill_s"] for st in stats)
         s["draft_s"] = round(draft_s, 4)
+        # tokens accepted from lookup-only tree nodes: tau minus this share is what EAGLE-3 alone accepted
+        s["lookup_accepted"] = sum(st.get("lookup_accepted", 0) for st in stats)
+        s["lookup_share"] = s["lookup_accepted"] / max(sum(st["new_tokens"] for st in stats), 1)
         s["draft_overhead"] = draft_s / round_s if round_s > 0 and depth else None
     else:
         fwd = sum(r["target_forwards"] - 1 for r in rows)
@@ -417,6 +421,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     cfg = results["config"]
     methods = list(summ)
     setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
+               "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
                "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
@@ -491,6 +496,12 @@ def render(results: dict[str, Any]) -> None:
     for m, s in summ.items():
         for mm in s["mismatches"]:
             con.print(f"[yellow]{m} differs from {ref} on {mm['prompt']} at token {mm['first_diff']}[/yellow]")
+    for m, s in summ.items():
+        if m in SPEC_METHODS and s["compared"]:
+            ok = s["identical"] == s["compared"]
+            extra = f", {s['lookup_share']:.0%} of tokens from lookup candidates" if s.get("lookup_accepted") else ""
+            con.print(f"{m}: lossless: {'yes' if ok else '[red]NO[/red]'} ({s['identical']}/{s['compared']} prompts "
+                      f"token-identical to {ref}); tau {_fmt(s['tau'])}{extra}")
     con.print(f"results: {results['out']}")
 
 
@@ -511,7 +522,8 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
         else:
             from .engine import Engine, SpecParams
 
-            spec = SpecParams(method=m, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk, tokens=cfg.tokens)
+            spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
+                              topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0)
             runners[m] = engine_runner(Engine(target, draft if m in SPEC_METHODS else None, spec), end_ids,
                                        target.device)
     return runners

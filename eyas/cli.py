@@ -63,6 +63,7 @@ def bench(
     topk: int = typer.Option(4, "--topk", help="tree: children per node"),
     tokens: int = typer.Option(16, "--tokens", help="tree: nodes verified per round"),
     lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
+    lookup: int = typer.Option(8, "--lookup", help="tree-lookup: lookup candidates merged into the tree per round"),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
     out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
@@ -94,6 +95,7 @@ def bench(
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
                           target=target, draft=draft, dtype=dtype, device=device, methods=parse_methods(methods),
                           steps=steps, depth=depth, topk=topk, tokens=tokens, lookup_tokens=lookup_tokens,
+                          lookup=lookup,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid)
         (run_sweep if sweep else run_bench)(cfg)
@@ -221,6 +223,7 @@ def serve(
     depth: int = typer.Option(None, "--depth", help="tree: depth"),
     topk: int = typer.Option(None, "--topk", help="tree: children per node"),
     tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included"),
+    lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round (0 = off)"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
@@ -242,7 +245,8 @@ def serve(
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
-        engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device)
+        engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
+                                             lookup)
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
@@ -455,6 +459,7 @@ def generate(
     depth: int = typer.Option(4, "--depth", help="tree: draft depth"),
     topk: int = typer.Option(4, "--topk", help="tree: children per expanded node and frontier width"),
     tokens: int = typer.Option(16, "--tokens", help="tree: tokens verified per round, root included"),
+    lookup: int = typer.Option(0, "--lookup", help="lookup candidates merged into the tree per round (0 = off)"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
@@ -486,7 +491,7 @@ def generate(
             except json.JSONDecodeError as e:
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
             eng.check_messages(msgs)
-        spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens)
+        spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup)
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()
@@ -542,8 +547,12 @@ def recipe(
     orig_num: int = typer.Option(4000, "--orig-num", help="ShareGPT rows with original replies"),
     regen_num: int = typer.Option(0, "--regen-num", help="ShareGPT rows, target-regenerated"),
     epochs: float = typer.Option(2.0, "--epochs"),
-    ttt_steps: int = typer.Option(5, "--ttt-steps"),
+    ttt_steps: int = typer.Option(4, "--ttt-steps"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab"),
+    lr: float = typer.Option(3e-4, "--lr"),
+    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="padded tokens per optimizer step"),
+    bf16: bool = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast in training (default: on CUDA only)"),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch's default)"),
     ship_to: str = typer.Option(None, "--ship-to", help="default: eyas/assets/drafts/default"),
 ) -> None:
     """Run the whole pipeline (datagen -> train -> bench -> ship) for a bundled target; resumable at every stage."""
@@ -552,7 +561,8 @@ def recipe(
     try:
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
                                 orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
-                                draft_vocab=draft_vocab, ship_to=ship_to))
+                                draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
+                                ship_to=ship_to))
     except ValueError as e:
         fail(str(e))
 

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .draft import DraftCheckpoint, check_draft_for_target
+from .lookup import lookup_chain
 from .model import KVCache, TargetModel, compact
 from .sampling import rejection_step, sample, warp
 from .target import Target
@@ -73,6 +74,8 @@ class SpecParams:
     depth: int = 4  # tree: draft depth
     topk: int = 4  # tree: children per expanded node and frontier width
     tokens: int = 16  # tree: verified tokens per round, root included
+    lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
+    lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
 
     def shape(self) -> tuple[int, int, int]:
         """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""
@@ -83,7 +86,12 @@ class SpecParams:
     def validate(self, draft_vocab: int | None) -> None:
         if self.method not in METHODS:
             raise EngineError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if self.lookup < 0 or self.lookup_ngram < 2:
+            raise EngineError(f"lookup {self.lookup} must be >= 0 and lookup_ngram {self.lookup_ngram} >= 2")
         if self.method == "plain":
+            if self.lookup:
+                raise EngineError("lookup candidates are merged into a draft's tree: use method tree or chain "
+                                  "with --lookup, or --lookup 0 with method plain")
             return
         if draft_vocab is None:
             raise EngineError(f"method {self.method!r} needs an EAGLE-3 draft; pass a draft (--draft PATH or "
@@ -125,6 +133,8 @@ class GenStats:
     # whose path reached depth d-1 and the tree had candidates below it (so depth d was attempted)
     accepted_per_depth: list[int] = field(default_factory=list)
     proposed_per_depth: list[int] = field(default_factory=list)
+    lookup_proposed: int = 0  # tree nodes only lookup proposed (not also a draft candidate)
+    lookup_accepted: int = 0  # accepted tokens that came from those nodes
 
     @property
     def tau(self) -> float:
@@ -233,6 +243,18 @@ class _Tree:
     depths: list[int]  # [S]
     children: list[list[int]]  # per node, in the draft's preference order
     q: list[torch.Tensor | None]  # per node: draft distribution (target vocab) it was sampled from, or None
+    lookup: list[bool] = field(default_factory=list)  # per node: proposed by lookup only
+
+    def add(self, parent: int, token: int, q: torch.Tensor | None = None, lookup: bool = False) -> int:
+        i = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append([])
+        self.children[parent].append(i)
+        self.q.append(q)
+        self.lookup.append(lookup)
+        return i
 
 
 def _sync(device: torch.device) -> None:
@@ -284,7 +306,7 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= V:
             raise EngineError(f"prompt token ids must be in 0..{V - 1}; found {min(prompt)}..{max(prompt)}")
         depth, topk, ntok = self.spec.shape()
-        margin = ntok + 1 if self.speculative else 1
+        margin = ntok + self.spec.lookup + 1 if self.speculative else 1
         need = len(prompt) + params.max_new_tokens + margin
         if len(prompt) + params.max_new_tokens > self.max_positions:
             raise EngineError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
@@ -323,8 +345,9 @@ class _Run:
         self.finish: str | None = None
         self.text_checked = 0  # tokens already searched for stop strings
         self.stop_text: str | None = None
-        self.stats = GenStats(prompt_tokens=len(prompt), accepted_per_depth=[0] * (depth if eng.speculative else 0),
-                              proposed_per_depth=[0] * (depth if eng.speculative else 0))
+        max_depth = max(depth, eng.spec.lookup) if eng.speculative else 0
+        self.stats = GenStats(prompt_tokens=len(prompt), accepted_per_depth=[0] * max_depth,
+                              proposed_per_depth=[0] * max_depth)
 
     # -- token choice ------------------------------------------------------------------------------
     def pick(self, logits: torch.Tensor) -> int:
@@ -368,6 +391,8 @@ class _Run:
             else:
                 t1 = time.perf_counter()
                 tree = self.draft_tree(feats, rows_tokens, root)
+                if e.spec.lookup:
+                    self.merge_lookup(tree)
                 _sync(self.dev)
                 t2 = time.perf_counter()
                 path, bonus, fo = self.verify(tree)
@@ -511,23 +536,30 @@ class _Run:
         order = sorted(range(len(sc)), key=lambda i: (-sc[i], depth_of[i], i))[: self.ntok - 1]
         order.sort(key=lambda i: (depth_of[i], -sc[i], i))
         tree_idx = {-1: 0}
-        tree = _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None])
+        tree = _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None], lookup=[False])
         for i in order:
             if par[i] not in tree_idx:
                 raise AssertionError("tree selection dropped a parent")  # impossible: scores never rise with depth
-            p = tree_idx[par[i]]
-            tree_idx[i] = len(tree.tokens)
-            tree.children[p].append(len(tree.tokens))
-            tree.tokens.append(tk[i])
-            tree.parents.append(p)
-            tree.depths.append(depth_of[i])
-            tree.children.append([])
             q = qs[i]
             if q is not None:  # draft-vocab distribution -> target vocab
                 q = torch.zeros(self.e.model.config.vocab_size, device=self.dev).index_copy_(
                     0, self.e.draft_ids, q)
-            tree.q.append(q)
+            tree_idx[i] = tree.add(tree_idx[par[i]], tk[i], q)
         return tree
+
+    def merge_lookup(self, tree: _Tree) -> None:
+        """Merge the lookup chain into the tree from the root: shared prefixes reuse the draft's nodes, the
+        rest becomes a new branch (point-mass proposals, q None, so sampling stays lossless)."""
+        sp = self.e.spec
+        room = self.p.max_new_tokens - len(self.out)  # never verify past what can be committed
+        chain = lookup_chain(self.prompt + self.out, min(sp.lookup, room), sp.lookup_ngram)
+        cur = 0
+        for t in chain:
+            nxt = next((c for c in tree.children[cur] if tree.tokens[c] == t), None)
+            if nxt is None:
+                nxt = tree.add(cur, t, lookup=True)
+                self.stats.lookup_proposed += 1
+            cur = nxt
 
     # -- verification ------------------------------------------------------------------------------
     def verify(self, tree: _Tree):
@@ -577,5 +609,6 @@ class _Run:
                 st.accepted_per_depth[tree.depths[cur]] += 1
                 path.append(nxt)
                 cur = nxt
+        st.lookup_accepted += sum(tree.lookup[i] for i in path[1:])
         compact(self.cache, n, path)
         return path, bonus, fo

@@ -695,7 +695,7 @@ def resolve_method(method: str | None, draft: str) -> str:
 
 def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
                  depth: int | None = None, topk: int | None = None, tokens: int | None = None,
-                 dtype: str = "fp32", device: str = "cpu"):
+                 dtype: str = "fp32", device: str = "cpu", lookup: int | None = None):
     """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
     from .bench import resolve_draft
     from .draft import bundled_draft_path
@@ -703,7 +703,8 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     from .target import load_target
 
     method = resolve_method(method, draft)
-    spec_kw = {k: v for k, v in dict(steps=steps, depth=depth, topk=topk, tokens=tokens).items() if v is not None}
+    spec_kw = {k: v for k, v in dict(steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup).items()
+               if v is not None}
     spec = SpecParams(method=method, **spec_kw)
     if method not in ("tree", "chain", "plain"):
         spec.validate(None)  # raises EngineError naming the choices

@@ -155,6 +155,38 @@ def test_greedy_speculative_equals_plain(tiny, trained, which):
         assert min(taus) >= 1.0
 
 
+LOOKUP_CONFIGS = [SpecParams("tree", depth=3, topk=3, tokens=8, lookup=6),
+                  SpecParams("chain", steps=2, lookup=8, lookup_ngram=4)]
+
+
+def test_lookup_merged_tree_is_lossless_and_accepted(tiny, trained):
+    """Lookup candidates merged into the draft's tree: greedy output stays identical to plain, and on repetitive
+    prompts lookup-only nodes are proposed and accepted (greedy tiny targets loop, like SmolLM2 does)."""
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    prompts = PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10] * 6]
+    for draft in (random_draft(tiny), trained):
+        for spec in LOOKUP_CONFIGS:
+            eng = Engine(tiny, draft, spec)
+            proposed = accepted = 0
+            for p in prompts:
+                ref = greedy(plain, p, 60)
+                res = eng.generate(p, SamplingParams(max_new_tokens=60))
+                assert res.token_ids == ref, f"{spec} prompt {p}"
+                st = res.stats
+                assert st.lookup_accepted <= st.lookup_proposed
+                assert sum(st.accepted_per_depth) + st.rounds >= st.new_tokens - 1
+                proposed += st.lookup_proposed
+                accepted += st.lookup_accepted
+            assert proposed > 0 and accepted > 0, (spec, proposed, accepted)
+
+
+def test_lookup_needs_a_draft_method(tiny):
+    with pytest.raises(EngineError, match="lookup candidates are merged into a draft's tree"):
+        Engine(tiny, None, SpecParams(method="plain", lookup=4))
+    with pytest.raises(EngineError, match="lookup -1 must be >= 0"):
+        Engine(tiny, random_draft(tiny), SpecParams("tree", lookup=-1))
+
+
 def test_max_new_tokens_boundaries(tiny, trained):
     plain = Engine(tiny, None, SpecParams(method="plain"))
     ref = greedy(plain, PROMPTS[2], 30)
@@ -252,8 +284,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
-@pytest.mark.parametrize("spec", [SpecParams("chain", steps=2), SpecParams("tree", depth=2, topk=3, tokens=7)],
-                         ids=["chain", "tree"])
+@pytest.mark.parametrize("spec", [SpecParams("chain", steps=2), SpecParams("tree", depth=2, topk=3, tokens=7),
+                                  SpecParams("tree", depth=2, topk=3, tokens=7, lookup=3)],
+                         ids=["chain", "tree", "tree-lookup"])
 def test_sampling_matches_plain_distribution(tiny, trained, spec):
     """Joint distribution of the first two tokens of 1500 seeded speculative runs vs the exact plain-sampling
     distribution (computed from the target's logits): Pearson chi-square must not reject at p < 1e-6. Under
@@ -261,18 +294,22 @@ def test_sampling_matches_plain_distribution(tiny, trained, spec):
     fixed seeds make the outcome deterministic on a given platform). Power, checked by hand with the same
     trained draft: accepting candidates with probability min(1, 1.5 p(x)) instead of p(x) gives p ~ 1e-17 at
     n = 1500, while the correct engine gave p = 0.31 (chain) and 0.18 (tree)."""
-    prompt = PROMPTS[0]
+    # with lookup, a prompt where the last token t was followed by (almost) every token once: whatever x1 is,
+    # (t, x1) occurred, so a lookup candidate for x2 is always proposed (and judged by rejection sampling)
+    prompt = PROMPTS[0] if not spec.lookup else [x for v in range(3, VOCAB - 2) for x in (9, v)] + [9]
     sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95, max_new_tokens=2)
     exact = exact_first_two(tiny, prompt, sp).reshape(-1)
     eng = Engine(tiny, trained, spec)
     n = 1500
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
-    accepted = 0
+    accepted = lookup = 0
     for seed in range(n):
         res = eng.generate(prompt, SamplingParams(**{**sp.__dict__, "seed": seed}))
         x1, x2 = res.token_ids[:2]
         counts[x1 * VOCAB + x2] += 1
         accepted += res.stats.accepted_per_depth[0]
+        lookup += res.stats.lookup_proposed
+    assert not spec.lookup or lookup > 0, "no lookup candidate was proposed; the test would not exercise them"
     assert accepted > n * 0.2, "the draft is hardly ever accepted; the test would not exercise acceptance"
     assert chi2_pvalue(counts, exact.double()) > 1e-6
 

@@ -1,0 +1,63 @@
+"""`eyas recipe`: config checks, and one small end-to-end run of every stage on the real bundled target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eyas.recipe import RecipeConfig, RecipeError, run_recipe, trained_dir, use_bf16
+
+
+def test_bad_recipe_config_is_refused():
+    with pytest.raises(RecipeError, match="unknown recipe 'llama-70b'"):
+        RecipeConfig(name="llama-70b").validate()
+    with pytest.raises(RecipeError, match=r"unknown stage\(s\) \['deploy'\]"):
+        RecipeConfig(stages=("data", "deploy")).validate()
+    with pytest.raises(RecipeError, match="must be >= 0"):
+        RecipeConfig(orig_num=-1).validate()
+
+
+def test_bf16_only_on_cuda_unless_asked():
+    assert use_bf16(RecipeConfig(device="cpu")) is False  # AVX2 CPUs emulate bf16 matmuls: slower than fp32
+    assert use_bf16(RecipeConfig(device="cuda")) is True
+    assert use_bf16(RecipeConfig(device="cpu", bf16=True)) is True
+
+
+def test_eval_and_ship_need_a_trained_run(tmp_path):
+    with pytest.raises(RecipeError, match="run the data stage first"):
+        trained_dir(RecipeConfig(work=str(tmp_path)))
+
+
+@pytest.mark.integration
+def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
+    """data (3 original + 1 regenerated conversations) -> train -> eval -> ship on the real target; then the same
+    command again finds every stage done (same shards, the finished run) and ships the same weights."""
+    from eyas.draft import load_draft
+
+    torch.set_num_threads(1)
+    work, ship = tmp_path / "work", tmp_path / "shipped"
+    cfg = RecipeConfig(work=str(work), orig_num=3, regen_num=1, regen_max_new_tokens=16, max_len=192, epochs=1.0,
+                       batch_tokens=384, heldout_pct=50.0, eval_limit=1, eval_max_new_tokens=8, ship_to=str(ship))
+    done = run_recipe(cfg, log=lambda *a: None)
+    assert list(done) == ["data", "train", "eval", "ship"]
+    shards = {n: json.loads((work / n / "manifest.json").read_text())["shards"] for n in ("data-orig", "data-regen")}
+    assert all(shards.values())
+    run = trained_dir(cfg)
+    assert run.parent == work and (run / "metrics.jsonl").exists()
+    ck = load_draft(ship)
+    with safe_open(ship / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} <= {"F16", "I64", "BOOL"}  # fp16 weights; d2t/t2d maps
+    assert ck.layout.target.fingerprint == smollm2.identity.fingerprint
+    assert ck.manifest["shipped"]["recipe"]["orig_num"] == 3
+    res = json.loads((work / f"eval-{run.name}" / "results.json").read_text())
+    assert set(res["summary"]["methods"]) == {"hf-greedy", "plain", "tree", "tree-lookup"}
+    before = (ship / "model.safetensors").read_bytes()
+
+    again = run_recipe(cfg, log=lambda *a: None)
+    assert json.loads((work / "data-orig" / "manifest.json").read_text())["shards"] == shards["data-orig"]
+    assert trained_dir(cfg) == run
+    assert (ship / "model.safetensors").read_bytes() == before
+    assert again["train"]["seconds"] < done["train"]["seconds"] + 60
