@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -288,31 +289,41 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_draft(path: str | Path, model: Eagle3Draft, layout: Layout, extra: dict[str, Any] | None = None,
-               dtype: torch.dtype | None = None) -> Path:
-    """Write weights + config.json + eyas manifest into `path` atomically (tmp folder + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp-save")
+def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """Fill a folder via `write(tmp)` then rename it into place, so a killed run never leaves a half-written
+    draft or export (an existing `out` is replaced as a whole)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    write(tmp)
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
+    return out
+
+
+def save_draft(path: str | Path, model: Eagle3Draft, layout: Layout, extra: dict[str, Any] | None = None,
+               dtype: torch.dtype | None = None) -> Path:
+    """Write weights + config.json + eyas manifest into `path` atomically (tmp folder + rename)."""
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if dtype is not None:
         sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
-    save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas"})
-    (tmp / "config.json").write_text(json.dumps(model.config.hf_config(layout), indent=2))
     manifest = {"kind": "eyas-draft", "format_version": 1, "layout": layout.to_dict(),
                 "draft_config": model.config.to_dict(), **(extra or {})}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-    old = path.with_name(path.name + ".old-save")
-    if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old.exists():
-        shutil.rmtree(old)
-    return path
+
+    def write(tmp: Path) -> None:
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas"})
+        (tmp / "config.json").write_text(json.dumps(model.config.hf_config(layout), indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+
+    return atomic_folder(path, write)
 
 
 def bundled_draft_path(name: str = "default") -> Path:

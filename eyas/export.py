@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__
-from .draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, load_draft, save_draft
+from .draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, atomic_folder, load_draft, save_draft
 from .formats import (
     EXPORT_FORMATS,
     ID_CONVENTIONS,
@@ -59,25 +57,6 @@ class ExportError(ValueError):
 
 def _sha256(path: Path) -> str:
     return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _atomic_folder(out: Path, write) -> Path:
-    """Write a folder via tmp + rename so a killed run never leaves a half-written export or draft."""
-    out = Path(out)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
-    return out
 
 
 def check_out(out: Path, kind: str, source: Path | None) -> None:
@@ -260,7 +239,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
 
-    _atomic_folder(out, write)
+    atomic_folder(out, write)
     return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
 
 

@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from eyas.bench import (
     BenchConfig,
@@ -23,16 +22,6 @@ from eyas.bench import (
 from eyas.prompts import BenchPrompt
 from eyas.target import load_target
 from tests.tiny import tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine a second thread makes each
-    small op wait for a busy core (measured: 30x slower under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -29,14 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from more threads, and on a shared, oversubscribed CPU OpenMP's spin-waits make
-    every small op ~30x slower; restored for the other test modules afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _save_tiny(path: Path, tokenizer, seed: int) -> Path:

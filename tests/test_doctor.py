@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -131,25 +130,11 @@ class Pair:
 
 @pytest.fixture(scope="session")
 def pair(tmp_path_factory) -> Pair:
-    with one_thread():
-        return Pair(tmp_path_factory.mktemp("doctor-pair"))
+    return Pair(tmp_path_factory.mktemp("doctor-pair"))
 
 
-@contextmanager
-def one_thread():
-    """Tiny tensors run fastest on one thread, and far faster than two when other jobs share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
 
 
 def edit_json(path: Path, fn) -> None:

@@ -7,8 +7,6 @@ well above zero and the deep-acceptance / compaction / EOS-inside-a-run paths re
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -20,25 +18,6 @@ from eyas.ttt import ttt_forward
 from tests.tiny import tiny_model
 
 VOCAB = 128
-
-
-@contextmanager
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, oversubscribed 2-core machine spinning
-    OpenMP threads slow every op down many times over (measured here: SmolLM2 decoding 0.7 tok/s with 2 threads
-    vs 5.2 with 1 under load). Results are identical either way; only the wall time changes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
 SHARPEN = 30.0
 
 
@@ -116,8 +95,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def trained(tiny):
-    with one_thread():
-        return train_draft(tiny)
+    return train_draft(tiny)
 
 
 CONFIGS = [

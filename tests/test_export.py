@@ -32,13 +32,6 @@ def make_target(layers: int = L, hidden: int = 32, vocab: int = 128) -> Target:
                   path=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls gain nothing from threads, and on a loaded 2-core machine OpenMP's barriers cost ~1000x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,6 @@ from tests.tiny import tiny_model
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine spinning threads cost a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("family", SUPPORTED)

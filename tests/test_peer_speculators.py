@@ -33,12 +33,6 @@ PEER_PYTHON = os.environ.get("EYAS_PEER_PYTHON", "/tmp/peer-venv/bin/python")
 LAYOUT = [0, 3, 8]  # embedding and final pre-norm state: speculators takes ids 0..L (input-of)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- a small JSON-schema checker for the subset pydantic emits (no jsonschema dependency) -------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors import safe_open
 
 from eyas.recipe import RecipeConfig, RecipeError, run_recipe, trained_dir, use_bf16
@@ -37,7 +36,6 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     command again finds every stage done (same shards, the finished run) and ships the same weights."""
     from eyas.draft import load_draft
 
-    torch.set_num_threads(1)
     work, ship = tmp_path / "work", tmp_path / "shipped"
     cfg = RecipeConfig(work=str(work), orig_num=3, regen_num=1, regen_max_new_tokens=16, max_len=192, epochs=1.0,
                        batch_tokens=384, heldout_pct=50.0, eval_limit=1, eval_max_new_tokens=8, ship_to=str(ship))
