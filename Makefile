@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch; assert '+cu' not in torch.__version__, torch.__version__"
 	touch $(STAMP)
 
+# The main job: MT-bench side by side (HF greedy vs eyas plain vs eyas EAGLE-3 tree vs tree + lookup) with the
+# shipped draft. BENCH_LIMIT=80 runs every question; the default is a fixed stratified subset (one per category).
+BENCH_LIMIT ?= 8
+BENCH_ARGS ?=
 demo: setup
-	$(VENV)/bin/eyas inspect smollm2-135m
+	$(VENV)/bin/eyas bench --bench mt-bench --limit $(BENCH_LIMIT) --max-new-tokens 256 \
+		--methods hf-greedy,plain,tree,tree-lookup --draft default $(BENCH_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -129,6 +129,8 @@ def train(
     eval_samples: int = typer.Option(256, "--eval-samples", help="held-out samples per eval (0 = all)"),
     intermediate_size: int = typer.Option(None, "--intermediate-size", help="draft MLP width (default: target's)"),
     fc_init: str = typer.Option("scaled", "--fc-init", help="scaled (by the layout's stream norms) | default"),
+    init_from: str = typer.Option(None, "--init-from", help="warm start from an eyas draft (keeps its vocabulary): "
+                                  "continue a shipped draft on more data"),
     resume: bool = typer.Option(False, "--resume", help="continue from OUT/checkpoint"),
     device: str = DeviceOpt,
     dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
@@ -152,7 +154,8 @@ def train(
                       warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
                       batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
-                      intermediate_size=intermediate_size, fc_init=fc_init, resume=resume, device=device,
+                      intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
+                      device=device,
                       target_dtype=dtype, quiet=quiet, threads=threads)
     try:
         run_train(cfg)

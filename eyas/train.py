@@ -73,6 +73,7 @@ class TrainConfig:
     eval_samples: int = 256
     intermediate_size: int | None = None
     fc_init: str = "scaled"  # scaled | default (see init_draft)
+    init_from: str | None = None  # warm start from this eyas draft (its weights and its draft vocabulary)
     device: str = "cpu"
     target_dtype: str = "fp32"  # online capture dtype
     resume: bool = False
@@ -83,7 +84,7 @@ class TrainConfig:
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
                   "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
-                  "online", "num_samples", "aux_indices", "buffer_mb")
+                  "online", "num_samples", "aux_indices", "buffer_mb", "init_from")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -359,6 +360,33 @@ def init_draft(cfg: DraftConfig, vocab: DraftVocab, embed_weight: torch.Tensor, 
     elif fc_init != "default":
         raise TrainError(f"--fc-init {fc_init!r}: expected 'scaled' or 'default'")
     return draft
+
+
+def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor) -> tuple[Eagle3Draft, DraftVocab]:
+    """--init-from: the draft's fp32 weights and its draft vocabulary (so more data continues the same head);
+    refused when its layout or shape does not fit these shards and options."""
+    from .draft import DraftError, load_draft
+
+    try:
+        ck = load_draft(cfg.init_from)
+    except DraftError as e:
+        raise TrainError(f"--init-from {cfg.init_from}: {e}") from e
+    check_layouts(ck.layout, layout, f"the --init-from draft {cfg.init_from}", "the training data")
+    d = ck.model
+    if cfg.intermediate_size is not None and cfg.intermediate_size != d.config.intermediate_size:
+        raise TrainError(f"--intermediate-size {cfg.intermediate_size} but the --init-from draft has "
+                         f"{d.config.intermediate_size}; drop the flag or start from scratch")
+    ids = d.target_token_ids().long().cpu()
+    if cfg.draft_vocab != ids.numel():
+        raise TrainError(f"--draft-vocab {cfg.draft_vocab} but the --init-from draft's vocabulary has {ids.numel()} "
+                         f"tokens (a warm start keeps it); pass --draft-vocab {ids.numel()}")
+    old = ck.manifest.get("draft_vocab", {})
+    vocab = DraftVocab(ids=ids, target_vocab_size=counts.numel(),
+                       coverage=float(counts[ids].sum() / counts.sum().clamp_min(1)),
+                       counted_tokens=int(counts.sum()), always=list(old.get("always_included", [])),
+                       source_hash=old.get("source_dataset_hash", ""), requested_size=ids.numel())
+    d.requires_grad_(True)
+    return d.float().train(), vocab
 
 
 @torch.no_grad()
@@ -661,17 +689,21 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
                          "--heldout-pct or add data (or pass --heldout-pct 0 to train without evaluation)")
     data_hash = source.hash()
 
-    # draft vocab from this run's data (never cached)
+    # draft vocab from this run's data (never cached), or the warm-start draft's own
     V = target.identity.vocab_size
     counts = count_tokens(source.token_pairs(source.train), V)
-    vocab = select_draft_vocab(counts, min(cfg.draft_vocab, V), end_token_ids(target.tokenizer), data_hash)
-    vocab.requested_size = cfg.draft_vocab
-
-    dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux,
-                                          intermediate_size=cfg.intermediate_size)
     emb = target.embed_tokens().weight.detach().to(device=device, dtype=torch.float32)
     fnorm = feature_norm(source, source.train, cfg.max_len) if cfg.fc_init == "scaled" else None
-    draft = init_draft(dcfg, vocab, emb, cfg.seed, cfg.fc_init, fnorm).to(device)
+    if cfg.init_from:
+        draft, vocab = warm_start(cfg, layout, counts)
+        dcfg = draft.config
+        draft = draft.to(device)
+    else:
+        vocab = select_draft_vocab(counts, min(cfg.draft_vocab, V), end_token_ids(target.tokenizer), data_hash)
+        vocab.requested_size = cfg.draft_vocab
+        dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux,
+                                              intermediate_size=cfg.intermediate_size)
+        draft = init_draft(dcfg, vocab, emb, cfg.seed, cfg.fc_init, fnorm).to(device)
     draft.set_embeddings(emb)
     if dd.world > 1:  # identical start on every rank (same seed already; broadcast makes it certain)
         for p in draft.parameters():

@@ -183,6 +183,26 @@ def test_checkpoint_round_trip_and_manifest(world):
     assert not list(out.rglob("*.pt")) and not list(out.rglob("*.bin"))
 
 
+def test_init_from_continues_a_draft_on_new_data(world, tmp_path):
+    """--init-from: a draft trained on one data set continues on another (what growing data across sessions
+    does): it starts from the draft's weights and keeps its vocabulary, so held-out accuracy starts where the
+    first run ended instead of at chance; a mismatched --draft-vocab is refused."""
+    root, target = world
+    first = train(_cfg(root, "first", max_steps=120, eval_every=120), target=target)
+    more = tmp_path / "more_shards"
+    make_shards(target, more, n=60, seed=3)
+    warm = _cfg(root, "warm", max_steps=1, lr=1e-9, data=[str(more)], init_from=str(root / "first" / "draft"))
+    res = train(warm, target=target)
+    cold = train(_cfg(root, "cold", max_steps=1, lr=1e-9, data=[str(more)]), target=target)
+    assert torch.equal(res.draft.target_token_ids(), first.draft.target_token_ids())
+    assert res.final_metrics["heldout_acc"][0] > cold.final_metrics["heldout_acc"][0] + 0.2
+    man = load_draft(root / "warm" / "draft").manifest
+    assert man["training"]["init_from"] == str(root / "first" / "draft")
+    with pytest.raises(TrainError, match="--draft-vocab 64"):
+        train(_cfg(root, "warm2", max_steps=1, data=[str(more)], draft_vocab=32,
+                   init_from=str(root / "first" / "draft")), target=target)
+
+
 def test_refusals(world, tmp_path):
     root, target = world
     # another target (same shape, other weights): the fingerprint differs
