@@ -45,10 +45,10 @@ class RecipeConfig:
     regen_max_new_tokens: int = 256
     max_len: int = 2048
     draft_vocab: int = 8192
-    ttt_steps: int = 4
-    epochs: float = 2.0
-    lr: float = 3e-4
-    batch_tokens: int = 4096
+    ttt_steps: int = 3
+    epochs: float = 5.0
+    lr: float = 1e-3
+    batch_tokens: int = 2048
     bf16: bool | None = None  # None: on CUDA only
     threads: int = 0  # torch CPU threads for every stage (0 = torch's default)
     heldout_pct: float = 5.0  # share of conversations (by row id) held out for the per-step accuracy curve
@@ -122,7 +122,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
     out = train_dir(cfg)
     tc = TrainConfig(data=[str(f) for f in folders], out=str(out), draft_vocab=cfg.draft_vocab,
                      ttt_steps=cfg.ttt_steps, epochs=cfg.epochs, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
-                     max_len=cfg.max_len, bf16=use_bf16(cfg), device=cfg.device, eval_every=25, save_every=25,
+                     max_len=cfg.max_len, bf16=use_bf16(cfg), device=cfg.device, eval_every=50, save_every=50,
                      resume=(out / "checkpoint").exists(), threads=cfg.threads,
                      heldout_pct=cfg.heldout_pct)
     log(f"[recipe] train on {[str(f) for f in folders]} -> {out} (resume {tc.resume})")
