@@ -46,7 +46,7 @@ class BenchError(ValueError):
 
 # ---- configuration -------------------------------------------------------------------------------
 
-def parse_int_list(text: str, what: str) -> list[int]:
+def parse_int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     """'1,2,4' or '2-6' or '1-3,8' -> sorted unique ints."""
     out: set[int] = set()
     try:
@@ -59,8 +59,8 @@ def parse_int_list(text: str, what: str) -> list[int]:
                 out.add(int(part))
     except ValueError as e:
         raise BenchError(f"{what} {text!r}: expected comma-separated integers or ranges like 1,2,4 or 2-6") from e
-    if not out or min(out) < 1:
-        raise BenchError(f"{what} {text!r}: expected positive integers, found {sorted(out)}")
+    if not out or min(out) < minimum:
+        raise BenchError(f"{what} {text!r}: expected integers >= {minimum}, found {sorted(out)}")
     return sorted(out)
 
 
@@ -78,6 +78,7 @@ class SweepGrid:
     depth: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6])
     topk: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     tokens: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    lookup: list[int] = field(default_factory=lambda: [0])  # lookup candidates merged into each tree setting
 
 
 @dataclass
@@ -660,8 +661,8 @@ def sweep_settings(grid: SweepGrid) -> list[dict[str, Any]]:
     """Every chain steps value and every tree (depth, topk, tokens) combination, unfiltered: the engine
     decides which are invalid, and those are reported as refused, never adjusted."""
     out = [{"method": "chain", "steps": s} for s in grid.steps]
-    out += [{"method": "tree", "depth": d, "topk": k, "tokens": t}
-            for d in grid.depth for k in grid.topk for t in grid.tokens]
+    out += [{"method": "tree", "depth": d, "topk": k, "tokens": t, **({"lookup": n} if n else {})}
+            for d in grid.depth for k in grid.topk for t in grid.tokens for n in grid.lookup]
     return out
 
 
@@ -669,7 +670,8 @@ def setting_label(s: dict[str, Any]) -> str:
     if s["method"] == "chain":
         return f"chain steps={s['steps']}"
     if s["method"] == "tree":
-        return f"tree depth={s['depth']} topk={s['topk']} tokens={s['tokens']}"
+        extra = f" lookup={s['lookup']}" if s.get("lookup") else ""
+        return f"tree depth={s['depth']} topk={s['topk']} tokens={s['tokens']}{extra}"
     return s["method"]
 
 
@@ -677,7 +679,8 @@ def setting_flags(s: dict[str, Any]) -> str:
     """The setting as `eyas bench`/`eyas generate` flags (bench takes --methods, generate --method)."""
     if s["method"] == "chain":
         return f"--steps {s['steps']}"
-    return f"--depth {s['depth']} --topk {s['topk']} --tokens {s['tokens']}"
+    extra = f" --lookup {s['lookup']}" if s.get("lookup") else ""
+    return f"--depth {s['depth']} --topk {s['topk']} --tokens {s['tokens']}{extra}"
 
 
 def plot_sweep(results: dict[str, Any], path: Path, top: int = 25) -> None:
@@ -786,7 +789,8 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     if best:
         flags = setting_flags(best)
         best = {**best, "lossless": bool(lossless),
-                "command": f"eyas bench --bench {cfg.bench} --methods {best['method']} {flags} --draft {cfg.draft} "
+                "command": f"eyas bench --bench {cfg.bench} --methods "
+                           f"{'tree-lookup' if best.get('lookup') else best['method']} {flags} --draft {cfg.draft} "
                            f"--dtype {cfg.dtype} --device {cfg.device}",
                 "generate_command": f"eyas generate --method {best['method']} {flags} --draft {cfg.draft} "
                                     f"--dtype {cfg.dtype} --device {cfg.device} --prompt ..."}

@@ -53,8 +53,9 @@ def test_parsers():
     assert parse_int_list("2-4,8,3", "--x") == [2, 3, 4, 8]
     with pytest.raises(BenchError, match="comma-separated"):
         parse_int_list("a", "--sweep-depth")
-    with pytest.raises(BenchError, match="positive"):
+    with pytest.raises(BenchError, match=">= 1, found \\[0, 1\\]"):
         parse_int_list("0,1", "--sweep-topk")
+    assert parse_int_list("0,8", "--sweep-lookup", minimum=0) == [0, 8]
     assert parse_methods("tree,plain,plain") == ["plain", "tree"]
     with pytest.raises(BenchError, match="choose from"):
         parse_methods("plain,medusa")
@@ -199,6 +200,21 @@ def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path)
     assert res["best"]["method"] != "plain" and res["best"]["command"].startswith("eyas bench")
     assert f"--method {res['best']['method']}" in res["best"]["generate_command"] and res["best"]["lossless"]
     assert (tmp_path / "sw" / "sweep.png").exists() and (tmp_path / "sw" / "sweep.json").exists()
+
+
+def test_sweep_tries_lookup_with_each_tree(tiny_dir, tiny_target, tmp_path):
+    from eyas.bench import SweepGrid, run_sweep
+    from eyas.draft import load_draft
+
+    cfg = BenchConfig(bench="humaneval", max_new_tokens=6, target=str(tiny_dir / "target"), sweep=True,
+                      sweep_limit=1, out=str(tmp_path / "swl"),
+                      grid=SweepGrid(steps=[], depth=[2], topk=[2], tokens=[4], lookup=[0, 3]))
+    res = run_sweep(cfg, target=tiny_target, draft=load_draft(tiny_dir / "draft"), progress=False, show=False)
+    assert {r["label"] for r in res["settings"]} == {"plain", "tree depth=2 topk=2 tokens=4",
+                                                     "tree depth=2 topk=2 tokens=4 lookup=3"}
+    assert all(r["identical"] == r["compared"] == 1 for r in res["settings"] if r["method"] != "plain")
+    if res["best"].get("lookup"):
+        assert "--methods tree-lookup" in res["best"]["command"] and "--lookup 3" in res["best"]["command"]
 
 
 def test_mtbench_turn2_uses_target_answer(tiny_dir, tiny_target, tmp_path):
