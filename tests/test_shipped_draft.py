@@ -1,0 +1,57 @@
+"""The draft shipped in the package (eyas/assets/drafts/default): what it records, that the bundled target uses
+it by default, and that any other target is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from eyas.draft import DraftError, bundled_draft_path, check_draft_for_target, load_draft
+from eyas.layout import LayoutError
+from eyas.target import Target, identity_of, tensor_fingerprint
+from tests.tiny import tiny_model
+
+SHIPPED = bundled_draft_path()
+
+
+def test_shipped_draft_is_fp16_small_and_documented():
+    size = sum(p.stat().st_size for p in SHIPPED.iterdir())
+    assert size <= 40 << 20, size
+    with safe_open(SHIPPED / "model.safetensors", "pt") as f:
+        floats = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64", "BOOL"}
+    assert floats == {"F16"}
+    man = json.loads((SHIPPED / "eyas_manifest.json").read_text())
+    assert man["layout"]["aux_indices"] == [2, 15, 27]
+    assert man["layout"]["target"]["name"] == "smollm2-135m"
+    assert man["layout"]["target"]["fingerprint"].startswith("sha256:")
+    assert len(man["metrics"]["heldout_acc"]) == man["training"]["ttt_steps"]
+    assert man["training_time_s"] > 0 and man["command"] and man["data"]["hash"].startswith("sha256:")
+    assert man["shipped"]["dtype"] == "float16"
+    cfg = json.loads((SHIPPED / "config.json").read_text())
+    assert cfg["target_hidden_size"] == 576 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+
+
+def test_shipped_draft_refuses_another_target():
+    m = tiny_model("llama", layers=30)  # another llama: every differing identity field is named
+    other = Target(model=m, tokenizer=None, identity=identity_of(m, tensor_fingerprint(m), "other"), source="other",
+                   path=None)
+    with pytest.raises((LayoutError, DraftError), match="fingerprint"):
+        check_draft_for_target(load_draft("default"), other)
+
+
+@pytest.mark.integration
+def test_default_draft_is_used_with_the_bundled_target_and_is_lossless(smollm2):
+    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids, resolve_draft
+
+    ck = resolve_draft("default", smollm2)
+    assert ck is not None and ck.path == SHIPPED
+    ids = chat_input_ids(smollm2.tokenizer, [{"role": "user", "content": "List three uses of a paperclip."}])
+    sp = SamplingParams(max_new_tokens=48)
+    plain = Engine(smollm2, None, SpecParams(method="plain")).generate(ids, sp)
+    for lookup in (0, 8):
+        spec = SpecParams("tree", depth=3, topk=4, tokens=8, lookup=lookup)
+        res = Engine(smollm2, ck, spec).generate(ids, sp)
+        assert res.token_ids == plain.token_ids, spec
+        assert res.stats.tau > 1.2, res.stats.tau  # a trained head: accepted beyond the bonus token
