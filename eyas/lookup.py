@@ -24,8 +24,8 @@ def lookup_chain(context: list[int], length: int, max_ngram: int = 3, min_ngram:
         # scan right to left: the latest occurrence predicts a loop best
         for i in range(n_ctx - n - 1, -1, -1):
             if ctx[i] == first and ctx[i:i + n] == tail:
-                seq = list(ctx)
-                for k in range(length):
-                    seq.append(seq[i + n + k])
-                return seq[n_ctx:]
+                out: list[int] = []
+                for j in range(i + n, i + n + length):  # past the end of ctx, continue from the proposal itself
+                    out.append(ctx[j] if j < n_ctx else out[j - n_ctx])
+                return out
     return []

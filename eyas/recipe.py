@@ -116,6 +116,7 @@ def trained_dir(cfg: RecipeConfig) -> Path:
 
 
 def stage_train(cfg: RecipeConfig, log=print) -> Path:
+    from .shards import atomic_write_json
     from .train import TrainConfig, train
 
     folders = _data_folders(cfg)
@@ -127,14 +128,8 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
                      heldout_pct=cfg.heldout_pct)
     log(f"[recipe] train on {[str(f) for f in folders]} -> {out} (resume {tc.resume})")
     train(tc)
-    _atomic_json(Path(cfg.work) / "latest-train.json", {"train_dir": str(out), "data": [str(f) for f in folders]})
+    atomic_write_json(Path(cfg.work) / "latest-train.json", {"train_dir": str(out), "data": [str(f) for f in folders]})
     return out
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
 
 
 def stage_eval(cfg: RecipeConfig, log=print) -> Path:
