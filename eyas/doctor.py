@@ -44,7 +44,12 @@ __all__ = ["Check", "DoctorReport", "LayoutScore", "LayoutRanking", "EvalSample"
 
 # ---- thresholds (why each value) ------------------------------------------------------------------
 SKEW_POINTS = 2.0  # the issue's bar: a training/serving accuracy gap above 2 points is skew
-LAYOUT_MARGIN_POINTS = 3.0  # a candidate must beat the recorded layout by this much (and 2 SE) to be called
+# a candidate must beat the recorded layout's held-out loss by LOSS_Z paired standard errors AND by this share of
+# the loss to be called its true layout. Measured: on the shipped SmolLM2 draft (loss 4.68) a +1 shift costs
+# 0.069 nats (z 12 over 2,900 positions), moving the top id 27->26 0.040 (z 10), 15->16 0.006 (z 5), 2->3 0.001
+# (z 1); on the tiny test pair (loss 3.75, flat targets) single-id moves cost 0.003..0.005 nats at z > 25.
+LOSS_Z = 4.0
+LOSS_MARGIN_REL = 0.001
 BASELINE_MARGIN_POINTS = 2.0  # "predicts nothing": accuracy within this of always guessing the top token
 # relative drift of a mean stream norm from what this target gives (position 0 modelled separately: SmolLM2's
 # stream 15 averages 353 over 128-token samples, 223 over 384, 179 over 1024, all explained by ~25000 at
@@ -70,11 +75,13 @@ class LayoutScore(NamedTuple):
     """One candidate layout. indices [] = no aux capture: the target's final post-norm 1xH state is fed
     straight to the draft layer, skipping fc — what SGLang/vLLM do when they run EAGLE instead of EAGLE3
     (sglang/srt/models/llama_eagle3.py and vllm's llama_eagle3.py apply fc only when the feature is wider
-    than hidden_size). accuracy: step-0 held-out accuracy in [0, 1], or NaN when the engine would crash."""
+    than hidden_size). accuracy: step-0 held-out accuracy in [0, 1], or NaN when the engine would crash.
+    loss: mean step-0 cross-entropy against the target's distribution (the training loss, nats), NaN likewise."""
 
     indices: list[int]
     label: str
     accuracy: float
+    loss: float = float("nan")
 
 
 class LayoutRanking(list):
@@ -82,10 +89,35 @@ class LayoutRanking(list):
     summary keys 'chosen' (best label), 'aux_indices' (best indices), 'accuracy' and 'table' with
     `ranking["key"]` / `ranking.get("key")`, for callers that want a dict."""
 
-    def __init__(self, scores: Sequence[LayoutScore], tokens: int = 0, baseline: float = 0.0):
+    def __init__(self, scores: Sequence[LayoutScore], tokens: int = 0, baseline: float = 0.0,
+                 rows: Mapping[tuple[int, ...], torch.Tensor] | None = None,
+                 first_rows: Mapping[tuple[int, ...], torch.Tensor] | None = None):
         super().__init__(scores)
         self.tokens = tokens  # valid step-0 positions each accuracy was measured on
         self.baseline = baseline  # accuracy of always proposing the most frequent target token
+        self.rows = dict(rows or {})  # indices -> per-position step-0 loss [tokens], same positions for all
+        self.first_rows = dict(first_rows or {})  # the same on the first-stage sample, for every candidate
+
+    def paired(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, float] | None:
+        """(mean loss of a minus mean loss of b, its paired standard error) in nats, over all positions when
+        both were scored on all, else over the first-stage sample; None when not both were scored."""
+        for rows in (self.rows, self.first_rows):
+            ra, rb = rows.get(tuple(a)), rows.get(tuple(b))
+            if ra is not None and rb is not None and ra.numel() == rb.numel() and ra.numel() >= 2:
+                d = (ra - rb).double()
+                return float(d.mean()), float(d.std() / math.sqrt(d.numel()))
+        return None
+
+    def worse(self, a: Sequence[int], b: Sequence[int]) -> tuple[bool, float, float]:
+        """Is layout a's held-out loss worse than b's beyond noise (LOSS_Z paired SEs and LOSS_MARGIN_REL)?
+        Returns (worse, difference in nats, paired SE)."""
+        p = self.paired(a, b)
+        if p is None:
+            return False, float("nan"), float("nan")
+        d, se = p
+        sb = self.find(list(b))
+        ref = abs(sb.loss) if sb is not None and not math.isnan(sb.loss) else 0.0
+        return d > max(LOSS_Z * se, LOSS_MARGIN_REL * ref), d, se
 
     @property
     def best(self) -> LayoutScore:
@@ -98,8 +130,10 @@ class LayoutRanking(list):
         b = self[0] if self else None
         return {"chosen": b.label if b else None, "aux_indices": list(b.indices) if b else None,
                 "accuracy": b.accuracy if b else None, "tokens": self.tokens, "baseline": self.baseline,
+                "loss": b.loss if b and not math.isnan(b.loss) else None,
                 "table": [{"indices": list(s.indices), "label": s.label,
-                           "accuracy": None if math.isnan(s.accuracy) else round(s.accuracy, 4)} for s in self]}
+                           "accuracy": None if math.isnan(s.accuracy) else round(s.accuracy, 4),
+                           "loss": None if math.isnan(s.loss) else round(s.loss, 4)} for s in self]}
 
     def __getitem__(self, key):  # type: ignore[override]
         if isinstance(key, str):
@@ -511,9 +545,12 @@ def _entropy(p: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[torch.Tensor],
            samples: list[EvalSample], steps: int, labels: list[Any] | None = None,
-           want_logits: bool = False) -> dict[str, Any]:
+           want_logits: bool = False, want_rows: bool = False) -> dict[str, Any]:
     """Per-step correct/count of ttt_forward over samples (right-padded batches); with want_logits also the
-    step-0 entropy of the draft's and the target's distributions over the draft vocab, as a share of log Vd."""
+    step-0 entropy of the draft's and the target's distributions over the draft vocab, as a share of log Vd;
+    with want_rows (needs labels) the step-0 cross-entropy of every scored position, in a fixed order
+    ("rows" [tokens] fp32; "loss" their mean)."""
+    rows: list[torch.Tensor] = []
     correct = torch.zeros(steps, dtype=torch.long)
     count = torch.zeros(steps, dtype=torch.long)
     ent_d = ent_t = 0.0
@@ -530,9 +567,13 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
         if labels is not None:
             lab = (_pad([labels[i][0][0] for i in group], S), _pad([labels[i][1][0] for i in group], S))
         o = ttt_forward(draft, aux, fin, ids, mask, target.final_norm(), target.lm_head(), steps,
-                        labels=lab, return_logits=want_logits)
+                        labels=lab, return_logits=want_logits or want_rows)
         correct += o.step_correct.cpu()
         count += o.step_count.cpu()
+        if want_rows and o.logits and lab is not None:
+            valid = step_valid(mask, 1)[0]  # [B, S-1]
+            ce = -(lab[0][:, 1:] * torch.log_softmax(o.logits[0].float(), -1)).sum(-1)  # [B, S-1]
+            rows.append(ce[valid].cpu())
         if want_logits and o.logits and lab is not None:
             valid = step_valid(mask, 1)[0]  # [B, S-1]: row t scored against the target at t+1
             if valid.any():
@@ -541,6 +582,9 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
                 ent_n += int(valid.sum())
     acc = [(int(c) / int(n)) if n else float("nan") for c, n in zip(correct, count, strict=True)]
     out = {"correct": correct.tolist(), "count": count.tolist(), "acc": acc}
+    if want_rows:
+        out["rows"] = torch.cat(rows) if rows else torch.zeros(0)
+        out["loss"] = float(out["rows"].mean()) if out["rows"].numel() else float("nan")
     if want_logits:
         logv = math.log(max(draft.config.draft_vocab_size, 2))
         out["entropy_ratio"] = ent_d / ent_n / logv if ent_n else float("nan")
@@ -610,35 +654,41 @@ def layout_candidates(recorded: Sequence[int] | None, num_layers: int, num_aux: 
     return out
 
 
-def _se_points(a: float, b: float, n: int) -> float:
-    """Upper bound of the standard error of a difference of two accuracies on the same n positions, in points."""
-    if n <= 0:
-        return float("inf")
-    return 100.0 * math.sqrt(max(a * (1 - a) + b * (1 - b), 1e-12) / n)
-
-
 @torch.no_grad()
 def _rank(draft: Eagle3Draft, target, samples: list[EvalSample], fresh: list[_Fresh],
           cands: list[tuple[list[int], str]], stage1_tokens: int = 512,
           keep: Sequence[Sequence[int]] = ()) -> LayoutRanking:
-    """Step-0 accuracy of each candidate. Two stages to stay fast on real targets: every candidate on the
-    first ~stage1_tokens tokens, then the best 6 (plus `keep`) on all samples."""
+    """Step-0 held-out loss and accuracy of each candidate, ranked by loss (lowest first).
+
+    Why loss and not accuracy: the draft was trained to minimise exactly this cross-entropy on its true
+    layout, and it moves on every position, while top-1 accuracy moves only where the argmax flips. On the
+    shipped SmolLM2 draft (32% step-0 accuracy) a +1 shift costs 0.07 nats at paired z ~ 12 over 2,900
+    positions but only 1 point of accuracy (z ~ 2.5): accuracy alone cannot tell neighbouring layers apart.
+    Two stages to stay fast on real targets: every candidate on the first ~stage1_tokens tokens, then the
+    best 6 (plus `keep`) on all samples; the per-position losses of those are kept for paired tests."""
     labels = [f.labels for f in fresh]
     final_view = _final_only_view(draft)
 
-    def run(idx: list[int], subset: list[int]) -> tuple[float, int]:
+    def run(idx: list[int], subset: list[int]) -> dict[str, Any] | None:
         if not idx:
             if final_view is None:
-                return float("nan"), 0
+                return None
             # the post-norm final state, as an engine running EAGLE passes it (what the target's head sees)
             feats = [target.final_norm()(fresh[i].final.float()) for i in subset]
-            r = _score(final_view, target, feats, [fresh[i].final for i in subset], [samples[i] for i in subset], 1,
-                       [labels[i] for i in subset])
+            model = final_view
         else:
             feats = [torch.cat([fresh[i].streams[k] for k in idx], dim=-1) for i in subset]
-            r = _score(draft, target, feats, [fresh[i].final for i in subset], [samples[i] for i in subset], 1,
-                       [labels[i] for i in subset])
-        return r["acc"][0], r["count"][0]
+            model = draft
+        return _score(model, target, feats, [fresh[i].final for i in subset], [samples[i] for i in subset], 1,
+                      [labels[i] for i in subset], want_rows=True)
+
+    def score(idx: list[int], label: str, r: dict[str, Any] | None) -> LayoutScore:
+        if r is None:
+            return LayoutScore(idx, label, float("nan"), float("nan"))
+        return LayoutScore(idx, label, r["acc"][0], r["loss"])
+
+    def key(s: LayoutScore) -> tuple[float, float]:
+        return (math.inf if math.isnan(s.loss) else s.loss, -1.0 if math.isnan(s.accuracy) else -s.accuracy)
 
     everything = list(range(len(samples)))
     sub, tok = [], 0
@@ -647,30 +697,40 @@ def _rank(draft: Eagle3Draft, target, samples: list[EvalSample], fresh: list[_Fr
         tok += s.input_ids.numel()
         if tok >= stage1_tokens:
             break
-    def key(s: LayoutScore) -> float:
-        return -1.0 if math.isnan(s.accuracy) else s.accuracy
-
     scores: list[LayoutScore] = []
-    rest: list[LayoutScore] = []  # ranked on the first stage only (accuracy from fewer tokens), listed after
+    rest: list[LayoutScore] = []  # ranked on the first stage only (fewer tokens), listed after
+    rows: dict[tuple[int, ...], torch.Tensor] = {}
     n_tok = 0
+
+    def full(idx: list[int], label: str) -> None:
+        nonlocal n_tok
+        r = run(idx, everything)
+        if r is not None:
+            rows[tuple(idx)] = r["rows"]
+            n_tok = max(n_tok, r["count"][0])
+        scores.append(score(idx, label, r))
+
+    first_rows: dict[tuple[int, ...], torch.Tensor] = {}
     if len(sub) < len(everything) and len(cands) > 8:
-        first = [LayoutScore(idx, lab, run(idx, sub)[0]) for idx, lab in cands]
-        first.sort(key=key, reverse=True)
+        first = []
+        for idx, lab in cands:
+            r = run(idx, sub)
+            if r is not None:
+                first_rows[tuple(idx)] = r["rows"]
+            first.append(score(idx, lab, r))
+        first.sort(key=key)
         finalists = {tuple(x.indices) for x in first[:6]} | {tuple(k) for k in keep}
         for c in first:
             if tuple(c.indices) in finalists:
-                acc, n = run(c.indices, everything)
-                n_tok = max(n_tok, n)
-                scores.append(LayoutScore(c.indices, c.label, acc))
+                full(c.indices, c.label)
             else:
-                rest.append(LayoutScore(c.indices, c.label + " (first-stage sample)", c.accuracy))
+                rest.append(c._replace(label=c.label + " (first-stage sample)"))
     else:
         for idx, lab in cands:
-            acc, n = run(idx, everything)
-            n_tok = max(n_tok, n)
-            scores.append(LayoutScore(idx, lab, acc))
-    scores.sort(key=key, reverse=True)
-    return LayoutRanking(scores + rest, tokens=n_tok, baseline=_baseline(samples, labels))
+            full(idx, lab)
+    scores.sort(key=key)
+    return LayoutRanking(scores + rest, tokens=n_tok, baseline=_baseline(samples, labels), rows=rows,
+                         first_rows=first_rows)
 
 
 def infer_layout(target, draft_model: Eagle3Draft, samples: Sequence[Any] | Mapping[str, Sequence[int]] | None = None,
@@ -771,38 +831,49 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
 def _check_layout(rank: LayoutRanking, recorded: list[int], L: int, configured: dict[str, list[int]]) -> Check:
     from .layout import LayoutError, to_engine_ids
 
+    def show(x: LayoutScore | None) -> str:
+        if x is None:
+            return "n/a"
+        if math.isnan(x.accuracy):
+            return "engine crashes"
+        return f"{_pct(x.accuracy)} (loss {x.loss:.3f})" if not math.isnan(x.loss) else _pct(x.accuracy)
+
     rec = rank.find(recorded)
     best = rank[0]
-    table = [f"{s.label}: {'engine crashes' if math.isnan(s.accuracy) else _pct(s.accuracy)}" for s in rank[:12]]
-    nums = {"recorded": recorded, "recorded_acc": rec.accuracy if rec else None, "best": best.indices,
-            "best_label": best.label, "best_acc": best.accuracy, "tokens": rank.tokens, "baseline": rank.baseline,
-            "configured": {k: {"indices": v, "acc": (rank.find(v).accuracy if rank.find(v) else None)}
+    top_acc = max((s.accuracy for s in rank if not math.isnan(s.accuracy)), default=float("nan"))
+    table = [f"{s.label}: {show(s)}" for s in rank[:12]]
+    nums = {"recorded": recorded, "recorded_acc": rec.accuracy if rec else None,
+            "recorded_loss": rec.loss if rec else None, "best": best.indices, "best_label": best.label,
+            "best_acc": best.accuracy, "best_loss": best.loss, "tokens": rank.tokens, "baseline": rank.baseline,
+            "configured": {k: {"indices": v, "acc": (rank.find(v).accuracy if rank.find(v) else None),
+                               "loss": (rank.find(v).loss if rank.find(v) else None)}
                            for k, v in configured.items()}}
-    if math.isnan(best.accuracy) or 100 * (best.accuracy - rank.baseline) <= BASELINE_MARGIN_POINTS:
+    if math.isnan(top_acc) or 100 * (top_acc - rank.baseline) <= BASELINE_MARGIN_POINTS:
         return Check("layout", "skip", f"inconclusive: no candidate layout predicts better than always proposing the "
-                     f"most frequent token (best {_pct(best.accuracy)} vs {_pct(rank.baseline)}); see the head check",
+                     f"most frequent token (best {_pct(top_acc)} vs {_pct(rank.baseline)}); see the head check",
                      numbers=nums, details=table)
-    conf = [f"{k} {v}: {_pct(rank.find(v).accuracy) if rank.find(v) else 'n/a'}" for k, v in configured.items()]
-    aux_acc = [s.accuracy for s in rank if s.indices and not math.isnan(s.accuracy)]
-    worst = min(aux_acc) if aux_acc else best.accuracy
-    spread = 100 * (best.accuracy - worst)
-    nums["spread_points"] = round(spread, 2)
-    if len(aux_acc) > 1 and spread <= max(LAYOUT_MARGIN_POINTS, 2 * _se_points(best.accuracy, worst, rank.tokens)):
-        return Check("layout", "warn", f"inconclusive: the draft barely uses its features — every one of "
-                     f"{len(aux_acc)} candidate layouts scores {_pct(worst)}..{_pct(best.accuracy)} (recorded "
-                     f"{recorded}: {_pct(rec.accuracy) if rec else 'n/a'}), so the layout cannot be verified; "
-                     "it predicts mostly from the token alone", numbers=nums, details=table,
+    conf = [f"{k} {v}: {show(rank.find(v))}" for k, v in configured.items()]
+
+    others = [s for s in rank if s.indices and not math.isnan(s.loss) and s.indices != best.indices]
+    if others and not any(rank.worse(s.indices, best.indices)[0] for s in others):
+        worst = max(others, key=lambda s: s.loss)
+        nums["spread_loss"] = round(worst.loss - best.loss, 4)
+        return Check("layout", "warn", f"inconclusive: the draft barely uses its features — {len(others) + 1} "
+                     f"candidate layouts score within noise of each other (loss {best.loss:.3f}..{worst.loss:.3f}, "
+                     f"accuracy {_pct(worst.accuracy)}..{_pct(best.accuracy)}; recorded {recorded}: {show(rec)}), so "
+                     "the layout cannot be verified; it predicts mostly from the token alone",
+                     numbers=nums, details=table,
                      fix="train the draft longer / on more data (a trained EAGLE-3 draft loses tens of points on a "
                          "wrong layout), then re-run the doctor")
     if rec is None or list(best.indices) == list(recorded):
         nxt = next((s for s in rank if list(s.indices) != list(recorded)), None)
-        return Check("layout", "pass", f"trained on {recorded}: {_pct(best.accuracy)} is the best of {len(rank)} "
-                     f"candidate layouts" + (f" (next: {nxt.label} {_pct(nxt.accuracy)})" if nxt else "")
+        return Check("layout", "pass", f"trained on {recorded}: {show(best)} is the best of {len(rank)} candidate "
+                     f"layouts" + (f" (next: {nxt.label} {show(nxt)})" if nxt else "")
                      + ("; " + "; ".join(conf) if conf else ""), numbers=nums, details=table)
-    diff = 100 * (best.accuracy - rec.accuracy)
-    se = _se_points(best.accuracy, rec.accuracy, rank.tokens)
-    nums.update(diff_points=round(diff, 2), se_points=round(se, 2))
-    if diff > max(LAYOUT_MARGIN_POINTS, 2 * se):
+    worse, d, se = rank.worse(recorded, best.indices)
+    nums.update(diff_points=round(100 * (best.accuracy - rec.accuracy), 2) if not math.isnan(rec.accuracy) else None,
+                diff_loss=round(d, 4), se_loss=round(se, 4))
+    if worse or math.isnan(rec.loss):
         what = "the final state alone" if not best.indices else f"stream {list(best.indices)}"
         try:
             ids = (f"; in engine ids: SGLang {to_engine_ids(best.indices, 'sglang', L)}, vLLM "
@@ -816,14 +887,15 @@ def _check_layout(rank: LayoutRanking, recorded: list[int], L: int, configured: 
             note = f" (the recorded layout includes the final state, stream {L})"
         return Check("layout", "fail",
                      f"the draft reads {what}, not its recorded layout{note}: trained on {list(best.indices)} "
-                     f"({best.label}): {_pct(best.accuracy)}; recorded {recorded}: {_pct(rec.accuracy)} "
-                     f"({diff:+.1f} points over {rank.tokens} positions)" + ("; " + "; ".join(conf) if conf else ""),
+                     f"({best.label}): {show(best)}; recorded {recorded}: {show(rec)} "
+                     f"(+{d:.3f} nats, paired SE {se:.3f}, over {rank.tokens} positions)"
+                     + ("; " + "; ".join(conf) if conf else ""),
                      numbers=nums, details=table,
                      fix=f"record and capture the layout the draft was trained on, stream {list(best.indices)}{ids} "
                          f"(`eyas import` with --aux-indices {','.join(map(str, best.indices))} rewrites a draft's "
                          "layout); never shift ids by hand")
-    return Check("layout", "pass", f"recorded {recorded}: {_pct(rec.accuracy)}, within noise of the best candidate "
-                 f"{best.label} {_pct(best.accuracy)} ({diff:+.1f} points, SE {se:.1f})", numbers=nums, details=table)
+    return Check("layout", "pass", f"recorded {recorded}: {show(rec)}, within noise of the best candidate "
+                 f"{best.label} {show(best)} ({d:+.3f} nats, paired SE {se:.3f})", numbers=nums, details=table)
 
 
 # ---- 4. norms -------------------------------------------------------------------------------------
@@ -976,7 +1048,8 @@ def _check_head(draft: Eagle3Draft, serve: dict[str, Any], rank: LayoutRanking |
     sig = {name: _looks_init(getattr(draft, name).weight) for name in ("lm_head", "fc")}
     ent = serve.get("entropy_ratio", float("nan"))
     ent_t = serve.get("target_entropy_ratio", float("nan"))
-    best = rank[0].accuracy if rank else serve["acc"][0]
+    best = max((s.accuracy for s in rank if not math.isnan(s.accuracy)), default=float("nan")) if rank \
+        else serve["acc"][0]
     base = rank.baseline if rank else float("nan")
     nums = {"init_signature": sig, "entropy_ratio": ent, "target_entropy_ratio": ent_t, "best_step0_acc": best,
             "baseline": base}
@@ -1152,15 +1225,17 @@ def render(report: DoctorReport, console=None) -> None:
     con = console or Console()
     render_checks(report.checks, "eyas doctor", con)
     if report.layout is not None:
-        lt = Table(title=f"layout inference (step-0 accuracy over {report.layout.tokens} positions; always proposing "
-                         f"the most frequent token: {_pct(report.layout.baseline)})")
+        lt = Table(title=f"layout inference (ranked by step-0 held-out loss over {report.layout.tokens} positions; "
+                         f"always proposing the most frequent token: {_pct(report.layout.baseline)})")
         lt.add_column("rank", justify="right")
         lt.add_column("stream indices")
         lt.add_column("candidate", overflow="fold")
         lt.add_column("accuracy", justify="right")
+        lt.add_column("loss (nats)", justify="right")
         for i, s in enumerate(report.layout[:10]):
             lt.add_row(str(i + 1), str(list(s.indices)) if s.indices else "(final only)", s.label,
-                       "engine crashes" if math.isnan(s.accuracy) else _pct(s.accuracy))
+                       "engine crashes" if math.isnan(s.accuracy) else _pct(s.accuracy),
+                       "" if math.isnan(s.loss) else f"{s.loss:.3f}")
         con.print(lt)
     if report.accuracy:
         a = report.accuracy

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,13 +343,12 @@ def parse_ids(text: str | None, what: str) -> list[int] | None:
         raise ExportError(f"{what} {text!r}: expected comma-separated integers such as 1,14,26") from e
 
 
-INFER_MARGIN_POINTS = 3.0  # the best reading must beat the next by this much (and 2 standard errors)
 
 
 def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]] | None, recorded: list[int] | None,
                   samples: list | None = None) -> dict[str, Any] | None:
-    """The doctor's layout inference (eyas.doctor.infer_layout: step-0 accuracy of the draft on features the
-    target produces under each candidate layout), or None while this eyas has no doctor. `candidates` None
+    """The doctor's layout inference (eyas.doctor.infer_layout: step-0 held-out loss and accuracy of the draft on
+    features the target produces under each candidate layout), or None while this eyas has no doctor. `candidates` None
     lets the doctor search around `recorded` (shifts, the embedding, permutations). `samples`: token-id
     tensors to measure on; None = a few chat conversations through the target's tokenizer.
     Adds `confident`: whether the best candidate beats the runner-up clearly enough to decide on."""
@@ -366,19 +366,21 @@ def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]] |
                           "(--aux-ids with --ids-convention, or --aux-indices), or --no-infer") from e
     d = ranking.to_dict()
     table = [r for r in d["table"] if r["accuracy"] is not None]
+    none = {"margin_points": None, "margin_loss": None, "se_loss": None}
     if not table:
-        return {**d, "confident": False, "margin_points": None, "se_points": None}
+        return {**d, "confident": False, **none}
     best = table[0]
-    a, n = best["accuracy"], max(int(d.get("tokens") or 0), 1)
-    if len(table) > 1:
-        b = table[1]["accuracy"]
-        margin = 100.0 * (a - b)
-        se = 100.0 * ((a * (1 - a) + b * (1 - b)) / n) ** 0.5
-    else:
-        margin, se = float("inf"), 0.0
-    confident = bool(best["indices"]) and margin >= max(INFER_MARGIN_POINTS, 2 * se)
-    return {**d, "chosen": best["label"], "aux_indices": best["indices"], "accuracy": a, "confident": confident,
-            "margin_points": round(margin, 2) if margin != float("inf") else None, "se_points": round(se, 2)}
+    out = {**d, "chosen": best["label"], "aux_indices": best["indices"], "accuracy": best["accuracy"], **none}
+    if len(table) == 1:
+        return {**out, "confident": bool(best["indices"])}
+    # the doctor's rule: the runner-up's held-out loss is worse beyond noise (eyas.doctor.LayoutRanking.worse)
+    worse, diff, se = ranking.worse(table[1]["indices"], best["indices"])
+    a, b = best["accuracy"], table[1]["accuracy"]
+    out.update(margin_points=round(100.0 * (a - b), 2))
+    if math.isnan(diff):
+        return {**out, "confident": False}
+    out.update(margin_loss=round(diff, 4), se_loss=round(se, 4))
+    return {**out, "confident": bool(best["indices"]) and worse}
 
 
 @dataclass
@@ -541,9 +543,9 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
         lines += [f"  - {n}: stream {s}" for n, s in readings.candidates.items()]
         lines += [f"  note: {n}" for n in readings.notes]
         if inference is not None:
-            lines.append(f"Layout inference did not separate them (margin {inference['margin_points']} points, "
-                         f"standard error {inference['se_points']} on {inference.get('tokens')} tokens):")
-            lines += [f"  {r['accuracy']}  {r['label']}" for r in inference["table"][:6]]
+            lines.append(f"Layout inference did not separate them (held-out loss margin {inference['margin_loss']} "
+                         f"nats, paired standard error {inference['se_loss']} on {inference.get('tokens')} tokens):")
+            lines += [f"  accuracy {r['accuracy']}  loss {r['loss']}  {r['label']}" for r in inference["table"][:6]]
         else:
             lines.append("Layout inference (eyas.doctor.infer_layout) is " + ("not available in this eyas" if infer
                          else "disabled (--no-infer)") + ".")
