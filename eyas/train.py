@@ -33,7 +33,7 @@ from .draft import MANIFEST as DRAFT_MANIFEST
 from .draft import DraftConfig, Eagle3Draft, save_draft
 from .layout import Layout, check_layouts
 from .shards import ShardSet, is_heldout
-from .ttt import STEP_DECAY, TTTOutput, step_counts, ttt_forward
+from .ttt import STEP_DECAY, TTTOutput, step_counts, target_labels, ttt_forward
 from .vocab import DraftVocab, count_tokens, end_token_ids, select_draft_vocab
 
 STATE_FILE = "trainer_state.json"
@@ -576,9 +576,12 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, source, refs: lis
     if mine:
         b = source.batch(mine, device, cfg.max_len)
         denom = dd.sum_(step_counts(b.loss_mask, steps).to(device))  # global valid rows per TTT step
+        # draft-vocab head rows only: the loss is unchanged; the training-batch accuracy counts the target's
+        # top token within the draft vocab (held-out evaluation uses the full-vocab argmax)
+        labels = target_labels(b.final, norm, head, draft.target_token_ids(), full_argmax=False)
         with autocast:
             o: TTTOutput = ttt_forward(draft, b.aux, b.final, b.input_ids, b.loss_mask, norm, head, steps,
-                                       denom=denom)
+                                       denom=denom, labels=labels)
         o.loss.backward()
         stats[0] = float(o.loss.detach())
         stats[1:1 + steps] = o.step_loss_sum.double().cpu()

@@ -97,6 +97,22 @@ def test_loss_and_accuracy_definition(target):
     assert torch.equal(out.step_count, step_counts(mask, steps))
 
 
+def test_draft_vocab_labels_match_the_full_head(target):
+    # training's cheaper labels: same probabilities; argmax = the target's top token within the draft vocab
+    d = _draft()
+    _, final, _, _ = _batch()
+    norm, head = target
+    draft_ids = d.target_token_ids()
+    probs, top = target_labels(final, norm, head, draft_ids)
+    probs_d, top_d = target_labels(final, norm, head, draft_ids, full_argmax=False)
+    assert torch.allclose(probs_d, probs, atol=1e-6)
+    full = head(norm(final))
+    assert torch.equal(top_d, draft_ids[full[..., draft_ids].argmax(-1)])
+    inside = torch.isin(top, draft_ids)
+    assert torch.equal(top_d[inside], top[inside])
+    assert inside.any() and not inside.all(), "the fixture should have target tops on both sides of the draft vocab"
+
+
 def test_padding_rows_do_not_change_results(target):
     """A right-padded shorter sample gives the same logits and counts as the sample alone."""
     d = _draft()
