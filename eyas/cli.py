@@ -559,6 +559,8 @@ def recipe(
     bf16: bool = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast in training (default: on CUDA only)"),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch's default)"),
     ship_to: str = typer.Option(None, "--ship-to", help="default: eyas/assets/drafts/default"),
+    init_from: str = typer.Option(None, "--init-from", help="warm-start training from this eyas draft ('default' = "
+                                  "the shipped one; keeps its draft vocabulary)"),
 ) -> None:
     """Run the whole pipeline (datagen -> train -> bench -> ship) for a bundled target; resumable at every stage."""
     from .recipe import RecipeConfig, run_recipe
@@ -567,7 +569,7 @@ def recipe(
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
                                 orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
                                 draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
-                                ship_to=ship_to))
+                                ship_to=ship_to, init_from=init_from))
     except ValueError as e:
         fail(str(e))
 

@@ -17,7 +17,9 @@ EPYC) it is slower than fp32.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -55,6 +57,7 @@ class RecipeConfig:
     eval_limit: int = 8
     eval_max_new_tokens: int = 128
     ship_to: str | None = None  # default: the package's bundled draft folder
+    init_from: str | None = None  # warm-start training from this eyas draft ("default" = the shipped one)
 
     def validate(self) -> None:
         if self.name not in RECIPES:
@@ -94,13 +97,36 @@ def stage_data(cfg: RecipeConfig, log=print) -> None:
         run_datagen(job, command=f"eyas recipe {cfg.name} (stage data)", log=log)
 
 
+def init_dir(cfg: RecipeConfig) -> Path | None:
+    """--init-from frozen into WORK/init-<weights hash>: the shipped draft gets replaced by the ship stage, so the
+    run resumes from (and its manifest names) the exact weights it started from."""
+    if not cfg.init_from:
+        return None
+    from .draft import bundled_draft_path
+
+    src = bundled_draft_path() if cfg.init_from == "default" else Path(cfg.init_from)
+    weights = src / "model.safetensors"
+    if not weights.exists():
+        raise RecipeError(f"--init-from {cfg.init_from}: {weights} not found; pass an eyas draft folder or 'default'")
+    h = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
+    dst = Path(cfg.work) / f"init-{h}"
+    if not dst.exists():
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        os.replace(tmp, dst)
+    return dst
+
+
 def train_dir(cfg: RecipeConfig) -> Path:
     from .shards import ShardSet
 
     folders = _data_folders(cfg)
     if not folders:
         raise RecipeError(f"no committed shards under {cfg.work}/data-*: run the data stage first")
-    return Path(cfg.work) / f"train-{ShardSet(folders).hash().split(':')[1][:12]}"
+    init = init_dir(cfg)
+    suffix = f"-from-{init.name.removeprefix('init-')}" if init else ""
+    return Path(cfg.work) / f"train-{ShardSet(folders).hash().split(':')[1][:12]}{suffix}"
 
 
 def use_bf16(cfg: RecipeConfig) -> bool:
@@ -125,7 +151,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
                      ttt_steps=cfg.ttt_steps, epochs=cfg.epochs, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
                      max_len=cfg.max_len, bf16=use_bf16(cfg), device=cfg.device, eval_every=50, save_every=50,
                      resume=(out / "checkpoint").exists(), threads=cfg.threads,
-                     heldout_pct=cfg.heldout_pct)
+                     heldout_pct=cfg.heldout_pct, init_from=str(init_dir(cfg)) if cfg.init_from else None)
     log(f"[recipe] train on {[str(f) for f in folders]} -> {out} (resume {tc.resume})")
     train(tc)
     atomic_write_json(Path(cfg.work) / "latest-train.json", {"train_dir": str(out), "data": [str(f) for f in folders]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -62,3 +63,13 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     after = load_file(ship / "model.safetensors")  # same tensors (the header's key order may differ)
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert again["train"]["seconds"] < done["train"]["seconds"] + 60
+
+    # the next session's continuation: warm start from the shipped draft, frozen into WORK/init-<hash>
+    warm = replace(cfg, stages=("train",), init_from=str(ship))
+    run_recipe(warm, log=lambda *a: None)
+    run2 = trained_dir(warm)
+    assert run2 != run and run2.name.startswith(run.name + "-from-")
+    init = work / ("init-" + run2.name.split("-from-")[1])
+    assert torch.equal(load_file(init / "model.safetensors")["fc.weight"], before["fc.weight"])
+    man = json.loads((run2 / "draft" / "eyas_manifest.json").read_text())
+    assert man["training"]["init_from"] == str(init), man["training"]
