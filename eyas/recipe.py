@@ -149,7 +149,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
     out = train_dir(cfg)
     tc = TrainConfig(data=[str(f) for f in folders], out=str(out), draft_vocab=cfg.draft_vocab,
                      ttt_steps=cfg.ttt_steps, epochs=cfg.epochs, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
-                     max_len=cfg.max_len, bf16=use_bf16(cfg), device=cfg.device, eval_every=50, save_every=50,
+                     max_len=cfg.max_len, bf16=use_bf16(cfg), device=cfg.device, eval_every=100, save_every=50,
                      resume=(out / "checkpoint").exists(), threads=cfg.threads,
                      heldout_pct=cfg.heldout_pct, init_from=str(init_dir(cfg)) if cfg.init_from else None)
     log(f"[recipe] train on {[str(f) for f in folders]} -> {out} (resume {tc.resume})")

@@ -817,6 +817,10 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
             f"{steps_per_epoch} steps/epoch, {total} steps, draft vocab {vocab.size} (coverage "
             f"{vocab.coverage:.3f}), TTT {steps}, world {dd.world}, setup {time.perf_counter() - t_setup:.1f}s"
             + (f", skipped {source.skipped}" if source.skipped else ""))
+    if step == 0 and cfg.init_from:  # where the warm-started draft stands on this held-out set before training
+        m0 = run_eval()
+        if m0 is not None and progress is not None:
+            progress.console.print(metrics_table(m0, f"step 0 (--init-from {cfg.init_from})"))
     draft.train()
     cur_plan = plan(epoch)
     try:

@@ -198,6 +198,9 @@ def test_init_from_continues_a_draft_on_new_data(world, tmp_path):
     assert res.final_metrics["heldout_acc"][0] > cold.final_metrics["heldout_acc"][0] + 0.2
     man = load_draft(root / "warm" / "draft").manifest
     assert man["training"]["init_from"] == str(root / "first" / "draft")
+    rows = [json.loads(x) for x in (root / "warm" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[0]["tokens_seen"] == 0  # the warm start's baseline on this held-out set
+    assert abs(rows[0]["heldout_acc"][0] - res.final_metrics["heldout_acc"][0]) < 0.02  # lr 1e-9: ~no change
     with pytest.raises(TrainError, match="--draft-vocab 64"):
         train(_cfg(root, "warm2", max_steps=1, data=[str(more)], draft_vocab=32,
                    init_from=str(root / "first" / "draft")), target=target)
