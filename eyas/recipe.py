@@ -172,6 +172,21 @@ def stage_eval(cfg: RecipeConfig, log=print) -> Path:
     return out
 
 
+def lineage(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs a warm-started draft descends from, oldest first (each run's data, tokens, time, held-out
+    metrics, command), read from the --init-from draft's manifest, so the shipped total training time is honest."""
+    from .draft import MANIFEST
+
+    init = (manifest.get("training") or {}).get("init_from")
+    if not init or not (Path(init) / MANIFEST).exists():
+        return []
+    m = json.loads((Path(init) / MANIFEST).read_text())
+    me = {"draft": init, "data_hash": (m.get("data") or {}).get("hash"), "tokens_seen": m.get("tokens_seen"),
+          "steps": m.get("step"), "training_time_s": m.get("training_time_s"), "command": m.get("command"),
+          "heldout_acc": (m.get("metrics") or {}).get("heldout_acc")}
+    return list(m.get("lineage") or []) + [me]
+
+
 def stage_ship(cfg: RecipeConfig, log=print) -> Path:
     from .draft import bundled_draft_path, load_draft, save_draft
 
@@ -181,6 +196,9 @@ def stage_ship(cfg: RecipeConfig, log=print) -> Path:
     extra = {k: v for k, v in ck.manifest.items() if k not in ("kind", "format_version", "layout", "draft_config")}
     extra["shipped"] = {"from": str(src), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "recipe": asdict(cfg), "dtype": "float16"}
+    extra["lineage"] = lineage(ck.manifest)
+    extra["total_training_time_s"] = round(sum(r.get("training_time_s") or 0.0 for r in extra["lineage"])
+                                           + (ck.manifest.get("training_time_s") or 0.0), 2)
     save_draft(dest, ck.model, ck.layout, extra=extra, dtype=torch.float16)
     shutil.copy(src.parent / "metrics.jsonl", dest / "metrics.jsonl") if (src.parent / "metrics.jsonl").exists() \
         else None

@@ -73,3 +73,8 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     assert torch.equal(load_file(init / "model.safetensors")["fc.weight"], before["fc.weight"])
     man = json.loads((run2 / "draft" / "eyas_manifest.json").read_text())
     assert man["training"]["init_from"] == str(init), man["training"]
+    run_recipe(replace(warm, stages=("ship",)), log=lambda *a: None)  # the lineage adds up both runs' time
+    shipped = load_draft(ship).manifest
+    assert [r["data_hash"] for r in shipped["lineage"]] == [load_draft(init).manifest["data"]["hash"]]
+    assert shipped["total_training_time_s"] == pytest.approx(
+        shipped["lineage"][0]["training_time_s"] + shipped["training_time_s"], abs=0.02)
