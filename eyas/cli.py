@@ -133,6 +133,8 @@ def train(
     fc_init: str = typer.Option("scaled", "--fc-init", help="scaled (by the layout's stream norms) | default"),
     init_from: str = typer.Option(None, "--init-from", help="warm start from an eyas draft (keeps its vocabulary): "
                                   "continue a shipped draft on more data"),
+    refresh_vocab: bool = typer.Option(False, "--refresh-vocab", help="with --init-from: re-choose the draft "
+                                       "vocabulary from this data (rows of kept tokens carried over)"),
     resume: bool = typer.Option(False, "--resume", help="continue from OUT/checkpoint"),
     device: str = DeviceOpt,
     dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
@@ -157,7 +159,7 @@ def train(
                       batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
                       intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
-                      device=device,
+                      refresh_vocab=refresh_vocab, device=device,
                       target_dtype=dtype, quiet=quiet, threads=threads)
     try:
         run_train(cfg)
@@ -561,6 +563,8 @@ def recipe(
     ship_to: str = typer.Option(None, "--ship-to", help="default: eyas/assets/drafts/default"),
     init_from: str = typer.Option(None, "--init-from", help="warm-start training from this eyas draft ('default' = "
                                   "the shipped one; keeps its draft vocabulary)"),
+    refresh_vocab: bool = typer.Option(False, "--refresh-vocab", help="with --init-from: re-choose the draft "
+                                       "vocabulary from the current data"),
 ) -> None:
     """Run the whole pipeline (datagen -> train -> bench -> ship) for a bundled target; resumable at every stage."""
     from .recipe import RecipeConfig, run_recipe
@@ -569,7 +573,7 @@ def recipe(
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
                                 orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
                                 draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
-                                ship_to=ship_to, init_from=init_from))
+                                ship_to=ship_to, init_from=init_from, refresh_vocab=refresh_vocab))
     except ValueError as e:
         fail(str(e))
 

@@ -58,6 +58,7 @@ class RecipeConfig:
     eval_max_new_tokens: int = 128
     ship_to: str | None = None  # default: the package's bundled draft folder
     init_from: str | None = None  # warm-start training from this eyas draft ("default" = the shipped one)
+    refresh_vocab: bool = False  # with init_from: re-choose the draft vocabulary from the current data
 
     def validate(self) -> None:
         if self.name not in RECIPES:
@@ -125,7 +126,7 @@ def train_dir(cfg: RecipeConfig) -> Path:
     if not folders:
         raise RecipeError(f"no committed shards under {cfg.work}/data-*: run the data stage first")
     init = init_dir(cfg)
-    suffix = f"-from-{init.name.removeprefix('init-')}" if init else ""
+    suffix = (f"-from-{init.name.removeprefix('init-')}" + ("-vocab" if cfg.refresh_vocab else "")) if init else ""
     return Path(cfg.work) / f"train-{ShardSet(folders).hash().split(':')[1][:12]}{suffix}"
 
 
@@ -151,7 +152,8 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
                      ttt_steps=cfg.ttt_steps, epochs=cfg.epochs, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
                      max_len=cfg.max_len, bf16=use_bf16(cfg), device=cfg.device, eval_every=100, save_every=50,
                      resume=(out / "checkpoint").exists(), threads=cfg.threads,
-                     heldout_pct=cfg.heldout_pct, init_from=str(init_dir(cfg)) if cfg.init_from else None)
+                     heldout_pct=cfg.heldout_pct, init_from=str(init_dir(cfg)) if cfg.init_from else None,
+                     refresh_vocab=cfg.refresh_vocab)
     log(f"[recipe] train on {[str(f) for f in folders]} -> {out} (resume {tc.resume})")
     train(tc)
     atomic_write_json(Path(cfg.work) / "latest-train.json", {"train_dir": str(out), "data": [str(f) for f in folders]})

@@ -74,6 +74,7 @@ class TrainConfig:
     intermediate_size: int | None = None
     fc_init: str = "scaled"  # scaled | default (see init_draft)
     init_from: str | None = None  # warm start from this eyas draft (its weights and its draft vocabulary)
+    refresh_vocab: bool = False  # with init_from: re-choose the draft vocab from this data (shared rows kept)
     device: str = "cpu"
     target_dtype: str = "fp32"  # online capture dtype
     resume: bool = False
@@ -84,7 +85,7 @@ class TrainConfig:
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
                   "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
-                  "online", "num_samples", "aux_indices", "buffer_mb", "init_from")
+                  "online", "num_samples", "aux_indices", "buffer_mb", "init_from", "refresh_vocab")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -362,9 +363,12 @@ def init_draft(cfg: DraftConfig, vocab: DraftVocab, embed_weight: torch.Tensor, 
     return draft
 
 
-def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor) -> tuple[Eagle3Draft, DraftVocab]:
+def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor,
+               fresh: DraftVocab | None = None) -> tuple[Eagle3Draft, DraftVocab]:
     """--init-from: the draft's fp32 weights and its draft vocabulary (so more data continues the same head);
-    refused when its layout or shape does not fit these shards and options."""
+    refused when its layout or shape does not fit these shards and options. fresh (--refresh-vocab): the
+    vocabulary chosen from this data instead; lm_head rows of tokens in both are kept, rows of new tokens start
+    at the mean of the old rows (an average logit), rows of dropped tokens go."""
     from .draft import DraftError, load_draft
 
     try:
@@ -377,9 +381,11 @@ def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor) -> tuple[
         raise TrainError(f"--intermediate-size {cfg.intermediate_size} but the --init-from draft has "
                          f"{d.config.intermediate_size}; drop the flag or start from scratch")
     ids = d.target_token_ids().long().cpu()
+    if fresh is not None:
+        return _refresh_vocab(d, ids, fresh), fresh
     if cfg.draft_vocab != ids.numel():
         raise TrainError(f"--draft-vocab {cfg.draft_vocab} but the --init-from draft's vocabulary has {ids.numel()} "
-                         f"tokens (a warm start keeps it); pass --draft-vocab {ids.numel()}")
+                         f"tokens (a warm start keeps it); pass --draft-vocab {ids.numel()} or --refresh-vocab")
     old = ck.manifest.get("draft_vocab", {})
     vocab = DraftVocab(ids=ids, target_vocab_size=counts.numel(),
                        coverage=float(counts[ids].sum() / counts.sum().clamp_min(1)),
@@ -387,6 +393,29 @@ def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor) -> tuple[
                        source_hash=old.get("source_dataset_hash", ""), requested_size=ids.numel())
     d.requires_grad_(True)
     return d.float().train(), vocab
+
+
+def _refresh_vocab(d: Eagle3Draft, old_ids: torch.Tensor, fresh: DraftVocab) -> Eagle3Draft:
+    from dataclasses import replace
+
+    new = Eagle3Draft(replace(d.config, draft_vocab_size=fresh.size))
+    state = {k: v for k, v in d.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight", "d2t", "t2d"}:
+        raise TrainError(f"--refresh-vocab: cannot carry the draft's weights over (missing {missing}, "
+                         f"unexpected {unexpected})")
+    W = d.lm_head.weight.detach().float()  # [Vd_old, H]
+    row = {int(t): i for i, t in enumerate(old_ids.tolist())}
+    Wn = W.mean(0, keepdim=True).repeat(fresh.size, 1)  # [Vd_new, H]
+    keep = [(j, row[int(t)]) for j, t in enumerate(fresh.ids.tolist()) if int(t) in row]
+    if keep:
+        dst, src = (torch.tensor(x) for x in zip(*keep, strict=True))
+        Wn[dst] = W[src]
+    with torch.no_grad():
+        new.lm_head.weight.copy_(Wn)
+    new.set_vocab_map(fresh.ids)
+    new.requires_grad_(True)
+    return new.float().train()
 
 
 @torch.no_grad()
@@ -697,8 +726,14 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
     counts = count_tokens(source.token_pairs(source.train), V)
     emb = target.embed_tokens().weight.detach().to(device=device, dtype=torch.float32)
     fnorm = feature_norm(source, source.train, cfg.max_len) if cfg.fc_init == "scaled" else None
+    if cfg.refresh_vocab and not cfg.init_from:
+        raise TrainError("--refresh-vocab re-chooses a warm-started draft's vocabulary: pass --init-from DRAFT too")
     if cfg.init_from:
-        draft, vocab = warm_start(cfg, layout, counts)
+        fresh = None
+        if cfg.refresh_vocab:
+            fresh = select_draft_vocab(counts, min(cfg.draft_vocab, V), end_token_ids(target.tokenizer), data_hash)
+            fresh.requested_size = cfg.draft_vocab
+        draft, vocab = warm_start(cfg, layout, counts, fresh)
         dcfg = draft.config
         draft = draft.to(device)
     else:

@@ -206,6 +206,38 @@ def test_init_from_continues_a_draft_on_new_data(world, tmp_path):
                    init_from=str(root / "first" / "draft")), target=target)
 
 
+def test_refresh_vocab_keeps_the_rows_of_shared_tokens(world, tmp_path):
+    """--init-from with --refresh-vocab: the vocabulary is re-chosen from the new data (here a smaller one), the
+    lm_head rows of tokens the old and new vocabularies share are carried over, and the draft still starts far
+    above a cold start."""
+    root, target = world
+    first_dir = root / "first" / "draft"
+    if not first_dir.exists():
+        train(_cfg(root, "first", max_steps=120, eval_every=120), target=target)
+    old = load_draft(first_dir).model
+    more = tmp_path / "more_shards"
+    make_shards(target, more, n=60, seed=3)
+    res = train(_cfg(root, "refresh", max_steps=1, lr=1e-9, data=[str(more)], draft_vocab=32, eval_every=1,
+                     init_from=str(first_dir), refresh_vocab=True), target=target)
+    new_ids = res.draft.target_token_ids()
+    assert new_ids.numel() == 32 and torch.equal(new_ids, res.vocab.ids)
+    old_row = {int(t): i for i, t in enumerate(old.target_token_ids().tolist())}
+    shared = [(j, old_row[int(t)]) for j, t in enumerate(new_ids.tolist()) if int(t) in old_row]
+    assert shared
+    for j, i in shared:
+        assert torch.allclose(res.draft.lm_head.weight[j], old.lm_head.weight[i], atol=1e-5)
+    added = [j for j, t in enumerate(new_ids.tolist()) if int(t) not in old_row]
+    for j in added:  # tokens new to the vocabulary start at the old rows' mean
+        assert torch.allclose(res.draft.lm_head.weight[j], old.lm_head.weight.mean(0), atol=1e-5)
+    assert torch.equal(res.draft.fc.weight, old.fc.weight) or torch.allclose(res.draft.fc.weight, old.fc.weight,
+                                                                               atol=1e-5)
+    cold = train(_cfg(root, "cold32", max_steps=1, lr=1e-9, data=[str(more)], draft_vocab=32, eval_every=1),
+                 target=target)
+    assert res.final_metrics["heldout_acc"][0] > cold.final_metrics["heldout_acc"][0] + 0.1
+    with pytest.raises(TrainError, match="--init-from"):
+        train(_cfg(root, "x", max_steps=1, data=[str(more)], refresh_vocab=True), target=target)
+
+
 def test_refusals(world, tmp_path):
     root, target = world
     # another target (same shape, other weights): the fingerprint differs
