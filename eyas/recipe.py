@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -103,7 +102,7 @@ def init_dir(cfg: RecipeConfig) -> Path | None:
     run resumes from (and its manifest names) the exact weights it started from."""
     if not cfg.init_from:
         return None
-    from .draft import bundled_draft_path
+    from .draft import atomic_folder, bundled_draft_path
 
     src = bundled_draft_path() if cfg.init_from == "default" else Path(cfg.init_from)
     weights = src / "model.safetensors"
@@ -112,10 +111,7 @@ def init_dir(cfg: RecipeConfig) -> Path | None:
     h = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
     dst = Path(cfg.work) / f"init-{h}"
     if not dst.exists():
-        tmp = dst.with_name(dst.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        os.replace(tmp, dst)
+        atomic_folder(dst, lambda tmp: shutil.copytree(src, tmp, dirs_exist_ok=True))
     return dst
 
 
