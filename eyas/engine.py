@@ -34,7 +34,7 @@ import torch
 
 from .draft import DraftCheckpoint, check_draft_for_target
 from .lookup import lookup_chain
-from .model import KVCache, TargetModel, compact
+from .model import WEIGHTS, KVCache, compact, engine_model
 from .sampling import rejection_step, sample, warp
 from .target import Target
 
@@ -76,6 +76,7 @@ class SpecParams:
     tokens: int = 16  # tree: verified tokens per round, root included
     lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
+    weights: str = "auto"  # target forward: auto | native (a GGUF's quantized weights) | fp32 (eyas.model)
 
     def shape(self) -> tuple[int, int, int]:
         """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""
@@ -84,6 +85,8 @@ class SpecParams:
         return self.depth, self.topk, self.tokens
 
     def validate(self, draft_vocab: int | None) -> None:
+        if self.weights not in WEIGHTS:
+            raise EngineError(f"--weights {self.weights!r}: expected one of {', '.join(WEIGHTS)}")
         if self.method not in METHODS:
             raise EngineError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
         if self.lookup < 0 or self.lookup_ngram < 2:
@@ -266,7 +269,8 @@ class Engine:
     def __init__(self, target: Target, draft: DraftCheckpoint | None = None, spec: SpecParams | None = None):
         self.target = target
         self.spec = spec or SpecParams()
-        self.model = TargetModel(target.model)
+        self.model = engine_model(target, self.spec.weights)
+        self.weights = "native" if self.model.native is not None else "fp32"  # the mode auto resolved to
         self.device = self.model.device
         self.draft = None
         self.spec.validate(draft.model.config.draft_vocab_size if draft is not None else None)

@@ -12,12 +12,17 @@ k = L the last layer's output before the final norm. Capture is a by-product of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .target import Capture, decoder_parts
+from . import kernels
+from .target import Capture, Target, TargetError, decoder_parts
+
+if TYPE_CHECKING:
+    from .quant import NativeWeights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -115,11 +120,18 @@ def _check_family(model: nn.Module):
 
 
 class TargetModel:
-    """The engine's forward over a HF Llama-family *ForCausalLM (weights shared, not copied)."""
+    """The engine's forward over a HF Llama-family *ForCausalLM (weights shared, not copied).
 
-    def __init__(self, model: nn.Module):
+    With `native` (see eyas/quant.py) the decoder matrices and the head run from the GGUF's quantized
+    weights and attention runs through eyas's row-invariant kernel; everything else is shared."""
+
+    def __init__(self, model: nn.Module, native: NativeWeights | None = None):
         cfg = _check_family(model)
         self.hf = model
+        self.native = native
+        if native is not None and (model.dtype != torch.float32 or model.device.type != "cpu"):
+            raise ModelError(f"native GGUF weights run on the CPU with an fp32 residual stream; this target is "
+                             f"{model.dtype} on {model.device} (use --weights fp32, or --dtype fp32 --device cpu)")
         self.config = cfg
         embed, layers, norm = decoder_parts(model)
         self.embed_weight = embed.weight
@@ -219,19 +231,35 @@ class TargetModel:
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, hd]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         gqa = nh != nkv
+        nat = self.native.layers if self.native is not None else None
         for i, L in enumerate(self.layers):
             if i in want:
                 store[i] = x
             h = _rms(x, L.ln1, self.eps)
-            q = F.linear(h, L.wq, L.bq).view(B, S, nh, hd)
-            k = F.linear(h, L.wk, L.bk).view(B, S, nkv, hd)
-            v = F.linear(h, L.wv, L.bv).view(B, S, nkv, hd)
+            if nat is not None and "qkv" in nat[i]:
+                q, k, v = nat[i]["qkv"](h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            elif nat is not None:
+                q, k, v = nat[i]["q"](h), nat[i]["k"](h), nat[i]["v"](h)
+            else:
+                q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
+            q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
             if L.qn is not None:
                 q, k = _rms(q, L.qn, self.qk_eps), _rms(k, L.kn, self.qk_eps)
             q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
             k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, S, hd]
             cache.k[i, :, :, start:T] = k
             cache.v[i, :, :, start:T] = v.transpose(1, 2)
+            if nat is not None:
+                o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, mask, self.scale)
+                x = x + nat[i]["o"](o.reshape(B, S, nh * hd))  # o: [B, S, nh, hd]
+                h = _rms(x, L.ln2, self.eps)
+                if "gu" in nat[i]:
+                    g, u = nat[i]["gu"](h).chunk(2, dim=-1)
+                else:
+                    g, u = nat[i]["g"](h), nat[i]["u"](h)
+                g = F.silu(g) if L.act is None else L.act(g)
+                x = x + nat[i]["d"](g * u)
+                continue
             o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=mask,
                                                scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
             x = x + F.linear(o.transpose(1, 2).reshape(B, S, nh * hd), L.wo, L.bo)
@@ -257,6 +285,8 @@ class TargetModel:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""
+        if self.native is not None:
+            return self.native.head(_rms(x, self.norm_weight, self.eps))
         return F.linear(_rms(x, self.norm_weight, self.eps), self.lm_weight, self.lm_bias)
 
     @torch.no_grad()
@@ -271,3 +301,51 @@ class TargetModel:
         out = self.forward(input_ids.to(self.device), pos, cache, capture=list(indices), logits=logits)
         post = _rms(out.final, self.norm_weight, self.eps)
         return Capture(aux=out.aux, final_prenorm=out.final, final_postnorm=post, logits=out.logits)
+
+
+WEIGHTS = ("auto", "native", "fp32")
+
+
+def engine_model(target: Target, weights: str = "auto") -> TargetModel:
+    """The engine forward for `target` in the requested weights mode.
+
+    auto: native for a GGUF target on the CPU in fp32 whose matrices the native kernels cover, else fp32.
+    native: the GGUF's quantized weights (eyas/quant.py); an error when that is not possible.
+    fp32: the HF weights as loaded (a GGUF is dequantized), in the target's --dtype, torch's own kernels."""
+    if weights not in WEIGHTS:
+        raise ModelError(f"--weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    model = target.model
+    if weights == "fp32":
+        return TargetModel(model)
+    why = None
+    if target.gguf is None:
+        why = f"{target.source!r} is not a GGUF target (native weights are read from the .gguf file)"
+    elif model.dtype != torch.float32 or model.device.type != "cpu":
+        why = f"native GGUF weights run on the CPU with fp32 activations; this target is {model.dtype} on " \
+              f"{model.device}"
+    if why is None:
+        try:
+            native = native_weights(target)
+        except TargetError as e:
+            why = str(e)
+    if why is not None:
+        if weights == "native":
+            raise ModelError(f"--weights native: {why}; use --weights fp32")
+        return TargetModel(model)
+    return TargetModel(model, native)
+
+
+def native_weights(target: Target) -> NativeWeights:
+    """Load (once per target) the GGUF's quantized matrices; see eyas/quant.py."""
+    from .quant import load_native
+
+    cached = target.native_cache
+    if cached is None:
+        _check_family(target.model)
+        cfg = getattr(target.model.config, "text_config", None) or target.model.config
+        heads = int(cfg.num_attention_heads)
+        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        cached = load_native(target.gguf, target.model, heads, kv)
+        kernels.lib()  # build the C kernel now, so a missing compiler is reported before decoding starts
+        target.native_cache = cached
+    return cached

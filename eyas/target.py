@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,8 @@ class Target:
     source: str  # what the user passed
     path: Path | None  # the HF folder it was loaded from
     load_seconds: float = 0.0
+    gguf: Path | None = None  # the .gguf file a converted target came from (its native weights live there)
+    native_cache: Any = field(default=None, repr=False)  # eyas.quant.NativeWeights once loaded
 
     @property
     def config(self):
@@ -190,6 +192,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     t0 = time.perf_counter()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     dev = resolve_device(device)
+    gguf: Path | None = None
     if spec in BUNDLED or spec.endswith(".gguf"):
         gguf = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
         if not gguf.is_file():
@@ -212,8 +215,11 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         fp = file_fingerprint(weights)
         name = folder.name
     src = folder / "eyas_source.json"
-    if src.exists():  # a converted GGUF keeps the GGUF's identity
-        fp = json.loads(src.read_text())["fingerprint"]
+    if src.exists():  # a converted GGUF keeps the GGUF's identity (and its native weights, if still there)
+        meta = json.loads(src.read_text())
+        fp = meta["fingerprint"]
+        if gguf is None and Path(meta.get("gguf", "")).is_file() and file_fingerprint([Path(meta["gguf"])]) == fp:
+            gguf = Path(meta["gguf"])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                                  use_safetensors=True)
     model.to(dev).eval()
@@ -221,7 +227,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     ident = identity_of(model, fp, name)
     return Target(model=model, tokenizer=tok, identity=ident, source=spec, path=folder,
-                  load_seconds=time.perf_counter() - t0)
+                  load_seconds=time.perf_counter() - t0, gguf=gguf)
 
 
 # ---- capture -------------------------------------------------------------------------------------

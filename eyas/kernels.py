@@ -1,0 +1,125 @@
+"""Build and call eyas's batch-invariant CPU kernels (eyas/kernels.c) through ctypes.
+
+The C source needs no torch headers, so the first build takes about a second with the machine's compiler
+(`$CC`, else cc/gcc) and is cached under $EYAS_CACHE/kernels by a hash of source, compiler and flags.
+`-march=native`: the cached object is tied to this CPU, which the hash's machine tag records.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from .target import TargetError, cache_dir
+
+_SRC = Path(__file__).with_name("kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+class KernelError(TargetError):
+    pass
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise KernelError("the native CPU mode builds a small C kernel at first use and found no C compiler "
+                      "(cc, gcc or clang; or set $CC); install one (Debian: apt install gcc) or run with "
+                      "--weights fp32")
+
+
+@cache
+def lib() -> ctypes.CDLL:
+    cc = _compiler()
+    src = _SRC.read_bytes()
+    tag = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + platform.node().encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"eyas_kernels-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+        r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise KernelError(f"building eyas's CPU kernel with {cc} failed: {r.stderr.strip()[:400]}; "
+                              "run with --weights fp32 to avoid it")
+        os.replace(tmp, out)
+    so = ctypes.CDLL(str(out))
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    so.eyas_attention.argtypes = [p, p, p, i64, i32, i32, i32, i32, i32, i32, p, i64, f32, p, i32]
+    so.eyas_attention.restype = None
+    so.eyas_q8_matmul.argtypes = [p, p, p, p, i32, i32, i32, i32]
+    so.eyas_q8_matmul.restype = None
+    so.eyas_q4_matmul.argtypes = [p, p, p, p, p, i32, i32, i32, i32]
+    so.eyas_q4_matmul.restype = None
+    so.eyas_f32_matmul.argtypes = [p, p, p, i32, i32, i32, i32]
+    so.eyas_f32_matmul.restype = None
+    return so
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, S, nh, hd] fp32; one layer's cache [B, kvh, max_len, hd] holding keys 0..start+S-1;
+    mask None (causal) or bool [B|1, 1|-, S, start+S]. -> [B, S, nh, hd], identical bits for a row whatever
+    the other rows, S or the positions of masked keys."""
+    B, S, nh, hd = q.shape
+    kvh, max_len = k_cache.shape[1], k_cache.shape[2]
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
+        raise KernelError(f"the invariant attention kernel takes fp32 CPU tensors, got {q.dtype} on {q.device}")
+    q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelError("the KV cache slices passed to the attention kernel must be contiguous")
+    out = torch.empty_like(q)
+    T = start + S
+    m_ptr, m_stride = None, 0
+    if mask is not None:
+        m = mask.reshape(-1, S, T).to(torch.uint8).contiguous()
+        m_ptr, m_stride = _ptr(m), (S * T if m.shape[0] > 1 else 0)
+    lib().eyas_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), max_len, B, S, nh, kvh, hd, start,
+                         m_ptr, m_stride, float(scale), _ptr(out), torch.get_num_threads())
+    if mask is not None:
+        del m  # kept alive across the call above
+    return out
+
+
+def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [..., K] fp32 @ (d * qw)^T for a Q8_0 weight qw int8 [N, K], d fp32 [N, K/32] -> [..., N] fp32."""
+    K = x.shape[-1]
+    N = qw.shape[0]
+    x2 = x.reshape(-1, K).contiguous().float()
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    lib().eyas_q8_matmul(_ptr(x2), _ptr(qw), _ptr(d), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
+
+
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [..., K] fp32 @ W^T for a GGUF Q4_0/Q4_1 weight: qs uint8 [N, K/2] in GGUF block order, d and m
+    fp32 [N, K/32] (w = d * q + m) -> [..., N] fp32."""
+    K = x.shape[-1]
+    N = qs.shape[0]
+    x2 = x.reshape(-1, K).contiguous().float()
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    lib().eyas_q4_matmul(_ptr(x2), _ptr(qs), _ptr(d), _ptr(m), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
+
+
+def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w^T for an fp32 weight [N, K], row-invariant (MKL's sgemm is not) -> [..., N]."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous().float()
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
+    lib().eyas_f32_matmul(_ptr(x2), _ptr(w), _ptr(out), x2.shape[0], w.shape[0], K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,215 @@
+"""A GGUF target's own quantized weights for the engine forward (`--weights native`).
+
+eyas's fp32 mode reads a dequantized fp32 copy (540 MB for SmolLM2-135M); the GGUF holds the same
+matrices in 4 bits (98 MB). Native mode keeps them quantized:
+- Q4_0 / Q4_1 decoder matrices run through torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`,
+  group 32) with bf16 activations. A Q4_1 block w = d*q + m is the kernel's (q - 8)*scale + zero with
+  scale d and zero m + 8d; the kernel takes its scales in the activations' dtype, so d and m + 8d are
+  rounded to bf16 (fp16 and fp32 activations run 10-100x slower on CPUs without bf16 units).
+- Q8_0 matrices (SmolLM2's tied embedding/head) run through eyas's own kernel (eyas/kernels.c) in fp32
+  with the file's exact values (w = d*q), reading a quarter of the fp32 bytes.
+Every kernel here gives a row the same bits whatever the number of rows in the call (checked by tests):
+that is what keeps speculative decoding token-identical to plain decoding in this mode.
+
+Before anything runs, every quantized matrix is dequantized and compared bit for bit with the weight the
+HF loader produced from the same file, which catches a wrong tensor name or row permutation (llama.cpp
+stores q/k rows permuted for its RoPE layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .target import TargetError
+
+GROUP = 32
+# bytes per 32-weight block
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+NATIVE_TYPES = tuple(_BLOCK_BYTES)
+
+# GGUF tensor suffix -> (HF attribute path inside a decoder layer)
+_LAYER_TENSORS = {
+    "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"), "attn_v": ("self_attn", "v_proj"),
+    "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
+    "ffn_down": ("mlp", "down_proj"),
+}
+
+
+class NativeError(TargetError):
+    pass
+
+
+@dataclass
+class QLinear:
+    """One quantized matrix [N, K] in the form its kernel reads."""
+    kind: str  # "int4" (torch int4 kernel), "q8" (eyas q8 kernel) or "f32" (eyas fp32 kernel)
+    n: int
+    k: int
+    w: torch.Tensor  # int4: packed uint8 from _convert_weight_to_int4pack_for_cpu; q8: int8 [N, K]
+    scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] fp32 -> [..., N] fp32."""
+        from . import kernels
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.w, GROUP, self.scales)
+            y = y.float()
+        elif self.kind == "q8":
+            y = kernels.q8_matmul(x2, self.w, self.scales)
+        else:
+            y = kernels.f32_matmul(x2, self.w)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.n)
+
+
+def _blocks(t, name: str) -> tuple[str, np.ndarray, int, int]:
+    kind = t.tensor_type.name
+    if kind not in _BLOCK_BYTES:
+        raise NativeError(f"GGUF tensor {name} is {kind}; native weights cover {', '.join(NATIVE_TYPES)} "
+                          "(run with --weights fp32 for this file)")
+    raw = np.asarray(t.data)
+    n = raw.shape[0]
+    nb = raw.shape[1] // _BLOCK_BYTES[kind]
+    return kind, raw.reshape(n, nb, _BLOCK_BYTES[kind]), n, nb * GROUP
+
+
+def _f16(raw: np.ndarray, at: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _quantized(t, name: str) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (kind, q int [N, K] (Q4: 0..15, Q8: -128..127), d fp32 [N, K/32], m fp32 [N, K/32] (Q8: zeros))."""
+    kind, raw, n, k = _blocks(t, name)
+    d = _f16(raw, 0)
+    if kind == "Q8_0":
+        q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k))
+        return kind, q, d, torch.zeros_like(d)
+    off = 4 if kind == "Q4_1" else 2
+    qs = torch.from_numpy(np.ascontiguousarray(raw[..., off:]))  # [N, nb, 16]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # element t: low nibble of byte t, t+16: high
+    m = _f16(raw, 2) if kind == "Q4_1" else -8 * d  # Q4_0: w = d * (q - 8)
+    return kind, q, d, m
+
+
+def _dequant(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    # the same op sequence as gguf-py's dequantize (what transformers' loader ran): d * q, then + m
+    w = d[:, :, None] * q.view(n, k // GROUP, GROUP).float()
+    return (w + m[:, :, None]).view(n, k) if bool((m != 0).any()) else w.view(n, k)
+
+
+def _llama_unpermute(rows: int, heads: int) -> torch.Tensor:
+    """Row order transformers' GGUF loader applies to llama attn_q/attn_k (undoing llama.cpp's permute)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _match(name: str, q, d, m, hf_weight: torch.Tensor, heads: list[int]):
+    """Find the row order under which the GGUF matrix equals the HF weight bit for bit."""
+    w = _dequant(q, d, m)
+    ref = hf_weight.detach().float().cpu()
+    if tuple(w.shape) != tuple(ref.shape):
+        raise NativeError(f"GGUF tensor {name} is {tuple(w.shape)} but the loaded weight is {tuple(ref.shape)}; "
+                          "use --weights fp32")
+    for h in [0, *heads]:
+        order = None if h == 0 else _llama_unpermute(w.shape[0], h)
+        if torch.equal(w if order is None else w[order], ref):
+            return order
+    raise NativeError(f"GGUF tensor {name} does not equal the weight transformers loaded from the same file "
+                      "under any known row order; the native path would compute a different model. "
+                      "Use --weights fp32")
+
+
+def _cat_bias(parts: list[tuple]) -> torch.Tensor | None:
+    if all(p[4] is None for p in parts):
+        return None
+    return torch.cat([p[4] if p[4] is not None else torch.zeros(p[1].shape[0]) for p in parts])
+
+
+def _pack(kind: str, q, d, m, bias) -> QLinear:
+    n, k = q.shape
+    if kind == "Q8_0":
+        return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias)
+    w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    sz = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+    return QLinear("int4", n, k, w, sz, bias)
+
+
+@dataclass
+class NativeWeights:
+    layers: list[dict[str, QLinear]]  # per decoder layer: qkv (or q, k, v), o, gu (or g, u), d(own)
+    head: QLinear  # Q8_0 through the q8 kernel, else the fp32 weight through the invariant fp32 kernel
+    types: dict[str, int]  # GGUF tensor type -> count, for reports
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.types.items()))
+        return f"native GGUF weights ({kinds}); int4 kernel with bf16 activations, Q8_0 in fp32"
+
+
+def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads: int) -> NativeWeights:
+    """Read `gguf`'s quantized matrices for `model` (the HF model transformers loaded from that file)."""
+    import gguf as gguf_py
+
+    from .target import decoder_parts
+
+    try:
+        reader = gguf_py.GGUFReader(str(gguf))
+    except Exception as e:  # a truncated or foreign file: gguf-py raises assorted errors
+        raise NativeError(f"{gguf}: cannot read it as GGUF ({type(e).__name__}: {e})") from None
+    tensors = {t.name: t for t in reader.tensors}
+    _, layers, _ = decoder_parts(model)
+    types: dict[str, int] = {}
+    out: list[dict[str, QLinear]] = []
+    short = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "g",
+             "ffn_up": "u", "ffn_down": "d"}
+    for i, layer in enumerate(layers):
+        parts: dict[str, tuple] = {}
+        for g, (a, b) in _LAYER_TENSORS.items():
+            name = f"blk.{i}.{g}.weight"
+            if name not in tensors:
+                raise NativeError(f"{gguf.name} has no tensor {name}; native weights need the llama.cpp layout "
+                                  "(use --weights fp32)")
+            t = tensors[name]
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+            lin = getattr(getattr(layer, a), b)
+            heads = {"attn_q": [num_heads], "attn_k": [num_kv_heads, num_heads]}.get(g, [])
+            kind, q, d, m = _quantized(t, name)
+            order = _match(name, q, d, m, lin.weight, heads)
+            if order is not None:
+                q, d, m = q[order], d[order], m[order]
+            bias = None if lin.bias is None else lin.bias.detach().float()
+            parts[short[g]] = (kind, q, d, m, bias)
+        mats: dict[str, QLinear] = {"o": _pack(*parts["o"]), "d": _pack(*parts["d"])}
+        # one kernel call for q|k|v and one for gate|up: fewer calls, one bf16 cast of the shared input
+        for fused, names in (("qkv", "qkv"), ("gu", "gu")):
+            kinds = {parts[c][0] for c in names}
+            if len(kinds) == 1:
+                mats[fused] = _pack(kinds.pop(), *(torch.cat([parts[c][j] for c in names]) for j in (1, 2, 3)),
+                                    _cat_bias([parts[c] for c in names]))
+            else:
+                mats.update({c: _pack(*parts[c]) for c in names})
+        out.append(mats)
+    head_module = model.get_output_embeddings()
+    hname = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    t = tensors.get(hname)
+    head = None
+    if t is not None and t.tensor_type.name == "Q8_0":
+        kind, q, d, m = _quantized(t, hname)
+        _match(hname, q, d, m, head_module.weight, [])
+        head = _pack(kind, q, d, m, None)
+        types["Q8_0"] = types.get("Q8_0", 0) + 1
+    if head is None:  # other head types keep the loader's exact fp32 values
+        w = head_module.weight.detach().float().contiguous()
+        head = QLinear("f32", w.shape[0], w.shape[1], w, torch.empty(0), None)
+    if head_module.bias is not None:
+        head.bias = head_module.bias.detach().float()
+    return NativeWeights(out, head, types)
