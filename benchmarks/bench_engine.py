@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from eyas.bench.prompts import load_mtbench
 from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids, resolve_draft
-from eyas.prompts import load_mtbench
 from eyas.target import load_target
 
 

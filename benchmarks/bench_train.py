@@ -25,8 +25,8 @@ import torch
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.layout import check_layouts
 from eyas.target import load_target
-from eyas.train import ShardSource, TrainConfig, feature_norm, init_draft, plan_epoch
-from eyas.ttt import ttt_forward
+from eyas.train.loop import ShardSource, TrainConfig, feature_norm, init_draft, plan_epoch
+from eyas.train.ttt import ttt_forward
 from eyas.vocab import count_tokens, end_token_ids, select_draft_vocab
 
 

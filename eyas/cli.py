@@ -77,10 +77,10 @@ def bench(
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
-    from .bench import BenchConfig, BenchError, SweepGrid, parse_int_list, parse_methods, run_bench, run_sweep
+    from .bench.prompts import PromptError
+    from .bench.run import BenchConfig, BenchError, SweepGrid, parse_int_list, parse_methods, run_bench, run_sweep
     from .draft import DraftError
     from .layout import LayoutError
-    from .prompts import PromptError
     from .target import TargetError
 
     errors: tuple[type[Exception], ...] = (BenchError, PromptError, TargetError, DraftError, LayoutError)
@@ -142,8 +142,8 @@ def train(
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = torch default; 1 is faster on a busy CPU)"),
 ) -> None:
     """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
-    from .train import TrainConfig
-    from .train import train as run_train
+    from .train.loop import TrainConfig
+    from .train.loop import train as run_train
 
     if online and target is None:
         target = "smollm2-135m"
@@ -197,10 +197,10 @@ def datagen(
     resumable safetensors shards with the layout recorded."""
     import sys
 
-    from .data import DataError
-    from .datagen import DatagenConfig, DatagenError, run_datagen, summary
+    from .data.conversations import DataError
+    from .data.datagen import DatagenConfig, DatagenError, run_datagen, summary
+    from .data.shards import ShardError
     from .layout import LayoutError
-    from .shards import ShardError
     from .target import TargetError
 
     try:
@@ -242,7 +242,7 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
-    from . import server as srv
+    from .serve import app as srv
 
     key = srv.resolve_api_key(api_key)
     warning = srv.exposure_warning(host, key)
@@ -283,7 +283,7 @@ def export(
     import sys
 
     from .draft import load_draft
-    from .export import LaunchParams, export_draft, target_embeddings
+    from .interop.export import LaunchParams, export_draft, target_embeddings
 
     try:
         ckpt = load_draft(draft)
@@ -324,7 +324,7 @@ def import_(
     """Import a foreign EAGLE-3 draft: ids translated into stream indices, shapes checked against the target."""
     import sys
 
-    from .export import check_import_options, import_draft, parse_ids
+    from .interop.export import check_import_options, import_draft, parse_ids
     from .target import load_target
 
     try:
@@ -377,7 +377,7 @@ def doctor(
     Subcommands: `flags` (lint a serve command), `trace` (one prompt through the serving path)."""
     if ctx.invoked_subcommand is not None:
         return
-    from .doctor import render, run_doctor
+    from .doctor.checks import render, run_doctor
     from .draft import load_draft
     from .target import load_target
 
@@ -406,7 +406,7 @@ def doctor_flags(
                                         "or a --speculative-config JSON"),
 ) -> None:
     """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
-    from .flags import jsonable, lint_serve_command, render_lint
+    from .doctor.flags import jsonable, lint_serve_command, render_lint
 
     try:
         lint = lint_serve_command(list(command or []), draft, num_layers)
@@ -432,7 +432,7 @@ def doctor_trace(
     device: str = DeviceOpt,
 ) -> None:
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
-    from .doctor import render_trace, trace
+    from .doctor.checks import render_trace, trace
     from .draft import load_draft
     from .engine import SpecParams, chat_input_ids
     from .target import load_target

@@ -204,7 +204,7 @@ def resolve_draft(spec: str, target: Target) -> DraftCheckpoint | None:
     if spec == "none":
         return None
     if spec == "random":
-        from .bench import random_draft
+        from .bench.run import random_draft
 
         return random_draft(target)
     check_default_draft(spec)

@@ -80,7 +80,7 @@ def _data_folders(cfg: RecipeConfig) -> list[Path]:
 
 
 def stage_data(cfg: RecipeConfig, log=print) -> None:
-    from .datagen import DatagenConfig, run_datagen
+    from .data.datagen import DatagenConfig, run_datagen
 
     work = Path(cfg.work)
     jobs = []
@@ -116,7 +116,7 @@ def init_dir(cfg: RecipeConfig) -> Path | None:
 
 
 def train_dir(cfg: RecipeConfig) -> Path:
-    from .shards import ShardSet
+    from .data.shards import ShardSet
 
     folders = _data_folders(cfg)
     if not folders:
@@ -139,8 +139,8 @@ def trained_dir(cfg: RecipeConfig) -> Path:
 
 
 def stage_train(cfg: RecipeConfig, log=print) -> Path:
-    from .shards import atomic_write_json
-    from .train import TrainConfig, train
+    from .data.shards import atomic_write_json
+    from .train.loop import TrainConfig, train
 
     folders = _data_folders(cfg)
     out = train_dir(cfg)
@@ -157,7 +157,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
 
 
 def stage_eval(cfg: RecipeConfig, log=print) -> Path:
-    from .bench import BenchConfig, run_bench
+    from .bench.run import BenchConfig, run_bench
 
     run = trained_dir(cfg)
     draft = run / "draft"

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from eyas.bench import (
+from eyas.bench.prompts import BenchPrompt
+from eyas.bench.run import (
     BenchConfig,
     BenchError,
     Output,
@@ -19,7 +20,6 @@ from eyas.bench import (
     save_random_draft,
     summarize,
 )
-from eyas.prompts import BenchPrompt
 from eyas.target import load_target
 from tests.tiny import tiny_model
 
@@ -120,7 +120,7 @@ def test_summary_pools_stats_and_speedups():
 
 
 def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
-    from eyas.bench import _prepare_out
+    from eyas.bench.run import _prepare_out
 
     cfg = BenchConfig(bench="humaneval", out=str(tmp_path / "o"))
     _prepare_out(cfg, tmp_path / "o", tiny_target)
@@ -133,7 +133,7 @@ def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
 
 
 def test_missing_bundled_draft_is_a_clear_error(tiny_target):
-    from eyas.bench import resolve_draft
+    from eyas.bench.run import resolve_draft
     from eyas.draft import bundled_draft_path
 
     if bundled_draft_path().is_dir():
@@ -143,7 +143,7 @@ def test_missing_bundled_draft_is_a_clear_error(tiny_target):
 
 
 def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import METHODS, run_bench
+    from eyas.bench.run import METHODS, run_bench
     from eyas.draft import load_draft
 
     prompts = tmp_path / "p.jsonl"
@@ -181,7 +181,7 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
 
 
 def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import SweepGrid, run_sweep
+    from eyas.bench.run import SweepGrid, run_sweep
     from eyas.draft import load_draft
 
     cfg = BenchConfig(bench="humaneval", max_new_tokens=6, target=str(tiny_dir / "target"), sweep=True,
@@ -203,7 +203,7 @@ def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path)
 
 
 def test_sweep_tries_lookup_with_each_tree(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import SweepGrid, run_sweep
+    from eyas.bench.run import SweepGrid, run_sweep
     from eyas.draft import load_draft
 
     cfg = BenchConfig(bench="humaneval", max_new_tokens=6, target=str(tiny_dir / "target"), sweep=True,
@@ -218,7 +218,7 @@ def test_sweep_tries_lookup_with_each_tree(tiny_dir, tiny_target, tmp_path):
 
 
 def test_mtbench_turn2_uses_target_answer(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import run_bench
+    from eyas.bench.run import run_bench
 
     cfg = BenchConfig(bench="mt-bench", limit=1, turn=2, max_new_tokens=4, methods=["hf-greedy", "plain"],
                       target=str(tiny_dir / "target"), out=str(tmp_path / "t2"))

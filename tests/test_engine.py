@@ -14,7 +14,7 @@ from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, bu
 from eyas.engine import Engine, EngineError, SamplingParams, SpecParams, chat_input_ids
 from eyas.sampling import warp
 from eyas.target import Target, capture, identity_of, tensor_fingerprint
-from eyas.ttt import ttt_forward
+from eyas.train.ttt import ttt_forward
 from tests.tiny import tiny_model
 
 VOCAB = 128
@@ -365,7 +365,7 @@ def test_other_families_lossless_with_random_draft(family):
 
 @pytest.mark.integration
 def test_smollm2_mtbench_speculative_equals_plain(smollm2):
-    from eyas.prompts import load_mtbench
+    from eyas.bench.prompts import load_mtbench
 
     torch.manual_seed(0)
     d = Eagle3Draft(DraftConfig.from_target_config(smollm2.model.config, draft_vocab_size=2048))

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .draft import DraftCheckpoint, DraftConfig, Eagle3Draft, bundled_draft_path, load_draft
+from ..draft import DraftCheckpoint, DraftConfig, Eagle3Draft, bundled_draft_path, load_draft
+from ..target import Target, file_fingerprint, load_target
 from .prompts import BenchPrompt, load_prompts
-from .target import Target, file_fingerprint, load_target
 
 METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup")
 ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup")
@@ -133,7 +133,7 @@ def random_draft(target: Target, draft_vocab: int = 8192, seed: int = 0) -> Draf
 
 
 def save_random_draft(target: Target, path: str | Path, draft_vocab: int = 8192, seed: int = 0) -> Path:
-    from .draft import save_draft
+    from ..draft import save_draft
 
     ckpt = random_draft(target, draft_vocab, seed)
     return save_draft(path, ckpt.model.float(), ckpt.layout,
@@ -213,7 +213,7 @@ def end_token_ids(tokenizer) -> list[int]:
 
 def stop_ids(target: Target) -> list[int]:
     """What both HF and eyas stop on: the engine's eos set plus the chat template's end token."""
-    from .engine import eos_token_ids
+    from ..engine import eos_token_ids
 
     return sorted(set(end_token_ids(target.tokenizer)) | eos_token_ids(target))
 
@@ -265,7 +265,7 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
 
 
 def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[..., Output]:
-    from .engine import SamplingParams
+    from ..engine import SamplingParams
 
     def run(input_ids: list[int], max_new_tokens: int) -> Output:
         _sync(device)
@@ -521,7 +521,7 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
         elif m == "hf-lookup":
             runners[m] = hf_runner(target, end_ids, lookup_tokens=cfg.lookup_tokens)
         else:
-            from .engine import Engine, SpecParams
+            from ..engine import Engine, SpecParams
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
                               topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0)
@@ -531,7 +531,7 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
 
 
 def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
-    from .engine import chat_input_ids
+    from ..engine import chat_input_ids
 
     return [list(chat_input_ids(target.tokenizer, p.messages)) for p in prompts]
 
@@ -541,7 +541,7 @@ def greedy_answer(target: Target, end_ids: list[int], max_new_tokens: int) -> Ca
     run = hf_runner(target, end_ids)
 
     def answer(messages: list[dict]) -> str:
-        from .engine import chat_input_ids
+        from ..engine import chat_input_ids
 
         out = run(list(chat_input_ids(target.tokenizer, messages)), max_new_tokens)
         return target.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -745,7 +745,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
               progress: bool = True, show: bool = True) -> dict[str, Any]:
     """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
     write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
-    from .engine import Engine, EngineError, SpecParams
+    from ..engine import Engine, EngineError, SpecParams
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from .data import (
+from ..layout import Layout, LayoutError, check_layouts
+from ..target import Target, capture, file_fingerprint, load_target, parse_dtype
+from .conversations import (
     Conversation,
     DataError,
     Skip,
@@ -31,9 +33,7 @@ from .data import (
     resolve_source,
     tokenize_conversation_checked,
 )
-from .layout import Layout, LayoutError, check_layouts
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, atomic_write_json, load_manifest, write_shard
-from .target import Target, capture, file_fingerprint, load_target, parse_dtype
 
 SHARD_GLOB = "shard-*.safetensors"
 
@@ -383,7 +383,7 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
 def _versions() -> dict[str, str]:
     import transformers
 
-    from . import __version__ as eyas_version
+    from .. import __version__ as eyas_version
     return {"eyas": eyas_version, "torch": torch.__version__, "transformers": transformers.__version__}
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .layout import Layout, check_layouts
+from ..layout import Layout, check_layouts
 
 MANIFEST = "manifest.json"
 KIND = "eyas-shards"

@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .draft import DraftCheckpoint, Eagle3Draft
+from ..draft import DraftCheckpoint, Eagle3Draft
+from ..layout import default_aux_indices, layout_diff
+from ..train.ttt import step_valid, target_labels, ttt_forward
 from .flags import Check, engine_views, jsonable, render_checks, render_fixes
-from .layout import default_aux_indices, layout_diff
-from .ttt import step_valid, target_labels, ttt_forward
 
 __all__ = ["Check", "DoctorReport", "LayoutScore", "LayoutRanking", "EvalSample", "infer_layout",
            "layout_candidates", "run_doctor", "check_identity", "DoctorError", "trace", "TraceReport"]
@@ -263,7 +263,7 @@ def _check_vocab(target, ckpt: DraftCheckpoint) -> Check:
                      "or retrain; SGLang/vLLM map proposals through d2t, so a stale d2t proposes wrong tokens")
     rec = (ckpt.manifest.get("draft_vocab") or {}).get("hash")
     if rec and not out_of_range.numel():
-        from .vocab import vocab_hash
+        from ..vocab import vocab_hash
 
         now_hash = vocab_hash(ids)
         nums.update(recorded_hash=rec, hash_now=now_hash)
@@ -380,7 +380,7 @@ def as_samples(samples: Sequence[Any]) -> list[EvalSample]:
 def shard_samples(folders: Sequence[str | Path], num: int, heldout_pct: float,
                   max_tokens: int) -> tuple[list[EvalSample], Any]:
     """The first `num` held-out samples (by the training split) of shard folders, at most max_tokens each."""
-    from .shards import ShardSet
+    from ..data.shards import ShardSet
 
     ss = ShardSet(list(folders))
     out = []
@@ -399,8 +399,8 @@ def conversation_samples(tokenizer, source: str, num: int, max_len: int, heldout
                          scan: int = 4000) -> list[EvalSample]:
     """`num` conversations of a source, tokenized with the chat template and the assistant loss mask; when the
     draft trained on this source, only rows of its held-out split (the same `is_heldout` rule as training)."""
-    from .data import DataError, iter_source, tokenize_conversation
-    from .shards import is_heldout
+    from ..data.conversations import DataError, iter_source, tokenize_conversation
+    from ..data.shards import is_heldout
 
     if tokenizer is None:
         raise DoctorError("the target has no tokenizer: pass token-id samples (samples=...) instead of a source")
@@ -437,7 +437,7 @@ class Serving:
         self.target = target
         self.L = target.num_layers
         try:
-            from .model import TargetModel
+            from ..model import TargetModel
 
             self.fwd = TargetModel(target.model)
             self.path = "eyas.model.TargetModel (the engine's forward)"
@@ -454,7 +454,7 @@ class Serving:
         if self.fwd is not None:
             cap = self.fwd.capture(ids, want)
         else:
-            from .target import capture
+            from ..target import capture
 
             cap = capture(self.target.model, ids, want)
         parts = {k: cap.aux[0, :, i * H:(i + 1) * H] for i, k in enumerate(want)} if want else {}
@@ -525,7 +525,7 @@ BATCH_TOKENS = 8192  # padded tokens per ttt_forward batch
 
 def _batches(lengths: list[int], budget: int = BATCH_TOKENS) -> list[list[int]]:
     """Sample indices grouped by similar length so that (longest x count) stays within budget."""
-    from .datagen import length_batches
+    from ..data.datagen import length_batches
 
     return length_batches(lengths, 1 << 30, budget)
 
@@ -829,7 +829,7 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
 # ---- 3. the layout verdict ------------------------------------------------------------------------
 
 def _check_layout(rank: LayoutRanking, recorded: list[int], L: int, configured: dict[str, list[int]]) -> Check:
-    from .layout import LayoutError, to_engine_ids
+    from ..layout import LayoutError, to_engine_ids
 
     def show(x: LayoutScore | None) -> str:
         if x is None:
@@ -970,7 +970,7 @@ def _check_norms(recorded: dict[str, float], fresh: list[_Fresh], samples: list[
 def _check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, streams: dict[int, torch.Tensor],
                        L: int) -> Check:
     """Which stream each stored slice of `sample` holds: relative error against every fresh stream 0..L."""
-    from .layout import LayoutError, check_layouts
+    from ..layout import LayoutError, check_layouts
 
     lines = []
     problems = []
@@ -1193,7 +1193,7 @@ def _training_data(man: dict[str, Any]) -> dict[str, Any]:
 def _recorded_length(man: dict[str, Any], shard_set) -> float | None:
     """Mean sample length of the data the norms were recorded on: the shard manifests' counts (--data, or
     the training data folders the draft manifest names, when they exist here)."""
-    from .shards import ShardError, load_manifest
+    from ..data.shards import ShardError, load_manifest
 
     mans = list(shard_set.manifests) if shard_set is not None else []
     if not mans:
@@ -1312,8 +1312,8 @@ def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_n
     """Run one prompt through eyas.engine.Engine and record, per round, the shape and mean norm of every
     captured stream index, their concatenation, fc, the draft layer, the draft logits (top tokens) and
     the tokens accepted."""
-    from .engine import Engine, SamplingParams, SpecParams
-    from .layout import engine_ids_table
+    from ..engine import Engine, SamplingParams, SpecParams
+    from ..layout import engine_ids_table
 
     eng = Engine(target, ckpt, spec or SpecParams())
     d, tm, tok = eng.draft, eng.model, target.tokenizer

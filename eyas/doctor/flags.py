@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .layout import LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
+from ..layout import LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
 
 STATUSES = ("pass", "warn", "fail", "skip")
 

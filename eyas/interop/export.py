@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import __version__
-from .draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, atomic_folder, load_draft, save_draft
+from .. import __version__
+from ..draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, atomic_folder, load_draft, save_draft
+from ..layout import Layout, LayoutError, engine_ids_table, from_engine_ids, to_engine_ids
 from .formats import (
     EXPORT_FORMATS,
     ID_CONVENTIONS,
@@ -46,7 +47,6 @@ from .formats import (
     to_format_names,
     vllm_config,
 )
-from .layout import Layout, LayoutError, engine_ids_table, from_engine_ids, to_engine_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "model.safetensors"
@@ -124,7 +124,7 @@ def launch_command(fmt: str, target: str, draft_dir: str, p: LaunchParams) -> st
 def serving_target(spec: str) -> str:
     """What an engine's --model-path should be for an eyas target spec. A bundled GGUF name is not something
     SGLang or vLLM can load; its dequantized HF folder (the exact weights the draft was trained on) is."""
-    from .target import BUNDLED, TargetError, bundled_gguf, cache_dir, file_fingerprint
+    from ..target import BUNDLED, TargetError, bundled_gguf, cache_dir, file_fingerprint
 
     if spec not in BUNDLED:
         return spec
@@ -247,7 +247,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
 def recorded_target(ckpt: DraftCheckpoint) -> str | None:
     """The target spec a draft was made with: datagen/import write target_source, the trainer target.source;
     else the layout's target name when it is a bundled target (its name is its spec)."""
-    from .target import BUNDLED
+    from ..target import BUNDLED
 
     m = ckpt.manifest
     t = m.get("target") if isinstance(m.get("target"), dict) else {}
@@ -258,8 +258,8 @@ def recorded_target(ckpt: DraftCheckpoint) -> str | None:
 def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
     """The token embeddings [V, H] of the draft's target (`spec`, default the draft's recorded target),
     after checking that this target is the one the draft was trained for (fingerprint included)."""
-    from .draft import check_draft_for_target
-    from .target import load_target
+    from ..draft import check_draft_for_target
+    from ..target import load_target
 
     spec = spec or recorded_target(ckpt)
     if not spec:
@@ -353,7 +353,7 @@ def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]] |
     tensors to measure on; None = a few chat conversations through the target's tokenizer.
     Adds `confident`: whether the best candidate beats the runner-up clearly enough to decide on."""
     try:
-        from .doctor import infer_layout, layout_candidates
+        from ..doctor.checks import infer_layout, layout_candidates
     except ImportError:
         return None
     try:

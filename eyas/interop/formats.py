@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from .draft import DraftConfig
-from .layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
+from ..draft import DraftConfig
+from ..layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
 
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
 IMPORT_FORMATS = ("auto", "sglang", "specforge", "vllm", "speculators", "eagle")

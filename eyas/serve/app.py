@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..engine import EngineError, SamplingParams, chat_input_ids
 from . import openai_schema as oai
-from .engine import EngineError, SamplingParams, chat_input_ids
 from .openai_schema import APIError, GenRequest
 
 log = logging.getLogger("eyas.server")
@@ -697,10 +697,10 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
                  depth: int | None = None, topk: int | None = None, tokens: int | None = None,
                  dtype: str = "fp32", device: str = "cpu", lookup: int | None = None):
     """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
-    from .bench import resolve_draft
-    from .draft import bundled_draft_path
-    from .engine import Engine, SpecParams
-    from .target import load_target
+    from ..bench.run import resolve_draft
+    from ..draft import bundled_draft_path
+    from ..engine import Engine, SpecParams
+    from ..target import load_target
 
     method = resolve_method(method, draft)
     spec_kw = {k: v for k, v in dict(steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup).items()

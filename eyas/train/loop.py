@@ -29,12 +29,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .draft import MANIFEST as DRAFT_MANIFEST
-from .draft import DraftConfig, Eagle3Draft, save_draft
-from .layout import Layout, check_layouts
-from .shards import ShardSet, is_heldout
+from ..data.shards import ShardSet, is_heldout
+from ..draft import MANIFEST as DRAFT_MANIFEST
+from ..draft import DraftConfig, Eagle3Draft, save_draft
+from ..layout import Layout, check_layouts
+from ..vocab import DraftVocab, count_tokens, end_token_ids, select_draft_vocab
 from .ttt import STEP_DECAY, TTTOutput, step_counts, target_labels, ttt_forward
-from .vocab import DraftVocab, count_tokens, end_token_ids, select_draft_vocab
 
 STATE_FILE = "trainer_state.json"
 OPT_FILE = "optimizer.safetensors"
@@ -112,7 +112,7 @@ class Dist:
 def init_dist(device: str) -> tuple[Dist, torch.device]:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on CUDA (one GPU per local rank)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from .target import resolve_device
+    from ..target import resolve_device
 
     dev = resolve_device(device)
     if world <= 1:
@@ -238,8 +238,8 @@ class OnlineSource:
 
     def __init__(self, target, source: str, num: int | None, max_len: int, heldout_pct: float,
                  aux_indices: list[int] | None):
-        from .data import load_conversations, tokenize_conversation  # another module; imported when used
-        from .target import stream_norms
+        from ..data.conversations import load_conversations, tokenize_conversation  # another module; imported when used
+        from ..target import stream_norms
 
         self.target = target
         convs, skipped = load_conversations(source, num)
@@ -277,7 +277,7 @@ class OnlineSource:
         return [(-1, 0)]
 
     def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
-        from .target import capture
+        from ..target import capture
 
         ids = [self.tokens[it.key][0][:max_len] for it in items]
         mask = [self.tokens[it.key][1][:max_len] for it in items]
@@ -369,7 +369,7 @@ def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor,
     refused when its layout or shape does not fit these shards and options. fresh (--refresh-vocab): the
     vocabulary chosen from this data instead; lm_head rows of tokens in both are kept, rows of new tokens start
     at the mean of the old rows (an average logit), rows of dropped tokens go."""
-    from .draft import DraftError, load_draft
+    from ..draft import DraftError, load_draft
 
     try:
         ck = load_draft(cfg.init_from)
@@ -668,7 +668,7 @@ def _check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab,
 
 
 def _load_target(cfg: TrainConfig, source_desc: dict[str, Any] | None):
-    from .target import load_target
+    from ..target import load_target
 
     spec = cfg.target or (source_desc or {}).get("target_source")
     if not spec:
