@@ -20,7 +20,8 @@ import time
 import torch
 
 from eyas.bench.prompts import load_mtbench
-from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids, resolve_draft
+from eyas.draft import resolve_draft
+from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
 from eyas.target import load_target
 
 

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import EyasError
 from .target import Capture, decoder_parts
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class ModelError(ValueError):
+class ModelError(EyasError):
     pass
 
 

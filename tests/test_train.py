@@ -11,11 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, atomic_write_json, write_shard
+from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, write_shard
 from eyas.draft import load_draft
+from eyas.files import atomic_write_json
 from eyas.layout import LayoutError
 from eyas.target import capture, load_target, stream_norms
-from eyas.train.loop import Item, TrainConfig, TrainError, lr_at, plan_epoch, train
+from eyas.train.config import TrainConfig, TrainError
+from eyas.train.loop import lr_at, train
+from eyas.train.sources import Item, plan_epoch
 from eyas.vocab import VocabError, count_tokens, select_draft_vocab, vocab_hash
 from tests.tiny import tiny_model
 

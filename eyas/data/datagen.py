@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from ..errors import EyasError
+from ..files import atomic_write_json
 from ..layout import Layout, LayoutError, check_layouts
-from ..target import Target, capture, file_fingerprint, load_target, parse_dtype
+from ..target import Target, capture, end_token_ids, file_fingerprint, load_target, parse_dtype
 from .conversations import (
     Conversation,
     DataError,
@@ -33,12 +35,12 @@ from .conversations import (
     resolve_source,
     tokenize_conversation_checked,
 )
-from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, atomic_write_json, load_manifest, write_shard
+from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
 
 SHARD_GLOB = "shard-*.safetensors"
 
 
-class DatagenError(ValueError):
+class DatagenError(EyasError):
     """Bad options, a refused rerun or a numeric problem; the message says what was expected and the fix."""
 
 
@@ -133,15 +135,12 @@ def length_batches(lengths: list[int], max_batch: int, token_budget: int) -> lis
 # ---- regeneration ------------------------------------------------------------------------------------
 
 def stop_token_ids(target: Target) -> list[int]:
-    ids: set[int] = set()
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    if target.tokenizer.eos_token_id is not None:
-        ids.add(int(target.tokenizer.eos_token_id))
+    """Where a regenerated reply ends: the target's end-of-turn tokens (eyas.target.end_token_ids)."""
+    ids = end_token_ids(target.tokenizer, target.model)
     if not ids:
         raise DatagenError("the target has no end-of-turn token (no eos_token_id in its generation config or "
                            "tokenizer); regeneration could never stop: use --no-regenerate or fix the config")
-    return sorted(ids)
+    return ids
 
 
 def _loop_criteria(n: int, prompt_len: int):

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..draft import DraftCheckpoint, Eagle3Draft
+from ..errors import EyasError
 from ..layout import default_aux_indices, layout_diff
 from ..train.ttt import step_valid, target_labels, ttt_forward
 from .flags import Check, engine_views, jsonable, render_checks, render_fixes
@@ -65,7 +66,7 @@ IID_SPREAD = 1.5  # row/column norm spread within 1.5x of i.i.d. sampling noise 
 FINAL_ONLY = "final state only"
 
 
-class DoctorError(ValueError):
+class DoctorError(EyasError):
     """Bad input to the doctor (unreadable data, no samples); the message says what to pass."""
 
 

@@ -15,12 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import EyasError
 from ..layout import LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
 
 STATUSES = ("pass", "warn", "fail", "skip")
 
 
-class FlagsError(ValueError):
+class FlagsError(EyasError):
     """The command or the draft folder cannot be read; the message says what was expected."""
 
 

@@ -26,7 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import __version__
-from ..draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, atomic_folder, load_draft, save_draft
+from ..draft import MANIFEST, DraftCheckpoint, DraftError, Eagle3Draft, load_draft, save_draft
+from ..errors import EyasError
+from ..files import atomic_folder
 from ..layout import Layout, LayoutError, engine_ids_table, from_engine_ids, to_engine_ids
 from .formats import (
     EXPORT_FORMATS,
@@ -52,7 +54,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "model.safetensors"
 
 
-class ExportError(ValueError):
+class ExportError(EyasError):
     """Bad export/import input; the message says what was expected, what was found and the fix."""
 
 

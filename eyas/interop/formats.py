@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from ..draft import DraftConfig
+from ..errors import EyasError
 from ..layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
 
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
@@ -65,7 +66,7 @@ SPECULATORS_SCHEMA_VERSION = "0.9.0"  # the speculators release whose config sch
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-class FormatError(ValueError):
+class FormatError(EyasError):
     """A foreign checkpoint that eyas cannot read faithfully; the message says what and why."""
 
 

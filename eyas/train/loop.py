@@ -15,330 +15,40 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..data.shards import ShardSet, is_heldout
 from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import DraftConfig, Eagle3Draft, save_draft
-from ..layout import Layout, check_layouts
-from ..vocab import DraftVocab, count_tokens, end_token_ids, select_draft_vocab
+from ..files import atomic_write
+from ..layout import check_layouts
+from ..target import end_token_ids
+from ..vocab import DraftVocab, count_tokens, select_draft_vocab
+from .checkpoint import (
+    check_resume,
+    checkpoint_dir,
+    load_optimizer,
+    save_checkpoint,
+    set_rng,
+    truncate_jsonl,
+    warm_start,
+)
+from .config import OPT_FILE, RNG_FILE, Dist, TrainConfig, TrainError, init_dist
+from .sources import Item, OnlineSource, ShardSource, feature_norm, plan_epoch
 from .ttt import STEP_DECAY, TTTOutput, step_counts, target_labels, ttt_forward
 
-STATE_FILE = "trainer_state.json"
-OPT_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
 KILL_ENV = "EYAS_TRAIN_KILL_AT_STEP"  # tests: SIGKILL this process right after the given step
 
 
-class TrainError(ValueError):
-    pass
-
-
-@dataclass
-class TrainConfig:
-    data: list[str]
-    out: str
-    target: str | None = None  # default: the shards manifest's target_source
-    online: bool = False
-    num_samples: int | None = None  # online: conversations to read
-    aux_indices: list[int] | None = None  # online: stream indices (default EAGLE-3)
-    draft_vocab: int = 8192
-    ttt_steps: int = 7
-    epochs: float = 1.0
-    max_steps: int | None = None
-    lr: float = 1e-4
-    warmup_ratio: float = 0.05
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    batch_tokens: int = 4096
-    max_len: int = 2048
-    bf16: bool = False
-    seed: int = 0
-    eval_every: int = 200
-    save_every: int = 500
-    heldout_pct: float = 5.0
-    eval_samples: int = 256
-    intermediate_size: int | None = None
-    fc_init: str = "scaled"  # scaled | default (see init_draft)
-    init_from: str | None = None  # warm start from this eyas draft (its weights and its draft vocabulary)
-    refresh_vocab: bool = False  # with init_from: re-choose the draft vocab from this data (shared rows kept)
-    device: str = "cpu"
-    target_dtype: str = "fp32"  # online capture dtype
-    resume: bool = False
-    buffer_mb: int = 2048  # shard bytes held in memory at once (shuffling window)
-    quiet: bool = False
-    threads: int = 0  # torch CPU threads (0 = torch's default); on a busy CPU 1 can be several times faster
-
-    # fields whose change breaks "resume gives the same run"
-    TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
-                  "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
-                  "online", "num_samples", "aux_indices", "buffer_mb", "init_from", "refresh_vocab")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# ---- distributed --------------------------------------------------------------------------------
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-
-def init_dist(device: str) -> tuple[Dist, torch.device]:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on CUDA (one GPU per local rank)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    from ..target import resolve_device
-
-    dev = resolve_device(device)
-    if world <= 1:
-        return Dist(), dev
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if dev.type == "cuda":
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return Dist(rank=rank, world=world, local_rank=local), dev
-
-
-# ---- data -----------------------------------------------------------------------------------------
-
-@dataclass
-class Item:
-    key: tuple[int, int]  # (shard index, sample index) or (-1, conversation index)
-    length: int
-    row_id: int
-
-
-@dataclass
-class Batch:
-    aux: torch.Tensor  # [B, S, nA*H]
-    final: torch.Tensor  # [B, S, H]
-    input_ids: torch.Tensor  # [B, S]
-    loss_mask: torch.Tensor  # [B, S] bool
-    tokens: int  # real (unpadded) tokens
-
-
-def _pad_stack(seqs: list[torch.Tensor], S: int, value=0) -> torch.Tensor:
-    out = seqs[0].new_full((len(seqs), S, *seqs[0].shape[1:]), value)
-    for i, s in enumerate(seqs):
-        out[i, :s.shape[0]] = s
-    return out
-
-
-def has_rows(loss_mask: torch.Tensor, max_len: int) -> bool:
-    """A sample trains only if some row has a label: TTT step 0 row t needs loss_mask[t+2] within max_len.
-    Samples without (e.g. the reply starts past --max-len) would make all-padding steps that still move
-    AdamW's weights through its momentum, so they are skipped and counted."""
-    return bool(loss_mask[2:max_len].any())
-
-
-class ShardSource:
-    """Captured shards. Token ids and masks are indexed up front (small); aux/final are read per shard
-    on demand and held up to `buffer_mb` (the planner keeps each shuffling window inside that budget)."""
-
-    def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30):
-        self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
-        self.layout = self.set.layout
-        self.paths = self.set.shard_paths()
-        self.bytes = [p.stat().st_size for p in self.paths]
-        self.buffer = buffer_mb << 20
-        self.tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.train: list[Item] = []
-        self.heldout: list[Item] = []
-        self.skipped: dict[str, int] = {}
-        for si, p in enumerate(self.paths):
-            with safe_open(str(p), framework="pt") as f:
-                off = f.get_tensor("offsets").tolist()
-                rows = f.get_tensor("row_ids").tolist()
-                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
-            for i, row in enumerate(rows):
-                a, b = off[i], off[i + 1]
-                if not has_rows(mask[a:b], max_len):
-                    self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
-                    continue
-                self.tokens[(si, i)] = (ids[a:b], mask[a:b])
-                it = Item(key=(si, i), length=b - a, row_id=int(row))
-                (self.heldout if is_heldout(int(row), heldout_pct) else self.train).append(it)
-        self._cache: dict[int, dict[str, torch.Tensor]] = {}
-        self._cache_order: list[int] = []
-
-    def hash(self) -> str:
-        return self.set.hash()
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "shards", "folders": [str(f) for f in self.set.folders], "hash": self.hash(),
-                "skipped": self.skipped,
-                "target_source": self.set.manifests[0].get("target_source"),
-                "config": self.set.manifests[0].get("config")}
-
-    def groups(self) -> list[tuple[int, int]]:
-        """(group id, bytes) per shard: the planner shuffles whole shards, then samples within windows."""
-        return list(enumerate(self.bytes))
-
-    def _shard(self, si: int) -> dict[str, torch.Tensor]:
-        if si not in self._cache:
-            while self._cache_order and sum(self.bytes[s] for s in self._cache_order) + self.bytes[si] > self.buffer:
-                del self._cache[self._cache_order.pop(0)]
-            with safe_open(str(self.paths[si]), framework="pt") as f:
-                self._cache[si] = {k: f.get_tensor(k) for k in ("aux", "final", "offsets")}
-            self._cache_order.append(si)
-        return self._cache[si]
-
-    def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
-        aux, final, ids, mask = [], [], [], []
-        for it in items:
-            si, i = it.key
-            sh = self._shard(si)
-            a = int(sh["offsets"][i])
-            n = min(it.length, max_len)
-            aux.append(sh["aux"][a:a + n])
-            final.append(sh["final"][a:a + n])
-            t_ids, t_mask = self.tokens[it.key]
-            ids.append(t_ids[:n])
-            mask.append(t_mask[:n])
-        S = max(x.shape[0] for x in ids)
-        return Batch(aux=_pad_stack(aux, S).to(device=device, dtype=torch.float32),
-                     final=_pad_stack(final, S).to(device=device, dtype=torch.float32),
-                     input_ids=_pad_stack(ids, S).to(device), loss_mask=_pad_stack(mask, S, False).to(device),
-                     tokens=sum(x.shape[0] for x in ids))
-
-    def token_pairs(self, items: list[Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for it in items:
-            yield self.tokens[it.key]
-
-
-class OnlineSource:
-    """Conversations tokenized up front; features captured from the target per batch (no shards)."""
-
-    def __init__(self, target, source: str, num: int | None, max_len: int, heldout_pct: float,
-                 aux_indices: list[int] | None):
-        from ..data.conversations import load_conversations, tokenize_conversation  # another module; imported when used
-        from ..target import stream_norms
-
-        self.target = target
-        convs, skipped = load_conversations(source, num)
-        self.skipped = dict(skipped)
-        self.tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.train: list[Item] = []
-        self.heldout: list[Item] = []
-        import hashlib
-
-        h = hashlib.sha256()
-        for i, conv in enumerate(convs):
-            ids, mask = tokenize_conversation(target.tokenizer, conv.messages, max_len)
-            if not has_rows(mask, max_len):
-                self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
-                continue
-            self.tokens[(-1, i)] = (ids.long(), mask.bool())
-            h.update(ids.to(torch.int64).numpy().tobytes() + mask.to(torch.uint8).numpy().tobytes())
-            it = Item(key=(-1, i), length=ids.numel(), row_id=int(conv.row_id))
-            (self.heldout if is_heldout(int(conv.row_id), heldout_pct) else self.train).append(it)
-        self._hash = "sha256:" + h.hexdigest()[:24]
-        self.source = source
-        layout = target.default_layout(aux_indices)
-        sample = [self.tokens[it.key][0][None, :256].to(target.device) for it in self.train[:8]]
-        layout.norms = stream_norms(target.model, sample, layout.aux_indices) if sample else {}
-        self.layout = layout
-
-    def hash(self) -> str:
-        return self._hash
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "online", "source": self.source, "hash": self._hash, "skipped": self.skipped,
-                "target_source": self.target.source}
-
-    def groups(self) -> list[tuple[int, int]]:
-        return [(-1, 0)]
-
-    def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
-        from ..target import capture
-
-        ids = [self.tokens[it.key][0][:max_len] for it in items]
-        mask = [self.tokens[it.key][1][:max_len] for it in items]
-        S = max(x.shape[0] for x in ids)
-        input_ids = _pad_stack(ids, S).to(self.target.device)
-        attn = _pad_stack([torch.ones_like(x) for x in ids], S).to(self.target.device)
-        cap = capture(self.target.model, input_ids, self.layout, attention_mask=attn)  # right padding: causal rows
-        return Batch(aux=cap.aux.to(device=device, dtype=torch.float32),
-                     final=cap.final_prenorm.to(device=device, dtype=torch.float32),
-                     input_ids=input_ids.to(device), loss_mask=_pad_stack(mask, S, False).to(device),
-                     tokens=sum(x.shape[0] for x in ids))
-
-    def token_pairs(self, items: list[Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for it in items:
-            yield self.tokens[it.key]
-
-
-def plan_epoch(items: list[Item], groups: list[tuple[int, int]], seed: int, epoch: int, batch_tokens: int,
-               max_len: int, buffer_bytes: int, pool: int = 64) -> list[list[int]]:
-    """Deterministic global batches (lists of indices into `items`) for one epoch.
-    Shuffle groups (shards), merge them into windows of <= buffer_bytes, shuffle samples in a window,
-    sort pools of `pool` samples by length (less padding), fill batches up to batch_tokens padded tokens,
-    shuffle batch order within the window. Same (seed, epoch) -> same plan on every rank and every resume."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    by_group: dict[int, list[int]] = {}
-    for i, it in enumerate(items):
-        by_group.setdefault(it.key[0] if groups[0][0] != -1 else -1, []).append(i)
-    order = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
-    windows: list[list[int]] = []
-    cur: list[int] = []
-    cur_bytes = 0
-    for gid, nbytes in order:
-        if cur and cur_bytes + nbytes > buffer_bytes:
-            windows.append(cur)
-            cur, cur_bytes = [], 0
-        cur.extend(by_group.get(gid, []))
-        cur_bytes += nbytes
-    if cur:
-        windows.append(cur)
-    plan: list[list[int]] = []
-    for win in windows:
-        perm = [win[i] for i in torch.randperm(len(win), generator=g).tolist()]
-        batches: list[list[int]] = []
-        for a in range(0, len(perm), pool):
-            chunk = sorted(perm[a:a + pool], key=lambda i: (-min(items[i].length, max_len), i))
-            cur_b: list[int] = []
-            longest = 0
-            for i in chunk:
-                n = min(items[i].length, max_len)
-                if cur_b and (len(cur_b) + 1) * max(longest, n) > batch_tokens:
-                    batches.append(cur_b)
-                    cur_b, longest = [], 0
-                cur_b.append(i)
-                longest = max(longest, n)
-            if cur_b:
-                batches.append(cur_b)
-        plan.extend(batches[i] for i in torch.randperm(len(batches), generator=g).tolist())
-    return plan
-
-
-# ---- model, schedule, checkpoint -------------------------------------------------------------------
+# ---- model, schedule -------------------------------------------------------------------
 
 def init_draft(cfg: DraftConfig, vocab: DraftVocab, embed_weight: torch.Tensor, seed: int, fc_init: str,
                feat_norm: float | None = None) -> Eagle3Draft:
@@ -363,72 +73,6 @@ def init_draft(cfg: DraftConfig, vocab: DraftVocab, embed_weight: torch.Tensor, 
     return draft
 
 
-def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor,
-               fresh: DraftVocab | None = None) -> tuple[Eagle3Draft, DraftVocab]:
-    """--init-from: the draft's fp32 weights and its draft vocabulary (so more data continues the same head);
-    refused when its layout or shape does not fit these shards and options. fresh (--refresh-vocab): the
-    vocabulary chosen from this data instead; lm_head rows of tokens in both are kept, rows of new tokens start
-    at the mean of the old rows (an average logit), rows of dropped tokens go."""
-    from ..draft import DraftError, load_draft
-
-    try:
-        ck = load_draft(cfg.init_from)
-    except DraftError as e:
-        raise TrainError(f"--init-from {cfg.init_from}: {e}") from e
-    check_layouts(ck.layout, layout, f"the --init-from draft {cfg.init_from}", "the training data")
-    d = ck.model
-    if cfg.intermediate_size is not None and cfg.intermediate_size != d.config.intermediate_size:
-        raise TrainError(f"--intermediate-size {cfg.intermediate_size} but the --init-from draft has "
-                         f"{d.config.intermediate_size}; drop the flag or start from scratch")
-    ids = d.target_token_ids().long().cpu()
-    if fresh is not None:
-        return _refresh_vocab(d, ids, fresh), fresh
-    if cfg.draft_vocab != ids.numel():
-        raise TrainError(f"--draft-vocab {cfg.draft_vocab} but the --init-from draft's vocabulary has {ids.numel()} "
-                         f"tokens (a warm start keeps it); pass --draft-vocab {ids.numel()} or --refresh-vocab")
-    old = ck.manifest.get("draft_vocab", {})
-    vocab = DraftVocab(ids=ids, target_vocab_size=counts.numel(),
-                       coverage=float(counts[ids].sum() / counts.sum().clamp_min(1)),
-                       counted_tokens=int(counts.sum()), always=list(old.get("always_included", [])),
-                       source_hash=old.get("source_dataset_hash", ""), requested_size=ids.numel())
-    d.requires_grad_(True)
-    return d.float().train(), vocab
-
-
-def _refresh_vocab(d: Eagle3Draft, old_ids: torch.Tensor, fresh: DraftVocab) -> Eagle3Draft:
-    from dataclasses import replace
-
-    new = Eagle3Draft(replace(d.config, draft_vocab_size=fresh.size))
-    state = {k: v for k, v in d.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
-    missing, unexpected = new.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight", "d2t", "t2d"}:
-        raise TrainError(f"--refresh-vocab: cannot carry the draft's weights over (missing {missing}, "
-                         f"unexpected {unexpected})")
-    W = d.lm_head.weight.detach().float()  # [Vd_old, H]
-    row = {int(t): i for i, t in enumerate(old_ids.tolist())}
-    Wn = W.mean(0, keepdim=True).repeat(fresh.size, 1)  # [Vd_new, H]
-    keep = [(j, row[int(t)]) for j, t in enumerate(fresh.ids.tolist()) if int(t) in row]
-    if keep:
-        dst, src = (torch.tensor(x) for x in zip(*keep, strict=True))
-        Wn[dst] = W[src]
-    with torch.no_grad():
-        new.lm_head.weight.copy_(Wn)
-    new.set_vocab_map(fresh.ids)
-    new.requires_grad_(True)
-    return new.float().train()
-
-
-@torch.no_grad()
-def feature_norm(source, items: list[Item], max_len: int) -> float:
-    """RMS over real tokens of |cat(aux)| on the first (up to) 16 samples: what fc's input scale is."""
-    b = source.batch(items[:16], torch.device("cpu"), max_len)
-    valid = torch.zeros(b.input_ids.shape, dtype=torch.bool)
-    for i, it in enumerate(items[:16]):
-        valid[i, :min(it.length, max_len)] = True
-    sq = b.aux.cpu().float().pow(2).sum(-1)[valid]
-    return float(sq.mean().sqrt())
-
-
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     """Linear warmup then cosine to min_lr_ratio * lr; `step` counts from 0."""
     warm = max(1, round(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
@@ -436,88 +80,6 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / warm
     prog = (step - warm) / max(1, total - warm)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0))))
-
-
-def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-    """Optimizer tensors -> safetensors; hyper-parameters -> returned JSON-able dict. Never pickle."""
-    sd = opt.state_dict()
-    tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, st in sd["state"].items()
-               for k, v in st.items() if torch.is_tensor(v)}
-    save_file(tensors or {"empty": torch.zeros(0)}, str(path))
-    return {"param_groups": sd["param_groups"]}
-
-
-def load_optimizer(opt: torch.optim.Optimizer, path: Path, meta: dict[str, Any]) -> None:
-    t = load_file(str(path))
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in t.items():
-        if k == "empty":
-            continue
-        _, i, name = k.split(".", 2)
-        state.setdefault(int(i), {})[name] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-def rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"cuda.{i}"] = s
-    return out
-
-
-def set_rng(t: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(t["torch"])
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            if f"cuda.{i}" in t:
-                torch.cuda.set_rng_state(t[f"cuda.{i}"], i)
-
-
-def _ckpt_dir(out: Path) -> Path | None:
-    """The committed checkpoint; recovers from a kill between the two renames of a save."""
-    ck, new, old = out / "checkpoint", out / "checkpoint.new", out / "checkpoint.old"
-    if (ck / STATE_FILE).exists():
-        return ck
-    if (new / STATE_FILE).exists():
-        return new
-    if (old / STATE_FILE).exists():
-        return old
-    return None
-
-
-def save_checkpoint(out: Path, draft: Eagle3Draft, layout: Layout, extra: dict[str, Any],
-                    opt: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
-    """Draft + optimizer + RNG + cursor in one folder, swapped in atomically (trainer_state.json last)."""
-    new, ck, old = out / "checkpoint.new", out / "checkpoint", out / "checkpoint.old"
-    save_draft(new, draft, layout, extra=extra)
-    state = dict(state, optimizer=save_optimizer(opt, new / OPT_FILE))
-    save_file(rng_tensors(), str(new / RNG_FILE))
-    tmp = new / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2, default=str))
-    os.replace(tmp, new / STATE_FILE)
-    if old.exists():
-        shutil.rmtree(old)
-    if ck.exists():
-        os.replace(ck, old)
-    os.replace(new, ck)
-    if old.exists():
-        shutil.rmtree(old)
-    return ck
-
-
-def _truncate_jsonl(path: Path, step: int) -> None:
-    """Drop lines logged after `step` (they belong to the killed tail of the run)."""
-    if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in keep))
-    os.replace(tmp, path)
 
 
 # ---- eval + rendering -----------------------------------------------------------------------------
@@ -583,10 +145,8 @@ def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
     a2.set_ylim(0, 1)
     a2.legend(fontsize=7)
     fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    os.replace(tmp, png)
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -640,31 +200,6 @@ class TrainResult:
     tokens_per_s: float = 0.0
     vocab: DraftVocab | None = None
     draft: Eagle3Draft | None = None
-
-
-def _check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab, data_hash: str) -> dict[str, Any]:
-    """Refuse a checkpoint made for other data/target/vocab or with another trajectory; name each field."""
-    man = json.loads((ck / DRAFT_MANIFEST).read_text())
-    state = json.loads((ck / STATE_FILE).read_text())
-    check_layouts(Layout.from_dict(man["layout"]), layout, f"the checkpoint {ck}", "the training data")
-    problems = []
-    dv = man.get("draft_vocab", {})
-    if dv.get("hash") != vocab.hash:
-        problems.append(f"draft vocab: the checkpoint has {dv.get('hash')} (size {dv.get('size')}, counted on "
-                        f"data {dv.get('source_dataset_hash')}), the data gives {vocab.hash} (size {vocab.size}, "
-                        f"data {vocab.source_hash})")
-    if man.get("data", {}).get("hash") != data_hash:
-        problems.append(f"data hash: the checkpoint was trained on {man.get('data', {}).get('hash')}, "
-                        f"--data is {data_hash}")
-    old = state.get("config", {})
-    for name in TrainConfig.TRAJECTORY:
-        a, b = old.get(name), getattr(cfg, name)
-        if a != b and not (isinstance(a, list) and b is not None and list(b) == a):
-            problems.append(f"--{name.replace('_', '-')}: the checkpoint used {a!r}, this run {b!r}")
-    if problems:
-        raise TrainError(f"refusing to resume from {ck}:\n  - " + "\n  - ".join(problems) +
-                         "\n  fix: resume with the original data and options, or train into a new --out")
-    return state
 
 
 def _load_target(cfg: TrainConfig, source_desc: dict[str, Any] | None):
@@ -728,16 +263,17 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
     fnorm = feature_norm(source, source.train, cfg.max_len) if cfg.fc_init == "scaled" else None
     if cfg.refresh_vocab and not cfg.init_from:
         raise TrainError("--refresh-vocab re-chooses a warm-started draft's vocabulary: pass --init-from DRAFT too")
+    ends = end_token_ids(target.tokenizer, target.model)  # always in the draft vocab
     if cfg.init_from:
         fresh = None
         if cfg.refresh_vocab:
-            fresh = select_draft_vocab(counts, min(cfg.draft_vocab, V), end_token_ids(target.tokenizer), data_hash)
+            fresh = select_draft_vocab(counts, min(cfg.draft_vocab, V), ends, data_hash)
             fresh.requested_size = cfg.draft_vocab
         draft, vocab = warm_start(cfg, layout, counts, fresh)
         dcfg = draft.config
         draft = draft.to(device)
     else:
-        vocab = select_draft_vocab(counts, min(cfg.draft_vocab, V), end_token_ids(target.tokenizer), data_hash)
+        vocab = select_draft_vocab(counts, min(cfg.draft_vocab, V), ends, data_hash)
         vocab.requested_size = cfg.draft_vocab
         dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux,
                                               intermediate_size=cfg.intermediate_size)
@@ -763,12 +299,12 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
     # resume
     step, epoch, bi, tokens_seen, train_time = 0, 0, 0, 0, 0.0
     resumed_metrics = None
-    ck = _ckpt_dir(out)
+    ck = checkpoint_dir(out)
     if ck is not None and not cfg.resume:
         raise TrainError(f"{out} already holds a training checkpoint ({ck}); pass --resume to continue it or "
                          "choose another --out")
     if cfg.resume and ck is not None:
-        state = _check_resume(ck, cfg, layout, vocab, data_hash)
+        state = check_resume(ck, cfg, layout, vocab, data_hash)
         sd = load_file(str(ck / "model.safetensors"))
         draft.load_state_dict({k: v.to(device) for k, v in sd.items()})
         load_optimizer(opt, ck / OPT_FILE, state["optimizer"])
@@ -777,14 +313,14 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
         tokens_seen, train_time = state["tokens_seen"], state["train_time_s"]
         resumed_metrics = json.loads((ck / DRAFT_MANIFEST).read_text()).get("metrics")
         if dd.main:
-            _truncate_jsonl(out / "train_log.jsonl", step)
-            _truncate_jsonl(out / "metrics.jsonl", step)
+            truncate_jsonl(out / "train_log.jsonl", step)
+            truncate_jsonl(out / "metrics.jsonl", step)
     else:
         if cfg.resume and dd.main and not cfg.quiet:
             print(f"--resume: no checkpoint in {out}; starting a new run")
         if dd.main:  # logs of a run killed before its first checkpoint belong to no checkpoint
-            _truncate_jsonl(out / "train_log.jsonl", 0)
-            _truncate_jsonl(out / "metrics.jsonl", 0)
+            truncate_jsonl(out / "train_log.jsonl", 0)
+            truncate_jsonl(out / "metrics.jsonl", 0)
     if dd.main:
         out.mkdir(parents=True, exist_ok=True)
         run = {"config": cfg.to_dict(), "command": sys.argv, "world_size": dd.world, "data": source.describe(),
@@ -913,11 +449,3 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
                 con.print(metrics_table(last_eval, "final held-out metrics"))
     return TrainResult(out=out, step=step, losses=losses, final_metrics=last_eval,
                        tokens_per_s=tokens_seen / max(train_time, 1e-9), vocab=vocab, draft=draft)
-
-
-def config_from_kwargs(**kw) -> TrainConfig:
-    names = {f.name for f in fields(TrainConfig)}
-    unknown = set(kw) - names
-    if unknown:
-        raise TrainError(f"unknown training options {sorted(unknown)}")
-    return TrainConfig(**kw)
