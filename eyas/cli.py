@@ -310,12 +310,13 @@ def import_(
     """Import a foreign EAGLE-3 draft: ids translated into stream indices, shapes checked against the target."""
     import sys
 
-    from .interop.export import check_import_options, import_draft, parse_ids
+    from .interop.importer import check_import_options, import_draft
     from .target import load_target
+    from .text import parse_int_list
 
     with user_errors():
-        idx = parse_ids(aux_indices, "--aux-indices")
-        ids = parse_ids(aux_ids, "--aux-ids")
+        idx = parse_int_list(aux_indices, "--aux-indices")
+        ids = parse_int_list(aux_ids, "--aux-ids")
         check_import_options(fmt, idx, ids, ids_convention)  # before the target loads
         tgt = load_target(target, dtype=dtype, device=device)
         res = import_draft(src, tgt, out, fmt=fmt, allow_pickle=allow_pickle, aux_indices=idx, aux_ids=ids,
@@ -388,7 +389,8 @@ def doctor_flags(
                                         "or a --speculative-config JSON"),
 ) -> None:
     """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
-    from .doctor.flags import jsonable, lint_serve_command, render_lint
+    from .doctor.flags import lint_serve_command, render_lint
+    from .doctor.report import jsonable
 
     with user_errors():
         lint = lint_serve_command(list(command or []), draft, num_layers)
@@ -412,7 +414,7 @@ def doctor_trace(
     device: str = DeviceOpt,
 ) -> None:
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
-    from .doctor.checks import render_trace, trace
+    from .doctor.trace import render_trace, trace
     from .draft import load_draft
     from .engine import SpecParams, chat_input_ids
     from .target import load_target

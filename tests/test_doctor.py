@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.data.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
-from eyas.doctor.checks import LayoutRanking, infer_layout, layout_candidates, run_doctor
+from eyas.doctor.checks import run_doctor
+from eyas.doctor.inference import LayoutRanking, infer_layout, layout_candidates
 from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
 from eyas.layout import Layout
 from eyas.model import TargetModel
@@ -418,7 +419,7 @@ def tiny_tokenizer():
 
 
 def test_trace_walks_the_serving_path(pair):
-    from eyas.doctor.checks import trace
+    from eyas.doctor.trace import trace
     from eyas.engine import SpecParams
 
     t = pair.target

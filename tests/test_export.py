@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from eyas.cli import app
 from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
-from eyas.interop.export import ExportError, LaunchParams, export_draft, import_draft, read_folder
+from eyas.interop.export import ExportError, LaunchParams, export_draft
 from eyas.interop.formats import FormatError
+from eyas.interop.importer import import_draft, read_folder
 from eyas.layout import Layout
 from eyas.target import Target, capture, identity_of, tensor_fingerprint
 from tests.tiny import tiny_config, tiny_model
@@ -577,7 +578,7 @@ def test_cli_round_trip_on_smollm2(tmp_path, smollm2):
 def trained(tmp_path_factory):
     """A draft trained (TTT, a few hundred steps) on the tiny target's own text with layout [1, 3, 6], so its
     accuracy depends on which layers feed it: what layout inference measures."""
-    pytest.importorskip("eyas.doctor.checks", reason="layout inference lives in eyas.doctor")
+    pytest.importorskip("eyas.doctor.inference", reason="layout inference lives in eyas.doctor")
     from eyas.train.ttt import ttt_forward
 
     mcfg, cls = tiny_config("llama", layers=L)
