@@ -151,16 +151,77 @@ def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
 
 # ---- the run --------------------------------------------------------------------------------------
 
+@dataclass
+class StepStats:
+    """One optimizer step, over all ranks: the global loss, per TTT step the soft-CE sum, the rows whose
+    top-1 was right and the valid rows, and the real (unpadded) tokens."""
+
+    loss: float
+    ce_sum: torch.Tensor  # [steps] float64
+    correct: torch.Tensor  # [steps] float64
+    count: torch.Tensor  # [steps] float64
+    tokens: int
+
+    @classmethod
+    def zeros(cls, steps: int) -> StepStats:
+        z = torch.zeros(steps, dtype=torch.float64)
+        return cls(0.0, z, z.clone(), z.clone(), 0)
+
+    @property
+    def acc0(self) -> float:
+        return float(self.correct[0] / max(float(self.count[0]), 1.0))
+
+    def all_reduce(self, dd: Dist, device: torch.device) -> StepStats:
+        """Sum over ranks, packed into one tensor so that it costs one reduction."""
+        steps = self.ce_sum.numel()
+        head = torch.tensor([self.loss, float(self.tokens)], dtype=torch.float64)
+        flat = dd.sum_(torch.cat([head, self.ce_sum, self.correct, self.count]).to(device)).cpu()
+        (loss, tokens), ce, correct, count = flat[:2].tolist(), *flat[2:].split(steps)
+        return StepStats(loss, ce, correct, count, int(tokens))
+
+
+@dataclass
+class Window:
+    """Training statistics accumulated since the last evaluation (what its metrics line reports)."""
+
+    correct: torch.Tensor  # [steps] float64
+    count: torch.Tensor  # [steps] float64
+    steps: int = 0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def empty(cls, ttt_steps: int) -> Window:
+        return cls(torch.zeros(ttt_steps, dtype=torch.float64), torch.zeros(ttt_steps, dtype=torch.float64))
+
+    def add(self, s: StepStats, seconds: float) -> None:
+        self.correct += s.correct
+        self.count += s.count
+        self.steps += 1
+        self.loss_sum += s.loss
+        self.tokens += s.tokens
+        self.seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def metrics(self) -> dict[str, Any]:
+        return {"train_loss": round(self.loss_sum / max(self.steps, 1), 5),
+                "train_acc": [round(float(x), 5) for x in self.correct / self.count.clamp_min(1)]}
+
+
 def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, source, refs: list[Item], lr: float,
-               cfg: TrainConfig, dd: Dist, device: torch.device, norm, head, autocast) -> torch.Tensor:
-    """One optimizer step on a global batch; this rank takes refs[rank::world]. Returns the global stats
-    [loss, ce_sum x steps, correct x steps, count x steps, tokens] (float64, CPU)."""
+               cfg: TrainConfig, dd: Dist, device: torch.device, norm, head, autocast) -> StepStats:
+    """One optimizer step on a global batch; this rank takes refs[rank::world]. Returns the step's
+    statistics summed over ranks."""
     steps = cfg.ttt_steps
     params = list(draft.parameters())
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=False)
-    stats = torch.zeros(2 + 3 * steps, dtype=torch.float64)
+    stats = StepStats.zeros(steps)
     mine = refs[dd.rank::dd.world]
     if mine:
         b = source.batch(mine, device, cfg.max_len)
@@ -172,11 +233,8 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, source, refs: lis
             o: TTTOutput = ttt_forward(draft, b.aux, b.final, b.input_ids, b.loss_mask, norm, head, steps,
                                        denom=denom, labels=labels)
         o.loss.backward()
-        stats[0] = float(o.loss.detach())
-        stats[1:1 + steps] = o.step_loss_sum.double().cpu()
-        stats[1 + steps:1 + 2 * steps] = o.step_correct.double().cpu()
-        stats[1 + 2 * steps:1 + 3 * steps] = o.step_count.double().cpu()
-        stats[-1] = b.tokens
+        stats = StepStats(float(o.loss.detach()), o.step_loss_sum.double().cpu(), o.step_correct.double().cpu(),
+                          o.step_count.double().cpu(), b.tokens)
     else:  # more ranks than samples in this batch: zero gradients, but join every reduction
         dd.sum_(torch.zeros(steps, dtype=torch.long, device=device))
     if dd.world > 1:  # sum (not average): each rank's loss is already divided by the global counts
@@ -185,7 +243,7 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, source, refs: lis
         for p in params:
             p.grad.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
-        stats = dd.sum_(stats.to(device)).cpu()
+        stats = stats.all_reduce(dd, device)
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
     return stats
@@ -337,8 +395,7 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
         p.grad = torch.zeros_like(p)
     losses: list[float] = []
     last_eval: dict[str, Any] | None = resumed_metrics
-    win = torch.zeros(1 + 3 * steps, dtype=torch.float64)  # loss sum over steps, ce sums, correct, count
-    win_steps, win_tokens, win_time = 0, 0, 0.0
+    win = Window.empty(steps)
 
     def manifest_extra(metrics: dict[str, Any] | None) -> dict[str, Any]:
         return {"target": {**target.identity.to_dict(), "source": target.source},
@@ -358,18 +415,14 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
         save_draft(out / "draft", draft, layout, extra=extra)
 
     def run_eval() -> dict[str, Any] | None:
-        nonlocal win, win_steps, win_tokens, win_time
+        nonlocal win
         if not heldout:
             return None
         m = evaluate(draft, source, heldout, target, cfg, dd, device)
-        w = win.view(-1)
-        cnt = w[1 + 2 * steps:].clamp_min(1)
-        m = {"step": step, "epoch": epoch, "tokens_seen": tokens_seen,
-             "train_loss": round(float(w[0] / max(win_steps, 1)), 5),
-             "train_acc": [round(float(x), 5) for x in w[1 + steps:1 + 2 * steps] / cnt],
-             **m, "tokens_per_s": round(win_tokens / max(win_time, 1e-9), 1), "lr": lr_at(max(step - 1, 0), total, cfg),
+        m = {"step": step, "epoch": epoch, "tokens_seen": tokens_seen, **win.metrics(),
+             **m, "tokens_per_s": round(win.tokens_per_s, 1), "lr": lr_at(max(step - 1, 0), total, cfg),
              "elapsed_s": round(train_time, 2)}
-        win, win_steps, win_tokens, win_time = torch.zeros_like(win), 0, 0, 0.0
+        win = Window.empty(steps)
         if dd.main:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(m) + "\n")
@@ -408,19 +461,18 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
             step += 1
             dt = time.perf_counter() - t0
             train_time += dt
-            tokens_seen += int(stats[-1])
-            loss = float(stats[0])
+            tokens_seen += stats.tokens
+            loss = stats.loss
             losses.append(loss)
-            win[:1 + 3 * steps] += stats[:1 + 3 * steps]
-            win_steps, win_tokens, win_time = win_steps + 1, win_tokens + int(stats[-1]), win_time + dt
+            win.add(stats, dt)
             if dd.main:
-                acc0 = float(stats[1 + steps] / max(float(stats[1 + 2 * steps]), 1.0))
+                acc0 = stats.acc0
                 with open(out / "train_log.jsonl", "a") as f:
                     f.write(json.dumps({"step": step, "loss": loss, "acc0": round(acc0, 5), "lr": lr,
-                                        "tokens": int(stats[-1])}) + "\n")
+                                        "tokens": stats.tokens}) + "\n")
                 if progress is not None:
-                    tps = win_tokens / max(win_time, 1e-9)
-                    progress.update(task, completed=step, info=f"loss {loss:.3f}  acc0 {acc0:.3f}  {tps:.0f} tok/s")
+                    progress.update(task, completed=step,
+                                    info=f"loss {loss:.3f}  acc0 {acc0:.3f}  {win.tokens_per_s:.0f} tok/s")
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
                 m = run_eval()
                 if m is not None:
