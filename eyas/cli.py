@@ -334,7 +334,7 @@ def import_(
         typer.secho(f"  warning: {w}", fg="yellow", err=True)
 
 
-# ---- eyas doctor (eyas/doctor.py, eyas/flags.py) --------------------------------------------------
+# ---- eyas doctor (eyas/doctor/) --------------------------------------------------------------------
 doctor_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                          help="Find every wiring fault between target, data, draft and serving flags.")
 app.add_typer(doctor_app, name="doctor")

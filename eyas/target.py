@@ -167,11 +167,12 @@ class Target:
         return self.model.get_output_embeddings()
 
 
-def end_token_ids(tokenizer: Any, model: nn.Module | None = None) -> list[int]:
+def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: str | None = None) -> list[int]:
     """The tokens that end an assistant turn: the tokenizer's eos, every eos id in the model's config and
     generation config, and the chat template's end-of-turn token (the special token right after an assistant
     reply, e.g. <|im_end|> = 2 for SmolLM2, <|eot_id|> for Llama 3). The engine, the bench's HF baselines and
-    datagen's regeneration stop on these, and the draft vocabulary always holds them. [] when there are none."""
+    datagen's regeneration stop on these, and the draft vocabulary always holds them. [] when there are none,
+    unless `needed_for` says why the caller cannot do without: then a TargetError."""
     ids: set[int] = set()
     cands = [getattr(tokenizer, "eos_token_id", None)]
     if model is not None:
@@ -194,6 +195,9 @@ def end_token_ids(tokenizer: Any, model: nn.Module | None = None) -> list[int]:
         rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
         if rest and rest[0] in tokenizer.all_special_ids:
             ids.add(int(rest[0]))
+    if not ids and needed_for:
+        raise TargetError("the target has no end-of-turn token (no eos id in its tokenizer, model config or "
+                          f"generation config, and no end token in its chat template): {needed_for}")
     return sorted(ids)
 
 

@@ -145,11 +145,7 @@ class Output:
 
 def stop_ids(target: Target) -> list[int]:
     """What both HF and eyas stop on: the target's end-of-turn tokens (eyas.target.end_token_ids)."""
-    ids = end_token_ids(target.tokenizer, target.model)
-    if not ids:
-        raise BenchError("the tokenizer has no eos token and its chat template no end-of-turn token; "
-                         "the bench cannot know where a reply ends")
-    return ids
+    return end_token_ids(target.tokenizer, target.model, "the bench cannot know where a reply ends")
 
 
 def _strip_end(ids: list[int], end_ids: list[int]) -> tuple[list[int], str | None]:

@@ -136,11 +136,8 @@ def length_batches(lengths: list[int], max_batch: int, token_budget: int) -> lis
 
 def stop_token_ids(target: Target) -> list[int]:
     """Where a regenerated reply ends: the target's end-of-turn tokens (eyas.target.end_token_ids)."""
-    ids = end_token_ids(target.tokenizer, target.model)
-    if not ids:
-        raise DatagenError("the target has no end-of-turn token (no eos_token_id in its generation config or "
-                           "tokenizer); regeneration could never stop: use --no-regenerate or fix the config")
-    return ids
+    return end_token_ids(target.tokenizer, target.model,
+                         "regeneration could never stop: use --no-regenerate or fix the config")
 
 
 def _loop_criteria(n: int, prompt_len: int):
@@ -148,7 +145,7 @@ def _loop_criteria(n: int, prompt_len: int):
 
     class LoopStop(StoppingCriteria):
         """Per row: stop once the last n generated tokens already occurred as an earlier n-token window of the
-        reply (the same rule as eyas.data.loop_end, checked after every new token)."""
+        reply (the same rule as eyas.data.conversations.loop_end, checked after every new token)."""
 
         def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
             gen = input_ids[:, prompt_len:]  # [B, T]

@@ -13,7 +13,7 @@ Checks (each a named `Check` with status pass/warn/fail/skip, the numbers behind
   norms            per-index stream norms recorded at capture vs measured now
   head             lm_head / fc that look untrained (init statistics, near-uniform logits, accuracy ~ baseline)
 
-Every accuracy is `eyas.ttt.ttt_forward` on the draft (the training-time-test alignment of
+Every accuracy is `eyas.train.ttt.ttt_forward` on the draft (the training-time-test alignment of
 docs/CONTRACTS.md); the serving path captures with `eyas.model.TargetModel`, the forward the engine runs.
 All stream indices a sample needs are captured in ONE target forward per sample.
 

@@ -120,7 +120,7 @@ def as_samples(samples: Sequence[Any]) -> list[EvalSample]:
     for i, s in enumerate(samples):
         if isinstance(s, EvalSample):
             out.append(s)
-        elif hasattr(s, "input_ids") and hasattr(s, "aux"):  # eyas.shards.Sample
+        elif hasattr(s, "input_ids") and hasattr(s, "aux"):  # eyas.data.shards.Sample
             out.append(EvalSample(int(s.row_id), s.input_ids.long(), s.loss_mask.bool(), s.aux, s.final))
         elif isinstance(s, (tuple, list)) and len(s) == 2:
             ids, mask = torch.as_tensor(s[0]).long().reshape(-1), torch.as_tensor(s[1]).bool().reshape(-1)

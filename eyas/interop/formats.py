@@ -1,6 +1,6 @@
 """Foreign EAGLE-3 draft formats: weight names, config keys, and what each one's layer ids mean.
 
-Pure functions (no file IO): `eyas/export.py` uses them in both directions. Facts below were read in
+Pure functions (no file IO): export.py and importer.py use them in both directions. Facts below were read in
 the engines' own code (stored public copies, read for facts only; no code copied):
 
 eyas        stream index k in 0..L (eyas/layout.py): 0 = embedding output, i = output of layer i-1 =

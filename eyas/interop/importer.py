@@ -299,8 +299,9 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
                          f"nats, paired standard error {inference['se_loss']} on {inference.get('tokens')} tokens):")
             lines += [f"  accuracy {r['accuracy']}  loss {r['loss']}  {r['label']}" for r in inference["table"][:6]]
         else:
-            lines.append("Layout inference (eyas.doctor.infer_layout) is " + ("not available in this eyas" if infer
-                         else "disabled (--no-infer)") + ".")
+            lines.append("Layout inference (eyas.doctor.inference.infer_layout) " + (
+                "had no reading with the draft's number of aux states to rank" if infer
+                else "is disabled (--no-infer)") + ".")
         lines.append("Pick the layout explicitly: --format sglang|vllm|eagle if you know where the draft was trained, "
                      "or --aux-ids 1,14,26 --ids-convention sglang, or --aux-indices (eyas stream indices).")
         raise ExportError("\n".join(lines))
