@@ -23,8 +23,15 @@ from pathlib import Path
 
 import torch
 
-from eyas.data import load_conversations, render, tokenize_conversation
-from eyas.datagen import DatagenConfig, capture_samples, generate_replies, length_batches, run_datagen, stop_token_ids
+from eyas.data.conversations import load_conversations, render, tokenize_conversation
+from eyas.data.datagen import (
+    DatagenConfig,
+    capture_samples,
+    generate_replies,
+    length_batches,
+    run_datagen,
+    stop_token_ids,
+)
 from eyas.target import load_target
 
 

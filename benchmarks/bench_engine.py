@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids, resolve_draft
-from eyas.prompts import load_mtbench
+from eyas.bench.prompts import load_mtbench
+from eyas.draft import resolve_draft
+from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
 from eyas.target import load_target
 
 

@@ -24,10 +24,12 @@ import torch
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.layout import check_layouts
-from eyas.target import load_target
-from eyas.train import ShardSource, TrainConfig, feature_norm, init_draft, plan_epoch
-from eyas.ttt import ttt_forward
-from eyas.vocab import count_tokens, end_token_ids, select_draft_vocab
+from eyas.target import end_token_ids, load_target
+from eyas.train.config import TrainConfig
+from eyas.train.loop import init_draft
+from eyas.train.sources import ShardSource, feature_norm, plan_epoch
+from eyas.train.ttt import ttt_forward
+from eyas.vocab import count_tokens, select_draft_vocab
 
 
 def load_avg() -> float:
@@ -138,7 +140,7 @@ def main() -> None:
     target = load_target(source.set.manifests[0].get("target_source") or "smollm2-135m")
     check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards", "the target")
     counts = count_tokens(source.token_pairs(source.train), target.identity.vocab_size)
-    vocab = select_draft_vocab(counts, a.draft_vocab, end_token_ids(target.tokenizer), source.hash())
+    vocab = select_draft_vocab(counts, a.draft_vocab, end_token_ids(target.tokenizer, target.model), source.hash())
     cfg = TrainConfig(data=[a.data], out="", batch_tokens=a.batch_tokens, max_len=a.max_len)
     plan = plan_epoch(source.train, source.groups(), 0, 0, cfg.batch_tokens, cfg.max_len, 1 << 62)
     batches = [source.batch([source.train[i] for i in b], torch.device("cpu"), cfg.max_len)

@@ -163,7 +163,7 @@ class InProcess:
     """Engine.generate with the script's engine flags, on a thread of its own (see the module docstring)."""
 
     def __init__(self, a: argparse.Namespace):
-        from eyas.server import build_engine
+        from eyas.serve.app import build_engine
 
         self.a = a
         self.engine, self.target, _ = build_engine(a.target, a.draft, a.method, a.steps, a.depth, a.topk, a.tokens,
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.url and not a.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
         p.error(f"--url {a.url}: this load test only targets localhost servers")
 
-    from eyas.prompts import load_prompts
+    from eyas.bench.prompts import load_prompts
 
     prompts = load_prompts(a.prompts, limit=None)
     jobs = [(pr.id, pr.messages) for pr in prompts]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
+
+from .errors import EyasError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyas: EAGLE-3 drafts with the hidden-state wiring checked end to end.")
@@ -25,6 +29,16 @@ def fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """An EyasError (bad input the user can fix) becomes one line and exit 2; anything else is a bug in eyas
+    and keeps its traceback."""
+    try:
+        yield
+    except EyasError as e:
+        fail(str(e))
+
+
 @app.command()
 def inspect(
     what: str = typer.Argument("smollm2-135m", help="a target (name, HF folder, .gguf), a shard folder or a draft"),
@@ -36,11 +50,9 @@ def inspect(
     from .inspect import inspect_path, inspect_target, render
 
     info = inspect_path(Path(what)) if Path(what).is_dir() else None
-    try:
-        if info is None:
+    if info is None:
+        with user_errors():
             info = inspect_target(what, dtype=dtype, device=device)
-    except ValueError as e:
-        fail(str(e))
     if json_out:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
@@ -77,20 +89,10 @@ def bench(
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
-    from .bench import BenchConfig, BenchError, SweepGrid, parse_int_list, parse_methods, run_bench, run_sweep
-    from .draft import DraftError
-    from .layout import LayoutError
-    from .prompts import PromptError
-    from .target import TargetError
+    from .bench.run import BenchConfig, SweepGrid, parse_int_list, parse_methods, run_bench
+    from .bench.sweep import run_sweep
 
-    errors: tuple[type[Exception], ...] = (BenchError, PromptError, TargetError, DraftError, LayoutError)
-    try:
-        from .engine import EngineError
-
-        errors += (EngineError,)
-    except ImportError:
-        pass
-    try:
+    with user_errors():
         grid = SweepGrid(parse_int_list(sweep_steps, "--sweep-steps"), parse_int_list(sweep_depth, "--sweep-depth"),
                          parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
@@ -101,8 +103,6 @@ def bench(
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid)
         (run_sweep if sweep else run_bench)(cfg)
-    except errors as e:
-        fail(str(e))
 
 
 @app.command()
@@ -142,15 +142,14 @@ def train(
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = torch default; 1 is faster on a busy CPU)"),
 ) -> None:
     """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
-    from .train import TrainConfig
-    from .train import train as run_train
+    from .text import parse_int_list
+    from .train.config import TrainConfig
+    from .train.loop import train as run_train
 
     if online and target is None:
         target = "smollm2-135m"
-    try:
-        aux = [int(x) for x in aux_indices.split(",")] if aux_indices else None
-    except ValueError:
-        fail(f"--aux-indices {aux_indices!r}: expected comma-separated stream indices such as 2,15,27")
+    with user_errors():
+        aux = parse_int_list(aux_indices, "--aux-indices")
     if aux is not None and not online:
         fail("--aux-indices applies to --online only: shards carry their own layout")
     cfg = TrainConfig(data=data, out=out, target=target, online=online, num_samples=num_samples, aux_indices=aux,
@@ -161,10 +160,8 @@ def train(
                       intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
                       refresh_vocab=refresh_vocab, device=device,
                       target_dtype=dtype, quiet=quiet, threads=threads)
-    try:
+    with user_errors():
         run_train(cfg)
-    except ValueError as e:
-        fail(str(e))
 
 
 @app.command()
@@ -197,25 +194,18 @@ def datagen(
     resumable safetensors shards with the layout recorded."""
     import sys
 
-    from .data import DataError
-    from .datagen import DatagenConfig, DatagenError, run_datagen, summary
-    from .layout import LayoutError
-    from .shards import ShardError
-    from .target import TargetError
+    from .data.datagen import DatagenConfig, run_datagen, summary
+    from .text import parse_int_list
 
-    try:
-        aux = [int(x) for x in aux_indices.split(",")] if aux_indices else None
-    except ValueError:
-        fail(f"--aux-indices {aux_indices!r}: expected comma-separated integers such as 2,15,27")
+    with user_errors():
+        aux = parse_int_list(aux_indices, "--aux-indices")
     cfg = DatagenConfig(out=out, target=target, data=data, num=num, max_len=max_len, regenerate=regenerate,
                         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
                         device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
                         gen_batch=gen_batch, capture_tokens=capture_tokens, threads=threads)
-    try:
+    with user_errors():
         m = run_datagen(cfg, command=" ".join(["eyas", *sys.argv[1:]]), log=typer.echo, progress=not quiet)
-    except (DatagenError, DataError, LayoutError, ShardError, TargetError) as e:
-        fail(str(e))
     for line in summary(m):
         typer.echo(line)
 
@@ -242,13 +232,13 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
-    from . import server as srv
+    from .serve import app as srv
 
     key = srv.resolve_api_key(api_key)
     warning = srv.exposure_warning(host, key)
     if warning:
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
-    try:
+    with user_errors():
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
@@ -257,8 +247,6 @@ def serve(
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
-    except ValueError as e:  # ServeError, EngineError, TargetError, DraftError, LayoutError, BenchError
-        fail(str(e))
     desc = used if used == "plain" else f"{used}, draft {draft}"
     typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
     srv.run(app_, host, port, log_level=log_level)
@@ -283,15 +271,13 @@ def export(
     import sys
 
     from .draft import load_draft
-    from .export import LaunchParams, export_draft, target_embeddings
+    from .interop.export import LaunchParams, export_draft, target_embeddings
 
-    try:
+    with user_errors():
         ckpt = load_draft(draft)
         emb = target_embeddings(ckpt, target) if fmt == "speculators" else None
         res = export_draft(ckpt, fmt, out, dtype=dtype, target=serve_model or target, embeddings=emb,
                            launch=LaunchParams(steps, topk, draft_tokens), command="eyas " + " ".join(sys.argv[1:]))
-    except ValueError as e:  # ExportError, DraftError, LayoutError, FormatError
-        fail(str(e))
     if json_out:
         typer.echo(json.dumps({"path": str(res.path), "format": res.format, "config": res.config,
                                "launch": res.launch}, indent=2))
@@ -324,18 +310,17 @@ def import_(
     """Import a foreign EAGLE-3 draft: ids translated into stream indices, shapes checked against the target."""
     import sys
 
-    from .export import check_import_options, import_draft, parse_ids
+    from .interop.importer import check_import_options, import_draft
     from .target import load_target
+    from .text import parse_int_list
 
-    try:
-        idx = parse_ids(aux_indices, "--aux-indices")
-        ids = parse_ids(aux_ids, "--aux-ids")
+    with user_errors():
+        idx = parse_int_list(aux_indices, "--aux-indices")
+        ids = parse_int_list(aux_ids, "--aux-ids")
         check_import_options(fmt, idx, ids, ids_convention)  # before the target loads
         tgt = load_target(target, dtype=dtype, device=device)
         res = import_draft(src, tgt, out, fmt=fmt, allow_pickle=allow_pickle, aux_indices=idx, aux_ids=ids,
                            ids_convention=ids_convention, infer=infer, command="eyas " + " ".join(sys.argv[1:]))
-    except ValueError as e:  # ExportError, FormatError, DraftError, LayoutError, TargetError
-        fail(str(e))
     if json_out:
         typer.echo(json.dumps(res.info, indent=2, default=str))
         return
@@ -349,7 +334,7 @@ def import_(
         typer.secho(f"  warning: {w}", fg="yellow", err=True)
 
 
-# ---- eyas doctor (eyas/doctor.py, eyas/flags.py) --------------------------------------------------
+# ---- eyas doctor (eyas/doctor/) --------------------------------------------------------------------
 doctor_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                          help="Find every wiring fault between target, data, draft and serving flags.")
 app.add_typer(doctor_app, name="doctor")
@@ -377,19 +362,17 @@ def doctor(
     Subcommands: `flags` (lint a serve command), `trace` (one prompt through the serving path)."""
     if ctx.invoked_subcommand is not None:
         return
-    from .doctor import render, run_doctor
+    from .doctor.checks import render, run_doctor
     from .draft import load_draft
     from .target import load_target
 
     if draft is None:
         fail("--draft is required: the eyas draft folder to check (or 'default'); see `eyas doctor --help`")
-    try:
+    with user_errors():
         tgt = load_target(target, dtype=dtype, device=device)
         ck = load_draft(draft, device=device)
         rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples, max_len=max_len,
                          steps=steps, heldout_pct=heldout_pct, quick=quick)
-    except ValueError as e:  # DoctorError, DraftError, TargetError, LayoutError, ShardError, DataError
-        fail(str(e))
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2, default=str))
     else:
@@ -406,12 +389,11 @@ def doctor_flags(
                                         "or a --speculative-config JSON"),
 ) -> None:
     """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
-    from .flags import jsonable, lint_serve_command, render_lint
+    from .doctor.flags import lint_serve_command, render_lint
+    from .doctor.report import jsonable
 
-    try:
+    with user_errors():
         lint = lint_serve_command(list(command or []), draft, num_layers)
-    except ValueError as e:  # FlagsError, LayoutError
-        fail(str(e))
     if json_out:
         typer.echo(json.dumps(jsonable(lint.to_dict()), indent=2))
     else:
@@ -432,20 +414,18 @@ def doctor_trace(
     device: str = DeviceOpt,
 ) -> None:
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
-    from .doctor import render_trace, trace
+    from .doctor.trace import render_trace, trace
     from .draft import load_draft
     from .engine import SpecParams, chat_input_ids
     from .target import load_target
 
-    try:
+    with user_errors():
         tgt = load_target(target, dtype=dtype, device=device)
         ck = load_draft(draft, device=device)
         tok = tgt.tokenizer
         ids = chat_input_ids(tok, [{"role": "user", "content": prompt}]) if getattr(tok, "chat_template", None) \
             else tok(prompt, add_special_tokens=True)["input_ids"]
         rep = trace(tgt, ck, ids, SpecParams(method=method), max_new_tokens=max_new_tokens, max_rounds=rounds)
-    except ValueError as e:  # EngineError, DraftError, TargetError, LayoutError
-        fail(str(e))
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -480,7 +460,9 @@ def generate(
     import sys
 
     from . import engine as eng
+    from .draft import check_default_draft, resolve_draft
     from .target import load_target
+    from .text import TextStream
 
     if (prompt is None) == (messages is None):
         fail("pass exactly one of --prompt TEXT or --messages JSON")
@@ -488,7 +470,7 @@ def generate(
         method = "plain" if draft == "none" else "tree"
     if method in ("tree", "chain") and draft == "none":
         fail(f"--method {method} needs a draft: pass --draft PATH, 'default' or 'random', or use --method plain")
-    try:
+    with user_errors():
         msgs = None
         if messages is not None:
             src = Path(messages)
@@ -504,9 +486,9 @@ def generate(
         params.validate()
         spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
         if method != "plain":
-            eng.check_default_draft(draft)
+            check_default_draft(draft)
         tgt = load_target(target, dtype=dtype, device=device)
-        ckpt = None if method == "plain" else eng.resolve_draft(draft, tgt)
+        ckpt = None if method == "plain" else resolve_draft(draft, tgt)
         engine = eng.Engine(tgt, ckpt, spec)
         tok = tgt.tokenizer
         if msgs is not None:
@@ -515,23 +497,14 @@ def generate(
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = eng.chat_input_ids(tok, [{"role": "user", "content": prompt}])
-        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
-        out: list[int] = []
-        shown = 0
+        shown = TextStream(tok, params.stop, params.max_new_tokens)  # what is safe to print so far
         for new in engine.stream(ids, params):
-            out += new
-            text = tok.decode(out, skip_special_tokens=True)
-            end = len(text) - hold
-            while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                end -= 1
-            if end > shown:
-                sys.stdout.write(text[shown:end])
+            delta = shown.push(new)
+            if delta:
+                sys.stdout.write(delta)
                 sys.stdout.flush()
-                shown = end
-    except ValueError as e:  # EngineError, TargetError, DraftError, LayoutError, ModelError
-        fail(str(e))
     res = engine.last_result
-    sys.stdout.write(res.text[shown:] + "\n")
+    sys.stdout.write(res.text[shown.sent:] + "\n")
     st = res.stats
     lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
              f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)"]
@@ -569,13 +542,11 @@ def recipe(
     """Run the whole pipeline (datagen -> train -> bench -> ship) for a bundled target; resumable at every stage."""
     from .recipe import RecipeConfig, run_recipe
 
-    try:
+    with user_errors():
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
                                 orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
                                 draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
                                 ship_to=ship_to, init_from=init_from, refresh_vocab=refresh_vocab))
-    except ValueError as e:
-        fail(str(e))
 
 
 def main() -> None:

@@ -9,9 +9,6 @@ Token embeddings come from the target: a non-persistent buffer, never stored in 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -21,13 +18,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .errors import EyasError
+from .files import atomic_folder
 from .layout import Layout, LayoutError, check_layouts, to_engine_ids
+from .target import Target
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "eyas_manifest.json"
 
 
-class DraftError(ValueError):
+class DraftError(EyasError):
     pass
 
 
@@ -283,32 +283,6 @@ class DraftCheckpoint:
     path: Path | None = None
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
-    """Fill a folder via `write(tmp)` then rename it into place, so a killed run never leaves a half-written
-    draft or export (an existing `out` is replaced as a whole)."""
-    out = Path(out)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
-    return out
-
-
 def save_draft(path: str | Path, model: Eagle3Draft, layout: Layout, extra: dict[str, Any] | None = None,
                dtype: torch.dtype | None = None) -> Path:
     """Write weights + config.json + eyas manifest into `path` atomically (tmp folder + rename)."""
@@ -376,7 +350,7 @@ def load_draft(path: str | Path, device: str | torch.device = "cpu",
     return DraftCheckpoint(model=model, layout=layout, manifest=manifest, path=p)
 
 
-def check_draft_for_target(ckpt: DraftCheckpoint, target) -> None:
+def check_draft_for_target(ckpt: DraftCheckpoint, target: Target) -> None:
     """Refuse a draft made for another target: layout identity, hidden size, vocab; named mismatches."""
     check_layouts(ckpt.layout, target.default_layout(ckpt.layout.aux_indices), "the draft", "the target")
     c = ckpt.model.config
@@ -390,3 +364,44 @@ def check_draft_for_target(ckpt: DraftCheckpoint, target) -> None:
         problems.append(f"draft hidden {c.hidden_size} vs target embedding width {emb.shape[1]}")
     if problems:
         raise DraftError("draft does not fit the target: " + "; ".join(problems))
+
+
+# ---- which draft a command runs with (--draft) -------------------------------------------------------
+
+def random_draft(target: Target, draft_vocab: int = 8192, seed: int = 0) -> DraftCheckpoint:
+    """An untrained EAGLE-3 draft for `target` (an eyas.target.Target): random weights, draft vocab = the
+    first target ids. Its acceptance is near zero: it proves the plumbing, never the speed."""
+    vocab = target.identity.vocab_size
+    cfg = DraftConfig.from_target_config(target.config, min(draft_vocab, vocab))
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg)
+    model.set_vocab_map(torch.arange(cfg.draft_vocab_size))
+    manifest = {"kind": "eyas-draft", "untrained": True, "note": f"random weights (seed {seed}), made by eyas bench",
+                "draft_config": cfg.to_dict()}
+    model.to(device=target.device, dtype=target.dtype).eval()
+    return DraftCheckpoint(model=model, layout=target.default_layout(), manifest=manifest, path=None)
+
+
+def save_random_draft(target: Target, path: str | Path, draft_vocab: int = 8192, seed: int = 0) -> Path:
+    ckpt = random_draft(target, draft_vocab, seed)
+    return save_draft(path, ckpt.model.float(), ckpt.layout, extra={"untrained": True, "note": ckpt.manifest["note"]})
+
+
+def check_default_draft(spec: str, instead: str = "--draft none with --method plain") -> None:
+    """Fail before any model loads when --draft default is asked for but not shipped; `instead` is the
+    command's own way to run without a draft."""
+    if spec == "default" and not bundled_draft_path().is_dir():
+        raise DraftError(f"the bundled draft ({bundled_draft_path()}) is not shipped in this install: pass --draft "
+                         "PATH (an eyas draft folder, e.g. from `eyas train`), --draft random (untrained: the "
+                         f"plumbing, not the speed) or {instead}")
+
+
+def resolve_draft(spec: str, target: Target) -> DraftCheckpoint | None:
+    """--draft: a folder, 'default' (bundled), 'random' (untrained: plumbing only) or 'none' -> the draft on
+    the target's device and dtype (None for 'none')."""
+    if spec == "none":
+        return None
+    if spec == "random":
+        return random_draft(target)
+    check_default_draft(spec)
+    return load_draft(spec, device=target.device, dtype=target.dtype)

@@ -33,15 +33,18 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .draft import DraftCheckpoint, check_draft_for_target
+from .errors import EyasError
 from .lookup import lookup_chain
 from .model import WEIGHTS, KVCache, compact, engine_model
 from .sampling import rejection_step, sample, warp
-from .target import Target
+from .target import Target, end_token_ids
+from .target import sync_device as _sync
+from .text import stop_cut
 
 METHODS = ("tree", "chain", "plain")
 
 
-class EngineError(ValueError):
+class EngineError(EyasError):
     pass
 
 
@@ -200,45 +203,6 @@ def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in out]
 
 
-def resolve_draft(spec: str, target: Target) -> DraftCheckpoint | None:
-    """--draft: a folder, 'default' (bundled), 'random' (untrained: plumbing only) or 'none'."""
-    from .draft import load_draft
-
-    if spec == "none":
-        return None
-    if spec == "random":
-        from .bench import random_draft
-
-        return random_draft(target)
-    check_default_draft(spec)
-    return load_draft(spec, device=target.device, dtype=target.dtype)
-
-
-def check_default_draft(spec: str) -> None:
-    """Fail before any model loads when --draft default is asked for but not shipped."""
-    from .draft import bundled_draft_path
-
-    if spec == "default" and not bundled_draft_path().is_dir():
-        raise EngineError(f"the bundled draft ({bundled_draft_path()}) is not shipped in this install yet: pass "
-                          "--draft PATH (an eyas draft folder, e.g. from `eyas train`), --draft random (untrained: "
-                          "the plumbing, not the speed) or --draft none with --method plain")
-
-
-def eos_token_ids(target: Target) -> set[int]:
-    """Tokenizer eos plus every eos id in the model and generation configs (e.g. <|im_end|> = 2)."""
-    ids: set[int] = set()
-    cands = [getattr(target.tokenizer, "eos_token_id", None), getattr(target.model.config, "eos_token_id", None)]
-    gc = getattr(target.model, "generation_config", None)
-    if gc is not None:
-        cands.append(getattr(gc, "eos_token_id", None))
-    for c in cands:
-        if isinstance(c, int):
-            ids.add(c)
-        elif isinstance(c, (list, tuple)):
-            ids.update(int(x) for x in c)
-    return ids
-
-
 @dataclass
 class _Tree:
     tokens: list[int]  # [S] target ids, 0 = root
@@ -260,11 +224,6 @@ class _Tree:
         return i
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Engine:
     def __init__(self, target: Target, draft: DraftCheckpoint | None = None, spec: SpecParams | None = None):
         self.target = target
@@ -284,7 +243,7 @@ class Engine:
             self.draft = d
             self.aux_indices = list(draft.layout.aux_indices)
             self.draft_ids = d.target_token_ids()  # [Vd] target id of each draft token
-        self.eos = eos_token_ids(target)
+        self.eos = set(end_token_ids(target.tokenizer, target.model))
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.last_result: GenResult | None = None
 
@@ -439,12 +398,11 @@ class _Run:
     def find_stop(self) -> int | None:
         """Smallest token count whose text contains a stop string (only counts not yet searched)."""
         tok = self.e.target.tokenizer
-        for k in range(self.text_checked + 1, len(self.out) + 1):
-            text = tok.decode(self.out[:k], skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in self.p.stop) if i >= 0]
-            if hits:
-                self.stop_text = text[:min(hits)]
-                return k
+        hit = stop_cut(lambda ids: tok.decode(ids, skip_special_tokens=True), self.out, self.p.stop,
+                       self.text_checked + 1)
+        if hit is not None:
+            k, self.stop_text = hit
+            return k
         self.text_checked = len(self.out)
         return None
 

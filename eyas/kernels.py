@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .files import atomic_write
 from .target import TargetError, cache_dir
 
 _SRC = Path(__file__).with_name("kernels.c")
@@ -46,13 +47,13 @@ def lib() -> ctypes.CDLL:
     out = cache_dir() / "kernels" / f"eyas_kernels-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp), "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise KernelError(f"building eyas's CPU kernel with {cc} failed: {r.stderr.strip()[:400]}; "
-                              "run with --weights fp32 to avoid it")
-        os.replace(tmp, out)
+
+        def build(tmp: Path) -> None:
+            r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise KernelError(f"building eyas's CPU kernel with {cc} failed: {r.stderr.strip()[:400]}; "
+                                  "run with --weights fp32 to avoid it")
+        atomic_write(out, build)
     so = ctypes.CDLL(str(out))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     so.eyas_attention.argtypes = [p, p, p, i64, i32, i32, i32, i32, i32, i32, p, i64, f32, p, i32]

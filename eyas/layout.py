@@ -12,11 +12,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .errors import EyasError
+
 CONVENTION = "eyas-stream-v1"
 ENGINES = ("eyas", "eagle", "sglang", "vllm", "speculators")
 
 
-class LayoutError(ValueError):
+class LayoutError(EyasError):
     """A layout mismatch or an id an engine cannot express; the message always carries the fix."""
 
 

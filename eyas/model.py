@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .errors import EyasError
 from .target import Capture, Target, TargetError, decoder_parts
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class ModelError(ValueError):
+class ModelError(EyasError):
     pass
 
 

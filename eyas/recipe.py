@@ -27,11 +27,13 @@ from typing import Any
 
 import torch
 
+from .errors import EyasError
+
 RECIPES = {"smollm2-135m"}
 STAGES = ("data", "train", "eval", "ship")
 
 
-class RecipeError(ValueError):
+class RecipeError(EyasError):
     pass
 
 
@@ -80,7 +82,7 @@ def _data_folders(cfg: RecipeConfig) -> list[Path]:
 
 
 def stage_data(cfg: RecipeConfig, log=print) -> None:
-    from .datagen import DatagenConfig, run_datagen
+    from .data.datagen import DatagenConfig, run_datagen
 
     work = Path(cfg.work)
     jobs = []
@@ -102,7 +104,8 @@ def init_dir(cfg: RecipeConfig) -> Path | None:
     run resumes from (and its manifest names) the exact weights it started from."""
     if not cfg.init_from:
         return None
-    from .draft import atomic_folder, bundled_draft_path
+    from .draft import bundled_draft_path
+    from .files import atomic_folder
 
     src = bundled_draft_path() if cfg.init_from == "default" else Path(cfg.init_from)
     weights = src / "model.safetensors"
@@ -116,7 +119,7 @@ def init_dir(cfg: RecipeConfig) -> Path | None:
 
 
 def train_dir(cfg: RecipeConfig) -> Path:
-    from .shards import ShardSet
+    from .data.shards import ShardSet
 
     folders = _data_folders(cfg)
     if not folders:
@@ -139,8 +142,9 @@ def trained_dir(cfg: RecipeConfig) -> Path:
 
 
 def stage_train(cfg: RecipeConfig, log=print) -> Path:
-    from .shards import atomic_write_json
-    from .train import TrainConfig, train
+    from .files import atomic_write_json
+    from .train.config import TrainConfig
+    from .train.loop import train
 
     folders = _data_folders(cfg)
     out = train_dir(cfg)
@@ -157,7 +161,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
 
 
 def stage_eval(cfg: RecipeConfig, log=print) -> Path:
-    from .bench import BenchConfig, run_bench
+    from .bench.run import BenchConfig, run_bench
 
     run = trained_dir(cfg)
     draft = run / "draft"

@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +24,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from .errors import EyasError  # noqa: E402
+from .files import atomic_folder  # noqa: E402
 from .layout import Layout, TargetIdentity  # noqa: E402
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -35,7 +36,7 @@ BUNDLED = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class TargetError(ValueError):
+class TargetError(EyasError):
     pass
 
 
@@ -52,6 +53,12 @@ def resolve_device(name: str) -> torch.device:
         raise TargetError(f"--device {name} asked for, but torch sees no CUDA device "
                           f"(torch {torch.__version__}); use --device cpu")
     return torch.device(name)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued CUDA work, so a wall-clock reading covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def cache_dir() -> Path:
@@ -98,32 +105,24 @@ def tensor_fingerprint(model: nn.Module) -> str:
     return "tensors:" + h.hexdigest()[:32]
 
 
-def _atomic_dir(final: Path):
-    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = _atomic_dir(out)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # the quantizer would otherwise be saved into config.json and demand the GGUF again at load
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "eyas_source.json").write_text(json.dumps(
-        {"gguf": str(gguf), "fingerprint": file_fingerprint([gguf]), "converted_at": time.time()}, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "eyas_source.json").write_text(json.dumps(
+            {"gguf": str(gguf), "fingerprint": file_fingerprint([gguf]), "converted_at": time.time()}, indent=2))
+
+    atomic_folder(out, write)
 
 
 @dataclass
@@ -168,6 +167,40 @@ class Target:
 
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
+
+
+def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: str | None = None) -> list[int]:
+    """The tokens that end an assistant turn: the tokenizer's eos, every eos id in the model's config and
+    generation config, and the chat template's end-of-turn token (the special token right after an assistant
+    reply, e.g. <|im_end|> = 2 for SmolLM2, <|eot_id|> for Llama 3). The engine, the bench's HF baselines and
+    datagen's regeneration stop on these, and the draft vocabulary always holds them. [] when there are none,
+    unless `needed_for` says why the caller cannot do without: then a TargetError."""
+    ids: set[int] = set()
+    cands = [getattr(tokenizer, "eos_token_id", None)]
+    if model is not None:
+        cands.append(getattr(model.config, "eos_token_id", None))
+        gc = getattr(model, "generation_config", None)
+        if gc is not None:
+            cands.append(getattr(gc, "eos_token_id", None))
+    for c in cands:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, (list, tuple)):
+            ids.update(int(x) for x in c)
+    sentinel = "EYASSENTINEL"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": sentinel}], tokenize=False)
+    except Exception:  # no chat template (or a tokenizer stand-in without one): the eos ids alone
+        text = ""
+    if isinstance(text, str) and sentinel in text:
+        rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
+        if rest and rest[0] in tokenizer.all_special_ids:
+            ids.add(int(rest[0]))
+    if not ids and needed_for:
+        raise TargetError("the target has no end-of-turn token (no eos id in its tokenizer, model config or "
+                          f"generation config, and no end token in its chat template): {needed_for}")
+    return sorted(ids)
 
 
 def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIdentity:

@@ -1,8 +1,8 @@
 """Draft vocabulary: the most frequent target tokens at assistant (loss-mask) positions of the training data.
 
-Computed from the data of every run (never read from a cache), always includes the end-of-turn/EOS
-tokens (a draft that cannot propose the stop token never accepts the end of a reply), and recorded in the
-checkpoint by hash with the hash of the dataset it was counted on.
+Computed from the data of every run (never read from a cache), always includes the end-of-turn tokens
+(eyas.target.end_token_ids: a draft that cannot propose the stop token never accepts the end of a reply), and
+recorded in the checkpoint by hash with the hash of the dataset it was counted on.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-# end-of-turn markers of common chat templates; whichever exist in a tokenizer are kept in the draft vocab
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<eos>")
+from .errors import EyasError
 
 
-class VocabError(ValueError):
+class VocabError(EyasError):
     pass
 
 
@@ -49,19 +48,6 @@ class DraftVocab:
 
 def vocab_hash(ids: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(ids.long().cpu().numpy().tobytes()).hexdigest()[:24]
-
-
-def end_token_ids(tokenizer: Any) -> list[int]:
-    """EOS plus any known end-of-turn token the tokenizer has (SmolLM2: <|im_end|> = 2)."""
-    if tokenizer is None:
-        return []
-    out = set()
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        out.add(eos)
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    out.update(vocab[t] for t in END_TOKENS if t in vocab)
-    return sorted(out)
 
 
 def count_tokens(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:

@@ -5,22 +5,21 @@ import shutil
 
 import pytest
 
-from eyas.bench import (
+from eyas.bench.prompts import BenchPrompt
+from eyas.bench.run import (
     BenchConfig,
     BenchError,
     Output,
-    end_token_ids,
     first_diff,
     hf_runner,
     make_row,
     mark_lossless,
     parse_int_list,
     parse_methods,
-    save_random_draft,
     summarize,
 )
-from eyas.prompts import BenchPrompt
-from eyas.target import load_target
+from eyas.draft import save_random_draft
+from eyas.target import end_token_ids, load_target
 from tests.tiny import tiny_model
 
 
@@ -120,7 +119,7 @@ def test_summary_pools_stats_and_speedups():
 
 
 def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
-    from eyas.bench import _prepare_out
+    from eyas.bench.run import _prepare_out
 
     cfg = BenchConfig(bench="humaneval", out=str(tmp_path / "o"))
     _prepare_out(cfg, tmp_path / "o", tiny_target)
@@ -133,17 +132,16 @@ def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
 
 
 def test_missing_bundled_draft_is_a_clear_error(tiny_target):
-    from eyas.bench import resolve_draft
-    from eyas.draft import bundled_draft_path
+    from eyas.draft import DraftError, bundled_draft_path, resolve_draft
 
     if bundled_draft_path().is_dir():
         pytest.skip("a bundled draft ships now")
-    with pytest.raises(BenchError, match="--draft random"):
+    with pytest.raises(DraftError, match="--draft random"):
         resolve_draft("default", tiny_target)
 
 
 def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import METHODS, run_bench
+    from eyas.bench.run import METHODS, run_bench
     from eyas.draft import load_draft
 
     prompts = tmp_path / "p.jsonl"
@@ -181,7 +179,8 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
 
 
 def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import SweepGrid, run_sweep
+    from eyas.bench.run import SweepGrid
+    from eyas.bench.sweep import run_sweep
     from eyas.draft import load_draft
 
     cfg = BenchConfig(bench="humaneval", max_new_tokens=6, target=str(tiny_dir / "target"), sweep=True,
@@ -203,7 +202,8 @@ def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path)
 
 
 def test_sweep_tries_lookup_with_each_tree(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import SweepGrid, run_sweep
+    from eyas.bench.run import SweepGrid
+    from eyas.bench.sweep import run_sweep
     from eyas.draft import load_draft
 
     cfg = BenchConfig(bench="humaneval", max_new_tokens=6, target=str(tiny_dir / "target"), sweep=True,
@@ -218,7 +218,7 @@ def test_sweep_tries_lookup_with_each_tree(tiny_dir, tiny_target, tmp_path):
 
 
 def test_mtbench_turn2_uses_target_answer(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench import run_bench
+    from eyas.bench.run import run_bench
 
     cfg = BenchConfig(bench="mt-bench", limit=1, turn=2, max_new_tokens=4, methods=["hf-greedy", "plain"],
                       target=str(tiny_dir / "target"), out=str(tmp_path / "t2"))

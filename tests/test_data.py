@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eyas.data import (
+from eyas.data.conversations import (
     Conversation,
     DataError,
     _iter_json_array,

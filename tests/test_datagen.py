@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from eyas.data import load_conversations, masked_spans, render, tokenize_conversation
-from eyas.datagen import (
+from eyas.data.conversations import load_conversations, masked_spans, render, tokenize_conversation
+from eyas.data.datagen import (
     DatagenConfig,
     DatagenError,
     _loop_criteria,
@@ -22,7 +22,7 @@ from eyas.datagen import (
     run_datagen,
     stop_token_ids,
 )
-from eyas.shards import MANIFEST, ShardSet, load_manifest
+from eyas.data.shards import MANIFEST, ShardSet, load_manifest
 from eyas.target import capture, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_regeneration_is_the_targets_own_greedy_text(tmp_path, tiny_dir, tiny_ta
 
 
 def test_repetition_stop_matches_loop_end():
-    from eyas.data import loop_end
+    from eyas.data.conversations import loop_end
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 3, 5):
@@ -183,7 +183,7 @@ def test_repetition_limit_cuts_a_looping_reply(tiny_dir):
 
 
 def loop_end_len(reply):
-    from eyas.data import loop_end
+    from eyas.data.conversations import loop_end
 
     return loop_end(reply, 4)
 

@@ -16,13 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.doctor import LayoutRanking, infer_layout, layout_candidates, run_doctor
+from eyas.data.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
+from eyas.doctor.checks import run_doctor
+from eyas.doctor.inference import LayoutRanking, infer_layout, layout_candidates
 from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
 from eyas.layout import Layout
 from eyas.model import TargetModel
-from eyas.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
 from eyas.target import Target, identity_of, tensor_fingerprint
-from eyas.ttt import ttt_forward
+from eyas.train.ttt import ttt_forward
 from eyas.vocab import vocab_hash
 from tests.tiny import tiny_config
 
@@ -341,7 +342,7 @@ def test_changed_target_weights(pair, tmp_path):
 def test_training_serving_skew(pair, tmp_path):
     # a capture bug: the stored features sit 4 positions late (a header the capture template added and the
     # stored ids lack); serving feeds the aligned features, so the same draft scores differently on each path
-    from eyas.shards import ShardSet
+    from eyas.data.shards import ShardSet
 
     out = tmp_path / "skewed"
     out.mkdir()
@@ -363,7 +364,7 @@ def test_training_serving_skew(pair, tmp_path):
 # ---- flags -------------------------------------------------------------------------------------------
 
 def test_eagle_instead_of_eagle3_flags(pair):
-    from eyas.flags import lint_serve_command
+    from eyas.doctor.flags import lint_serve_command
 
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", "M", "--speculative-algorithm", "EAGLE",
            "--speculative-draft-model-path", str(pair.draft_dir), "--speculative-num-steps", "3",
@@ -418,7 +419,7 @@ def tiny_tokenizer():
 
 
 def test_trace_walks_the_serving_path(pair):
-    from eyas.doctor import trace
+    from eyas.doctor.trace import trace
     from eyas.engine import SpecParams
 
     t = pair.target
@@ -530,7 +531,7 @@ def test_shifted_copy_of_the_shipped_draft_fails_with_the_true_layout_first(smol
 
 
 def test_untrained_weight_signatures():
-    from eyas.doctor import _looks_init
+    from eyas.doctor.checks import _looks_init
 
     torch.manual_seed(0)
     assert "torch's default init" in _looks_init(torch.nn.Linear(576, 4096, bias=False).weight)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, bundled_draft_path
+from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, bundled_draft_path, random_draft
 from eyas.engine import Engine, EngineError, SamplingParams, SpecParams, chat_input_ids
 from eyas.sampling import warp
 from eyas.target import Target, capture, identity_of, tensor_fingerprint
-from eyas.ttt import ttt_forward
+from eyas.train.ttt import ttt_forward
 from tests.tiny import tiny_model
 
 VOCAB = 128
@@ -40,13 +40,6 @@ def make_target(family: str = "llama", seed: int = 0, eos: int = 2, layers: int 
     m.generation_config.eos_token_id = eos
     return Target(model=m, tokenizer=word_tokenizer(), identity=identity_of(m, tensor_fingerprint(m), "tiny"),
                   source="tiny", path=None)
-
-
-def random_draft(target: Target, draft_vocab: int = 96, seed: int = 1) -> DraftCheckpoint:
-    torch.manual_seed(seed)
-    d = Eagle3Draft(DraftConfig.from_target_config(target.model.config, draft_vocab_size=draft_vocab))
-    d.set_vocab_map(torch.randperm(VOCAB)[:draft_vocab].sort().values)
-    return DraftCheckpoint(model=d, layout=target.default_layout(), manifest={})
 
 
 PROMPTS = [[5, 6, 7, 8], [1, 3], list(range(10, 40)), [99, 12, 99, 12, 99]]
@@ -365,7 +358,7 @@ def test_other_families_lossless_with_random_draft(family):
 
 @pytest.mark.integration
 def test_smollm2_mtbench_speculative_equals_plain(smollm2):
-    from eyas.prompts import load_mtbench
+    from eyas.bench.prompts import load_mtbench
 
     torch.manual_seed(0)
     d = Eagle3Draft(DraftConfig.from_target_config(smollm2.model.config, draft_vocab_size=2048))

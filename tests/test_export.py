@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from eyas.cli import app
 from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
-from eyas.export import ExportError, LaunchParams, export_draft, import_draft, read_folder
-from eyas.formats import FormatError
+from eyas.interop.export import ExportError, LaunchParams, export_draft
+from eyas.interop.formats import FormatError
+from eyas.interop.importer import import_draft, read_folder
 from eyas.layout import Layout
 from eyas.target import Target, capture, identity_of, tensor_fingerprint
 from tests.tiny import tiny_config, tiny_model
@@ -504,7 +505,7 @@ def test_printed_commands_pass_the_flag_lint(tmp_path, target, aux):
     """`eyas doctor flags` (eyas.flags, another engineer's lint) accepts every launch command export prints."""
     import shlex
 
-    flags = pytest.importorskip("eyas.flags", reason="the serve-flag lint lives in eyas.flags")
+    flags = pytest.importorskip("eyas.doctor.flags", reason="the serve-flag lint lives in eyas.doctor.flags")
     src = make_draft(tmp_path / "d", target, aux)
     cases = [("vllm", LaunchParams(3)), ("speculators", LaunchParams(4)), ("sglang", LaunchParams(3)),
              ("sglang", LaunchParams(5, 4, 24))]
@@ -577,8 +578,8 @@ def test_cli_round_trip_on_smollm2(tmp_path, smollm2):
 def trained(tmp_path_factory):
     """A draft trained (TTT, a few hundred steps) on the tiny target's own text with layout [1, 3, 6], so its
     accuracy depends on which layers feed it: what layout inference measures."""
-    pytest.importorskip("eyas.doctor", reason="layout inference lives in eyas.doctor (another engineer's module)")
-    from eyas.ttt import ttt_forward
+    pytest.importorskip("eyas.doctor.inference", reason="layout inference lives in eyas.doctor")
+    from eyas.train.ttt import ttt_forward
 
     mcfg, cls = tiny_config("llama", layers=L)
     mcfg.initializer_range = 0.1  # a peaked target: its text is predictable, so a draft can learn it

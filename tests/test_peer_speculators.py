@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.draft import load_draft
-from eyas.export import export_draft
+from eyas.interop.export import export_draft
 from eyas.target import capture
 from tests.test_export import make_draft, make_target
 

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from eyas.prompts import PromptError, load_prompts, mtbench_questions
+from eyas.bench.prompts import PromptError, load_prompts, mtbench_questions
 
 
 def test_mtbench_80_questions_two_turns_categories():

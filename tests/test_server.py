@@ -22,8 +22,10 @@ from typer.testing import CliRunner
 from eyas.cli import app as cli_app
 from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
-from eyas.server import Metrics, ServeConfig, TextStream, create_app, exposure_warning
+from eyas.serve.app import ServeConfig, create_app, exposure_warning
+from eyas.serve.metrics import Metrics
 from eyas.target import load_target
+from eyas.text import TextStream
 from tests.tiny import tiny_config
 
 KEY = "sk-eyas-test"
@@ -482,7 +484,7 @@ def test_metrics_after_traffic(served):
 def test_real_target_served_equals_engine(smollm2):
     """SmolLM2-135M with an untrained EAGLE-3 draft (the real layout [2, 15, 27]) served: streamed greedy chat
     equals Engine.generate, usage exact."""
-    from eyas.bench import random_draft
+    from eyas.draft import random_draft
 
     spec = SpecParams(method="chain", steps=2)
     engine = Engine(smollm2, random_draft(smollm2, draft_vocab=2048), spec)

@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
+from eyas.data.shards import KIND, MANIFEST, Sample, ShardError, ShardSet, read_shard, write_shard
+from eyas.files import atomic_write_json
 from eyas.layout import Layout, LayoutError, TargetIdentity
-from eyas.shards import KIND, MANIFEST, Sample, ShardError, ShardSet, atomic_write_json, read_shard, write_shard
 
 
 def _sample(row, S=7, H=8):

@@ -43,7 +43,8 @@ def test_shipped_draft_refuses_another_target():
 
 @pytest.mark.integration
 def test_default_draft_is_used_with_the_bundled_target_and_is_lossless(smollm2):
-    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids, resolve_draft
+    from eyas.draft import resolve_draft
+    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
 
     ck = resolve_draft("default", smollm2)
     assert ck is not None and ck.path == SHIPPED

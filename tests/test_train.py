@@ -11,11 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, write_shard
 from eyas.draft import load_draft
+from eyas.files import atomic_write_json
 from eyas.layout import LayoutError
-from eyas.shards import KIND, MANIFEST, Sample, ShardSet, atomic_write_json, write_shard
 from eyas.target import capture, load_target, stream_norms
-from eyas.train import Item, TrainConfig, TrainError, lr_at, plan_epoch, train
+from eyas.train.config import TrainConfig, TrainError
+from eyas.train.loop import lr_at, train
+from eyas.train.sources import Item, plan_epoch
 from eyas.vocab import VocabError, count_tokens, select_draft_vocab, vocab_hash
 from tests.tiny import tiny_model
 
@@ -327,7 +330,7 @@ def test_two_processes_match_one(world):
 
 @pytest.mark.integration
 def test_online_training_on_smollm2(smollm2, tmp_path):
-    pytest.importorskip("eyas.data")
+    pytest.importorskip("eyas.data.conversations")
     convs = [{"conversations": [{"from": "human", "value": f"Count from {i} to {i + 5}."},
                                 {"from": "gpt", "value": ", ".join(str(i + k) for k in range(6)) + "."}]}
              for i in range(12)]

@@ -5,7 +5,7 @@ import torch
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.target import decoder_parts
-from eyas.ttt import TTTError, step_counts, target_labels, ttt_forward
+from eyas.train.ttt import TTTError, step_counts, target_labels, ttt_forward
 from tests.tiny import tiny_model
 
 V, H = 128, 32

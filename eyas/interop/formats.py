@@ -1,6 +1,6 @@
 """Foreign EAGLE-3 draft formats: weight names, config keys, and what each one's layer ids mean.
 
-Pure functions (no file IO): `eyas/export.py` uses them in both directions. Facts below were read in
+Pure functions (no file IO): export.py and importer.py use them in both directions. Facts below were read in
 the engines' own code (stored public copies, read for facts only; no code copied):
 
 eyas        stream index k in 0..L (eyas/layout.py): 0 = embedding output, i = output of layer i-1 =
@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 
-from .draft import DraftConfig
-from .layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
+from ..draft import DraftConfig
+from ..errors import EyasError
+from ..layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
 
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
 IMPORT_FORMATS = ("auto", "sglang", "specforge", "vllm", "speculators", "eagle")
@@ -65,7 +66,7 @@ SPECULATORS_SCHEMA_VERSION = "0.9.0"  # the speculators release whose config sch
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-class FormatError(ValueError):
+class FormatError(EyasError):
     """A foreign checkpoint that eyas cannot read faithfully; the message says what and why."""
 
 

@@ -11,7 +11,7 @@ it is not content); tok/s = content tokens / wall seconds of the whole call (pre
 tau = tokens per target forward after the prefill, bonus included (the prefill's token and forward are
 not counted, so plain greedy is exactly 1.0), as eyas's GenStats.tau defines it: HF forwards are counted
 with a forward hook on the model, eyas methods report theirs in GenStats. Stop tokens: HF and eyas both
-stop on the engine's eos set (tokenizer + model configs) united with the chat template's end token.
+stop on the target's end-of-turn tokens (eyas.target.end_token_ids, what the engine stops on).
 """
 
 from __future__ import annotations
@@ -29,39 +29,30 @@ from typing import Any
 
 import torch
 
-from .draft import DraftCheckpoint, DraftConfig, Eagle3Draft, bundled_draft_path, load_draft
+from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
+from ..errors import EyasError
+from ..files import atomic_write, atomic_write_json
+from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_device
+from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
-from .target import Target, file_fingerprint, load_target
 
 METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup")
 ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup")
 SPEC_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
 HF_METHODS = ("hf-greedy", "hf-lookup")
 WARMUP_TOKENS = 16
+SKIP_SPEC = "--methods hf-greedy,plain,hf-lookup to skip the speculative methods"  # a run without a draft
 
 
-class BenchError(ValueError):
+class BenchError(EyasError):
     pass
 
 
 # ---- configuration -------------------------------------------------------------------------------
 
 def parse_int_list(text: str, what: str, minimum: int = 1) -> list[int]:
-    """'1,2,4' or '2-6' or '1-3,8' -> sorted unique ints."""
-    out: set[int] = set()
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                a, b = part.split("-")
-                out.update(range(int(a), int(b) + 1))
-            elif part:
-                out.add(int(part))
-    except ValueError as e:
-        raise BenchError(f"{what} {text!r}: expected comma-separated integers or ranges like 1,2,4 or 2-6") from e
-    if not out or min(out) < minimum:
-        raise BenchError(f"{what} {text!r}: expected integers >= {minimum}, found {sorted(out)}")
-    return sorted(out)
+    """'1,2,4' or '2-6' or '1-3,8' -> sorted unique ints (the sweep grid's flags)."""
+    return parse_ints(text, what, ranges=True, minimum=minimum, error=BenchError)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -118,43 +109,6 @@ SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draf
 
 # ---- draft ---------------------------------------------------------------------------------------
 
-def random_draft(target: Target, draft_vocab: int = 8192, seed: int = 0) -> DraftCheckpoint:
-    """An untrained EAGLE-3 draft for `target` (random weights, draft vocab = the first target ids).
-    Its acceptance is near zero: it proves the plumbing, never the speed."""
-    vocab = target.identity.vocab_size
-    cfg = DraftConfig.from_target_config(target.config, min(draft_vocab, vocab))
-    torch.manual_seed(seed)
-    model = Eagle3Draft(cfg)
-    model.set_vocab_map(torch.arange(cfg.draft_vocab_size))
-    manifest = {"kind": "eyas-draft", "untrained": True, "note": f"random weights (seed {seed}), made by eyas bench",
-                "draft_config": cfg.to_dict()}
-    model.to(device=target.device, dtype=target.dtype).eval()
-    return DraftCheckpoint(model=model, layout=target.default_layout(), manifest=manifest, path=None)
-
-
-def save_random_draft(target: Target, path: str | Path, draft_vocab: int = 8192, seed: int = 0) -> Path:
-    from .draft import save_draft
-
-    ckpt = random_draft(target, draft_vocab, seed)
-    return save_draft(path, ckpt.model.float(), ckpt.layout,
-                      extra={"untrained": True, "note": ckpt.manifest["note"]})
-
-
-def resolve_draft(spec: str, target: Target) -> DraftCheckpoint:
-    if spec == "random":
-        return random_draft(target)
-    check_draft_spec(spec)
-    return load_draft(spec, device=target.device, dtype=target.dtype)
-
-
-def check_draft_spec(spec: str) -> None:
-    """Fail before any model loads when the bundled draft is asked for but not shipped."""
-    if spec == "default" and not bundled_draft_path().is_dir():
-        raise BenchError(f"the bundled draft ({bundled_draft_path()}) is not shipped yet: pass --draft PATH (an eyas "
-                         "draft folder), --draft random (an untrained draft: the plumbing, not the speed), or "
-                         "--methods hf-greedy,plain,hf-lookup to skip the speculative methods")
-
-
 def draft_summary(ckpt: DraftCheckpoint | None, spec: str) -> dict[str, Any] | None:
     if ckpt is None:
         return None
@@ -189,38 +143,9 @@ class Output:
     stats: dict[str, Any] | None = None  # eyas GenStats fields
 
 
-def end_token_ids(tokenizer) -> list[int]:
-    """The chat template's end-of-turn token (the token right after an assistant reply) plus the
-    tokenizer's eos. Both HF and eyas runs stop on these."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    sentinel = "EYASSENTINEL"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": sentinel}], tokenize=False)
-    except Exception:  # no chat template: eos alone
-        text = ""
-    if sentinel in text:
-        rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
-        if rest and rest[0] in tokenizer.all_special_ids:
-            ids.add(int(rest[0]))
-    if not ids:
-        raise BenchError("the tokenizer has no eos token and its chat template no end-of-turn token; "
-                         "the bench cannot know where a reply ends")
-    return sorted(ids)
-
-
 def stop_ids(target: Target) -> list[int]:
-    """What both HF and eyas stop on: the engine's eos set plus the chat template's end token."""
-    from .engine import eos_token_ids
-
-    return sorted(set(end_token_ids(target.tokenizer)) | eos_token_ids(target))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """What both HF and eyas stop on: the target's end-of-turn tokens (eyas.target.end_token_ids)."""
+    return end_token_ids(target.tokenizer, target.model, "the bench cannot know where a reply ends")
 
 
 def _strip_end(ids: list[int], end_ids: list[int]) -> tuple[list[int], str | None]:
@@ -248,12 +173,12 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
         saved = model.generation_config
         model.generation_config = GenerationConfig()
         try:
-            _sync(target.device)
+            sync_device(target.device)
             t0 = time.perf_counter()
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, temperature=None,
                                  top_p=None, top_k=None, max_new_tokens=max_new_tokens, eos_token_id=end_ids,
                                  pad_token_id=pad, **kw)
-            _sync(target.device)
+            sync_device(target.device)
             dt = time.perf_counter() - t0
         finally:
             hook.remove()
@@ -265,13 +190,13 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
 
 
 def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[..., Output]:
-    from .engine import SamplingParams
+    from ..engine import SamplingParams
 
     def run(input_ids: list[int], max_new_tokens: int) -> Output:
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         res = engine.generate(input_ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-        _sync(device)
+        sync_device(device)
         dt = time.perf_counter() - t0
         ids, _ = _strip_end(list(res.token_ids), end_ids)
         s = res.stats
@@ -373,12 +298,6 @@ def summarize(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
 
 # ---- output --------------------------------------------------------------------------------------
 
-def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def environment(target: Target) -> dict[str, Any]:
     import transformers
 
@@ -408,7 +327,7 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
@@ -431,14 +350,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS else "#2a6fb0" for m in methods])
     for bar, m in zip(bars, methods, strict=True):
         sp = summ[m].get(base)
-        a.annotate(_fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        a.annotate(fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                    ha="center", va="bottom", fontsize=9)
     a.set_ylabel("tokens / s")
     a.set_title(f"throughput (speedup vs {'HF greedy' if base == 'speedup_vs_hf' else 'eyas plain'})")
     taus = [summ[m]["tau"] or 0.0 for m in methods]
     bars = b.bar(ticks, taus, color="#4f9a5a")
     for bar, m in zip(bars, methods, strict=True):
-        b.annotate(_fmt(summ[m]["tau"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        b.annotate(fmt(summ[m]["tau"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                    ha="center", va="bottom", fontsize=9)
     b.set_ylabel("tokens per target forward (tau)")
     b.set_title("tau")
@@ -449,13 +368,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
                  f"{results['target']['name']} {env['dtype']} on {env['device']} ({env['threads']} threads){flag}",
                  fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
-def _console():
+def wide_console():
     from rich.console import Console
 
     con = Console()
@@ -467,7 +384,7 @@ def _console():
 def render(results: dict[str, Any]) -> None:
     from rich.table import Table
 
-    con = _console()
+    con = wide_console()
     summ = results["summary"]["methods"]
     ref = results["reference"]
     draft = results.get("draft") or {}
@@ -479,10 +396,10 @@ def render(results: dict[str, Any]) -> None:
                 f"= {ref or 'ref'}"):
         t.add_column(col, justify="left" if col in ("method", "accept per depth") else "right")
     for m, s in summ.items():
-        acc = " ".join(_fmt(a, ".2f") for a in s["accept_per_depth"]) if s["accept_per_depth"] else "-"
+        acc = " ".join(fmt(a, ".2f") for a in s["accept_per_depth"]) if s["accept_per_depth"] else "-"
         same = "ref" if m == ref else (f"{s['identical']}/{s['compared']}" if s["compared"] else "n/a")
-        t.add_row(m, f"{s['tok_s']:.1f}", _fmt(s["speedup_vs_hf"], ".2f", "x"), _fmt(s["speedup_vs_plain"], ".2f", "x"),
-                  _fmt(s["tau"]), acc, _fmt(s["draft_overhead"], ".0%"), same)
+        t.add_row(m, f"{s['tok_s']:.1f}", fmt(s["speedup_vs_hf"], ".2f", "x"), fmt(s["speedup_vs_plain"], ".2f", "x"),
+                  fmt(s["tau"]), acc, fmt(s["draft_overhead"], ".0%"), same)
     con.print(t)
     cats = results["summary"]["categories"]
     if len(cats) > 1:
@@ -491,7 +408,7 @@ def render(results: dict[str, Any]) -> None:
         for m in summ:
             ct.add_column(m, justify="right")
         for c, block in cats.items():
-            ct.add_row(c, *[f"{block[m]['tok_s']:.1f} ({_fmt(block[m]['speedup_vs_hf'], '.2f', 'x')})"
+            ct.add_row(c, *[f"{block[m]['tok_s']:.1f} ({fmt(block[m]['speedup_vs_hf'], '.2f', 'x')})"
                             for m in summ])
         con.print(ct)
     for m, s in summ.items():
@@ -502,7 +419,7 @@ def render(results: dict[str, Any]) -> None:
             ok = s["identical"] == s["compared"]
             extra = f", {s['lookup_share']:.0%} of tokens from lookup candidates" if s.get("lookup_accepted") else ""
             con.print(f"{m}: lossless: {'yes' if ok else '[red]NO[/red]'} ({s['identical']}/{s['compared']} prompts "
-                      f"token-identical to {ref}); tau {_fmt(s['tau'])}{extra}")
+                      f"token-identical to {ref}); tau {fmt(s['tau'])}{extra}")
     con.print(f"results: {results['out']}")
 
 
@@ -521,7 +438,7 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
         elif m == "hf-lookup":
             runners[m] = hf_runner(target, end_ids, lookup_tokens=cfg.lookup_tokens)
         else:
-            from .engine import Engine, SpecParams
+            from ..engine import Engine, SpecParams
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
                               topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0)
@@ -531,7 +448,7 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
 
 
 def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
-    from .engine import chat_input_ids
+    from ..engine import chat_input_ids
 
     return [list(chat_input_ids(target.tokenizer, p.messages)) for p in prompts]
 
@@ -541,7 +458,7 @@ def greedy_answer(target: Target, end_ids: list[int], max_new_tokens: int) -> Ca
     run = hf_runner(target, end_ids)
 
     def answer(messages: list[dict]) -> str:
-        from .engine import chat_input_ids
+        from ..engine import chat_input_ids
 
         out = run(list(chat_input_ids(target.tokenizer, messages)), max_new_tokens)
         return target.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -578,7 +495,7 @@ def _prepare_out(cfg: BenchConfig, out: Path, target: Target, keys: tuple[str, .
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop partial prompts
         return rows
     out.mkdir(parents=True, exist_ok=True)
-    write_json(cfg_path, me)
+    atomic_write_json(cfg_path, me)
     rows_path.write_text("")
     return []
 
@@ -621,7 +538,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
-        check_draft_spec(cfg.draft)
+        check_default_draft(cfg.draft, SKIP_SPEC)
     target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)
@@ -648,161 +565,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
         "summary": summarize(rows, cfg.methods), "rows": rows,
     }
-    write_json(out / "results.json", results)
+    atomic_write_json(out / "results.json", results)
     plot(results, out / "bench.png")
     if show:
         render(results)
-    return results
-
-
-# ---- sweep ---------------------------------------------------------------------------------------
-
-def sweep_settings(grid: SweepGrid) -> list[dict[str, Any]]:
-    """Every chain steps value and every tree (depth, topk, tokens) combination, unfiltered: the engine
-    decides which are invalid, and those are reported as refused, never adjusted."""
-    out = [{"method": "chain", "steps": s} for s in grid.steps]
-    out += [{"method": "tree", "depth": d, "topk": k, "tokens": t, **({"lookup": n} if n else {})}
-            for d in grid.depth for k in grid.topk for t in grid.tokens for n in grid.lookup]
-    return out
-
-
-def setting_label(s: dict[str, Any]) -> str:
-    if s["method"] == "chain":
-        return f"chain steps={s['steps']}"
-    if s["method"] == "tree":
-        extra = f" lookup={s['lookup']}" if s.get("lookup") else ""
-        return f"tree depth={s['depth']} topk={s['topk']} tokens={s['tokens']}{extra}"
-    return s["method"]
-
-
-def setting_flags(s: dict[str, Any]) -> str:
-    """The setting as `eyas bench`/`eyas generate` flags (bench takes --methods, generate --method)."""
-    if s["method"] == "chain":
-        return f"--steps {s['steps']}"
-    extra = f" --lookup {s['lookup']}" if s.get("lookup") else ""
-    return f"--depth {s['depth']} --topk {s['topk']} --tokens {s['tokens']}{extra}"
-
-
-def plot_sweep(results: dict[str, Any], path: Path, top: int = 25) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = sorted(results["settings"], key=lambda r: -r["tok_s"])[:top]
-    labels = [r["label"] for r in ok]
-    fig, ax = plt.subplots(figsize=(10, 0.32 * len(ok) + 1.6))
-    bars = ax.barh(labels[::-1], [r["tok_s"] for r in ok][::-1],
-                   color=["#888888" if r["method"] == "plain" else "#2a6fb0" for r in ok][::-1])
-    for bar, r in zip(bars, ok[::-1], strict=True):
-        ax.annotate(f" {_fmt(r['speedup_vs_plain'], '.2f', 'x')}  tau {_fmt(r['tau'])}",
-                    (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
-    ax.set_xlabel("tokens / s (speedup vs eyas plain, tau)")
-    flag = " — UNTRAINED draft" if (results.get("draft") or {}).get("untrained") else ""
-    ax.set_title(f"sweep: fastest {len(ok)} of {len(results['settings'])} settings, {results['num_prompts']} prompts"
-                 f"{flag}", fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def render_sweep(results: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    con = _console()
-    title = f"eyas bench --sweep: {results['num_prompts']} prompts, {results['config']['max_new_tokens']} new tokens"
-    if (results.get("draft") or {}).get("untrained"):
-        title += " [red](UNTRAINED draft)[/red]"
-    t = Table(title=title)
-    for col in ("setting", "tok/s", "vs plain", "tau", "accept per depth", "draft overhead", "= plain"):
-        t.add_column(col, justify="left" if col in ("setting", "accept per depth") else "right")
-    for r in sorted(results["settings"], key=lambda r: -r["tok_s"]):
-        acc = " ".join(_fmt(a, ".2f") for a in r["accept_per_depth"]) if r["accept_per_depth"] else "-"
-        same = f"{r['identical']}/{r['compared']}" if r["compared"] else "ref"
-        t.add_row(r["label"], f"{r['tok_s']:.1f}", _fmt(r["speedup_vs_plain"], ".2f", "x"), _fmt(r["tau"]), acc,
-                  _fmt(r["draft_overhead"], ".0%"), same)
-    con.print(t)
-    if results["refused"]:
-        con.print(f"{len(results['refused'])} settings refused by the engine (see sweep.json), e.g. "
-                  f"{results['refused'][0]['label']}: {results['refused'][0]['error']}")
-    best = results["best"]
-    if best:
-        con.print(f"[bold]fastest: {best['label']}[/bold] {best['tok_s']:.1f} tok/s "
-                  f"({_fmt(best['speedup_vs_plain'], '.2f', 'x')} vs plain, tau {_fmt(best['tau'])})")
-        con.print(f"use it: {best['command']}\n        {best['generate_command']}")
-        plain = next((r for r in results["settings"] if r["method"] == "plain"), None)
-        if plain and plain["tok_s"] >= best["tok_s"]:
-            con.print("[yellow]plain decoding was faster than every speculative setting here[/yellow]")
-        if not best["lossless"]:
-            con.print("[red]no setting reproduced plain greedy on every prompt (expected in fp32; in bf16 batched "
-                      "verification can round differently): check the '= plain' column[/red]")
-    con.print(f"results: {results['out']}")
-
-
-def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
-              progress: bool = True, show: bool = True) -> dict[str, Any]:
-    """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
-    write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
-    from .engine import Engine, EngineError, SpecParams
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
-    prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
-    if draft is None:
-        check_draft_spec(cfg.draft)
-    target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
-    draft = draft or resolve_draft(cfg.draft, target)
-    end_ids = stop_ids(target)
-    if prompts is None:
-        prompts = load_prompts(cfg.bench, n, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
-    ids = prompt_ids(target, prompts)
-    out = Path(cfg.out) if cfg.out else default_out("sweep")
-
-    settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
-    runners: dict[str, Callable[..., Output]] = {}
-    refused = []
-    for s in settings:
-        label = setting_label(s)
-        try:
-            engine = Engine(target, None if s["method"] == "plain" else draft, SpecParams(**s))
-            run = engine_runner(engine, end_ids, target.device)
-            run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))  # warm-up; also where lazy checks would fire
-        except EngineError as e:
-            refused.append({**s, "label": label, "error": str(e)})
-            continue
-        runners[label] = run
-    labels = list(runners)
-    done_rows = _prepare_out(cfg, out, target, SWEEP_RESUME_KEYS, labels)
-    rows = done_rows + interleave(prompts, ids, runners, "plain", cfg.max_new_tokens, out / "rows.jsonl",
-                                  {r["prompt"] for r in done_rows}, progress, "sweep")
-    summ = summarize(rows, labels)["methods"]
-    by_label = {setting_label(s): s for s in settings}
-    table = [{**by_label[lab], "label": lab, **{k: v for k, v in summ[lab].items() if k != "speedup_vs_hf"}}
-             for lab in labels]
-    spec_rows = [r for r in table if r["method"] != "plain"]
-    # the fastest setting whose outputs all equal plain greedy; only if none does, the fastest at all
-    lossless = [r for r in spec_rows if r["identical"] == r["compared"]]
-    best = max(lossless or spec_rows, key=lambda r: r["tok_s"]) if spec_rows else None
-    if best:
-        flags = setting_flags(best)
-        best = {**best, "lossless": bool(lossless),
-                "command": f"eyas bench --bench {cfg.bench} --methods "
-                           f"{'tree-lookup' if best.get('lookup') else best['method']} {flags} --draft {cfg.draft} "
-                           f"--dtype {cfg.dtype} --device {cfg.device}",
-                "generate_command": f"eyas generate --method {best['method']} {flags} --draft {cfg.draft} "
-                                    f"--dtype {cfg.dtype} --device {cfg.device} --prompt ..."}
-    results = {
-        "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
-        "config": cfg.to_dict(),
-        "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
-        "draft": draft_summary(draft, cfg.draft), "num_prompts": len(prompts), "prompts": [p.id for p in prompts],
-        "settings": table, "refused": refused, "best": best, "rows": rows,
-    }
-    write_json(out / "sweep.json", results)
-    plot_sweep(results, out / "sweep.png")
-    if show:
-        render_sweep(results)
     return results

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-from .data import (
+from ..errors import EyasError
+from ..files import atomic_write_json
+from ..layout import Layout, LayoutError, check_layouts
+from ..target import Target, capture, end_token_ids, file_fingerprint, load_target, parse_dtype
+from .conversations import (
     Conversation,
     DataError,
     Skip,
@@ -31,14 +35,12 @@ from .data import (
     resolve_source,
     tokenize_conversation_checked,
 )
-from .layout import Layout, LayoutError, check_layouts
-from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, atomic_write_json, load_manifest, write_shard
-from .target import Target, capture, file_fingerprint, load_target, parse_dtype
+from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
 
 SHARD_GLOB = "shard-*.safetensors"
 
 
-class DatagenError(ValueError):
+class DatagenError(EyasError):
     """Bad options, a refused rerun or a numeric problem; the message says what was expected and the fix."""
 
 
@@ -133,15 +135,9 @@ def length_batches(lengths: list[int], max_batch: int, token_budget: int) -> lis
 # ---- regeneration ------------------------------------------------------------------------------------
 
 def stop_token_ids(target: Target) -> list[int]:
-    ids: set[int] = set()
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    if target.tokenizer.eos_token_id is not None:
-        ids.add(int(target.tokenizer.eos_token_id))
-    if not ids:
-        raise DatagenError("the target has no end-of-turn token (no eos_token_id in its generation config or "
-                           "tokenizer); regeneration could never stop: use --no-regenerate or fix the config")
-    return sorted(ids)
+    """Where a regenerated reply ends: the target's end-of-turn tokens (eyas.target.end_token_ids)."""
+    return end_token_ids(target.tokenizer, target.model,
+                         "regeneration could never stop: use --no-regenerate or fix the config")
 
 
 def _loop_criteria(n: int, prompt_len: int):
@@ -149,7 +145,7 @@ def _loop_criteria(n: int, prompt_len: int):
 
     class LoopStop(StoppingCriteria):
         """Per row: stop once the last n generated tokens already occurred as an earlier n-token window of the
-        reply (the same rule as eyas.data.loop_end, checked after every new token)."""
+        reply (the same rule as eyas.data.conversations.loop_end, checked after every new token)."""
 
         def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
             gen = input_ids[:, prompt_len:]  # [B, T]
@@ -383,7 +379,7 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
 def _versions() -> dict[str, str]:
     import transformers
 
-    from . import __version__ as eyas_version
+    from .. import __version__ as eyas_version
     return {"eyas": eyas_version, "torch": torch.__version__, "transformers": transformers.__version__}
 
 

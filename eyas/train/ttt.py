@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .draft import Eagle3Draft
+from ..draft import Eagle3Draft
+from ..errors import EyasError
 
 STEP_DECAY = 0.8  # step j weighs 0.8**j (EAGLE-3)
 TARGET_CHUNK_BYTES = 256 << 20  # fp32 full-vocab logits computed this many bytes at a time
 
 
-class TTTError(ValueError):
+class TTTError(EyasError):
     pass
 
 

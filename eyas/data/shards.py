@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +21,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .layout import Layout, check_layouts
+from ..errors import EyasError
+from ..files import atomic_write
+from ..layout import Layout, check_layouts
 
 MANIFEST = "manifest.json"
 KIND = "eyas-shards"
 FORMAT_VERSION = 1
 
 
-class ShardError(ValueError):
+class ShardError(EyasError):
     pass
 
 
@@ -43,12 +44,6 @@ class Sample:
 
     def __len__(self) -> int:
         return self.input_ids.numel()
-
-
-def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -67,9 +62,7 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
         "row_ids": torch.tensor([s.row_id for s in samples], dtype=torch.long),
     }
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"producer": "eyas", "kind": KIND})
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"producer": "eyas", "kind": KIND}))
     return {
         "file": path.name,
         "samples": len(samples),

@@ -193,12 +193,18 @@ def _common_fields(r: _Common, kind: str, max_tokens: int | None) -> dict[str, A
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=_stop_list(r.stop), seed=r.seed)
 
 
-def parse_chat(body: bytes) -> GenRequest:
+def _validated(model: type[_Common], body: bytes) -> Any:
+    """The body as `model` (400 on bad JSON or fields), refusing what neither endpoint supports."""
     try:
-        r = ChatRequest.model_validate(_load_json(body))
+        r = model.model_validate(_load_json(body))
     except ValidationError as e:
         raise _validation_error(e) from None
     _refuse_unsupported(r)
+    return r
+
+
+def parse_chat(body: bytes) -> GenRequest:
+    r = _validated(ChatRequest, body)
     if r.tools or r.tool_choice not in (None, "none"):
         raise APIError(400, "'tools' are not supported by eyas; remove them.", param="tools",
                        code="unsupported_parameter")
@@ -220,11 +226,7 @@ def parse_chat(body: bytes) -> GenRequest:
 
 
 def parse_completion(body: bytes) -> GenRequest:
-    try:
-        r = CompletionRequest.model_validate(_load_json(body))
-    except ValidationError as e:
-        raise _validation_error(e) from None
-    _refuse_unsupported(r)
+    r = _validated(CompletionRequest, body)
     if r.echo or r.suffix or (r.best_of not in (None, 1)):
         param = "echo" if r.echo else ("suffix" if r.suffix else "best_of")
         raise APIError(400, f"'{param}' is not supported; remove it.", param=param, code="unsupported_parameter")

@@ -1,0 +1,185 @@
+"""`eyas bench --sweep`: every chain/tree setting of a grid on a few prompts, interleaved with plain greedy as
+the reference; reports the fastest lossless setting and the command that uses it (sweep.json + sweep.png)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
+from ..files import atomic_write, atomic_write_json
+from ..target import Target, load_target
+from .prompts import load_prompts
+from .run import (
+    SKIP_SPEC,
+    SWEEP_RESUME_KEYS,
+    WARMUP_TOKENS,
+    BenchConfig,
+    Output,
+    SweepGrid,
+    _prepare_out,
+    default_out,
+    draft_summary,
+    engine_runner,
+    environment,
+    fmt,
+    greedy_answer,
+    interleave,
+    prompt_ids,
+    stop_ids,
+    summarize,
+    wide_console,
+)
+
+
+def sweep_settings(grid: SweepGrid) -> list[dict[str, Any]]:
+    """Every chain steps value and every tree (depth, topk, tokens) combination, unfiltered: the engine
+    decides which are invalid, and those are reported as refused, never adjusted."""
+    out = [{"method": "chain", "steps": s} for s in grid.steps]
+    out += [{"method": "tree", "depth": d, "topk": k, "tokens": t, **({"lookup": n} if n else {})}
+            for d in grid.depth for k in grid.topk for t in grid.tokens for n in grid.lookup]
+    return out
+
+
+def setting_label(s: dict[str, Any]) -> str:
+    if s["method"] == "chain":
+        return f"chain steps={s['steps']}"
+    if s["method"] == "tree":
+        extra = f" lookup={s['lookup']}" if s.get("lookup") else ""
+        return f"tree depth={s['depth']} topk={s['topk']} tokens={s['tokens']}{extra}"
+    return s["method"]
+
+
+def setting_flags(s: dict[str, Any]) -> str:
+    """The setting as `eyas bench`/`eyas generate` flags (bench takes --methods, generate --method)."""
+    if s["method"] == "chain":
+        return f"--steps {s['steps']}"
+    extra = f" --lookup {s['lookup']}" if s.get("lookup") else ""
+    return f"--depth {s['depth']} --topk {s['topk']} --tokens {s['tokens']}{extra}"
+
+
+def plot_sweep(results: dict[str, Any], path: Path, top: int = 25) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = sorted(results["settings"], key=lambda r: -r["tok_s"])[:top]
+    labels = [r["label"] for r in ok]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(ok) + 1.6))
+    bars = ax.barh(labels[::-1], [r["tok_s"] for r in ok][::-1],
+                   color=["#888888" if r["method"] == "plain" else "#2a6fb0" for r in ok][::-1])
+    for bar, r in zip(bars, ok[::-1], strict=True):
+        ax.annotate(f" {fmt(r['speedup_vs_plain'], '.2f', 'x')}  tau {fmt(r['tau'])}",
+                    (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+    ax.set_xlabel("tokens / s (speedup vs eyas plain, tau)")
+    flag = " — UNTRAINED draft" if (results.get("draft") or {}).get("untrained") else ""
+    ax.set_title(f"sweep: fastest {len(ok)} of {len(results['settings'])} settings, {results['num_prompts']} prompts"
+                 f"{flag}", fontsize=10)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def render_sweep(results: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    con = wide_console()
+    title = f"eyas bench --sweep: {results['num_prompts']} prompts, {results['config']['max_new_tokens']} new tokens"
+    if (results.get("draft") or {}).get("untrained"):
+        title += " [red](UNTRAINED draft)[/red]"
+    t = Table(title=title)
+    for col in ("setting", "tok/s", "vs plain", "tau", "accept per depth", "draft overhead", "= plain"):
+        t.add_column(col, justify="left" if col in ("setting", "accept per depth") else "right")
+    for r in sorted(results["settings"], key=lambda r: -r["tok_s"]):
+        acc = " ".join(fmt(a, ".2f") for a in r["accept_per_depth"]) if r["accept_per_depth"] else "-"
+        same = f"{r['identical']}/{r['compared']}" if r["compared"] else "ref"
+        t.add_row(r["label"], f"{r['tok_s']:.1f}", fmt(r["speedup_vs_plain"], ".2f", "x"), fmt(r["tau"]), acc,
+                  fmt(r["draft_overhead"], ".0%"), same)
+    con.print(t)
+    if results["refused"]:
+        con.print(f"{len(results['refused'])} settings refused by the engine (see sweep.json), e.g. "
+                  f"{results['refused'][0]['label']}: {results['refused'][0]['error']}")
+    best = results["best"]
+    if best:
+        con.print(f"[bold]fastest: {best['label']}[/bold] {best['tok_s']:.1f} tok/s "
+                  f"({fmt(best['speedup_vs_plain'], '.2f', 'x')} vs plain, tau {fmt(best['tau'])})")
+        con.print(f"use it: {best['command']}\n        {best['generate_command']}")
+        plain = next((r for r in results["settings"] if r["method"] == "plain"), None)
+        if plain and plain["tok_s"] >= best["tok_s"]:
+            con.print("[yellow]plain decoding was faster than every speculative setting here[/yellow]")
+        if not best["lossless"]:
+            con.print("[red]no setting reproduced plain greedy on every prompt (expected in fp32; in bf16 batched "
+                      "verification can round differently): check the '= plain' column[/red]")
+    con.print(f"results: {results['out']}")
+
+
+def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
+              progress: bool = True, show: bool = True) -> dict[str, Any]:
+    """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
+    write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
+    from ..engine import Engine, EngineError, SpecParams
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
+    prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
+    if draft is None:
+        check_default_draft(cfg.draft, SKIP_SPEC)
+    target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    draft = draft or resolve_draft(cfg.draft, target)
+    end_ids = stop_ids(target)
+    if prompts is None:
+        prompts = load_prompts(cfg.bench, n, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
+    ids = prompt_ids(target, prompts)
+    out = Path(cfg.out) if cfg.out else default_out("sweep")
+
+    settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
+    runners: dict[str, Callable[..., Output]] = {}
+    refused = []
+    for s in settings:
+        label = setting_label(s)
+        try:
+            engine = Engine(target, None if s["method"] == "plain" else draft, SpecParams(**s))
+            run = engine_runner(engine, end_ids, target.device)
+            run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))  # warm-up; also where lazy checks would fire
+        except EngineError as e:
+            refused.append({**s, "label": label, "error": str(e)})
+            continue
+        runners[label] = run
+    labels = list(runners)
+    done_rows = _prepare_out(cfg, out, target, SWEEP_RESUME_KEYS, labels)
+    rows = done_rows + interleave(prompts, ids, runners, "plain", cfg.max_new_tokens, out / "rows.jsonl",
+                                  {r["prompt"] for r in done_rows}, progress, "sweep")
+    summ = summarize(rows, labels)["methods"]
+    by_label = {setting_label(s): s for s in settings}
+    table = [{**by_label[lab], "label": lab, **{k: v for k, v in summ[lab].items() if k != "speedup_vs_hf"}}
+             for lab in labels]
+    spec_rows = [r for r in table if r["method"] != "plain"]
+    # the fastest setting whose outputs all equal plain greedy; only if none does, the fastest at all
+    lossless = [r for r in spec_rows if r["identical"] == r["compared"]]
+    best = max(lossless or spec_rows, key=lambda r: r["tok_s"]) if spec_rows else None
+    if best:
+        flags = setting_flags(best)
+        best = {**best, "lossless": bool(lossless),
+                "command": f"eyas bench --bench {cfg.bench} --methods "
+                           f"{'tree-lookup' if best.get('lookup') else best['method']} {flags} --draft {cfg.draft} "
+                           f"--dtype {cfg.dtype} --device {cfg.device}",
+                "generate_command": f"eyas generate --method {best['method']} {flags} --draft {cfg.draft} "
+                                    f"--dtype {cfg.dtype} --device {cfg.device} --prompt ..."}
+    results = {
+        "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
+        "config": cfg.to_dict(),
+        "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
+        "draft": draft_summary(draft, cfg.draft), "num_prompts": len(prompts), "prompts": [p.id for p in prompts],
+        "settings": table, "refused": refused, "best": best, "rows": rows,
+    }
+    atomic_write_json(out / "sweep.json", results)
+    plot_sweep(results, out / "sweep.png")
+    if show:
+        render_sweep(results)
+    return results

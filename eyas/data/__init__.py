@@ -1,0 +1,1 @@
+"""Data stage: conversations, target-regenerated replies and captured hidden-state shards."""

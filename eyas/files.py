@@ -1,0 +1,63 @@
+"""Atomic writes: the one place that writes a temporary file (or folder) and renames it into place.
+
+A reader (or a resumed run) sees either the old content or the new one, never a torn file: a kill
+mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write replaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a sibling temporary file, which then replaces `path` in one rename. The temporary is
+    `<name>.tmp-<pid>` (no longer matching `*.safetensors`-style globs), so a writer that infers a format from
+    the suffix must be told it (matplotlib: savefig(..., format="png"))."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def atomic_write_json(path: str | Path, data: Any) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, default=str))
+
+
+def swap_folder(new: Path, out: Path) -> Path:
+    """Replace folder `out` by the complete folder `new` (two renames: out -> out.old, new -> out). A kill
+    between them leaves out.old and `new` intact, both complete, for the caller's recovery to pick from."""
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(new, out)
+    if old.exists():
+        shutil.rmtree(old)
+    return out
+
+
+def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a fresh temporary folder, which then replaces `out` (see swap_folder)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write(tmp)
+    return swap_folder(tmp, out)

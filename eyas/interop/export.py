@@ -1,0 +1,253 @@
+"""`eyas export`: hand drafts to SGLang/SpecForge, vLLM and speculators (`eyas import`: eyas/interop/importer.py).
+
+Export writes the format's weight names (safetensors), a config whose aux ids are explicit in the
+engine's own convention, an eyas manifest (kind `eyas-export`: layout in stream indices, the format, the
+source draft's manifest hash, the launch command, the command that made it) and prints the launch command.
+Ids an engine cannot express are refused by eyas.layout.to_engine_ids, never shifted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..draft import MANIFEST, DraftCheckpoint, load_draft
+from ..errors import EyasError
+from ..files import atomic_folder
+from ..layout import Layout, LayoutError, engine_ids_table, to_engine_ids
+from .formats import (
+    EXPORT_FORMATS,
+    read_ids,
+    sglang_config,
+    speculators_config,
+    to_format_names,
+    vllm_config,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHTS = "model.safetensors"
+
+
+class ExportError(EyasError):
+    """Bad export/import input; the message says what was expected, what was found and the fix."""
+
+
+def sha256_of(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_out(out: Path, kind: str, source: Path | None) -> None:
+    """Refuse an --out that writing would destroy: the source itself, a folder around or inside it, or an
+    existing folder that is not an earlier output of the same kind (it is replaced as a whole)."""
+    o = out.resolve()
+    if source is not None:
+        s = Path(source).resolve()
+        if o == s or s in o.parents or o in s.parents:
+            raise ExportError(f"--out {out} overlaps the source {source}; write to a separate folder")
+    if out.exists():
+        if not out.is_dir():
+            raise ExportError(f"--out {out} exists and is not a folder")
+        man = out / MANIFEST
+        found = json.loads(man.read_text()).get("kind") if man.exists() else None
+        if any(out.iterdir()) and found != kind:
+            raise ExportError(f"--out {out} already exists and is not an earlier {kind} output (it would be "
+                              "replaced as a whole); choose a new folder or delete it first")
+
+
+# ---- launch commands -----------------------------------------------------------------------------
+
+@dataclass
+class LaunchParams:
+    steps: int = 3  # draft steps (SGLang --speculative-num-steps; vLLM num_speculative_tokens)
+    topk: int = 1  # SGLang --speculative-eagle-topk (1 = a chain)
+    draft_tokens: int | None = None  # SGLang --speculative-num-draft-tokens; default 1 + steps * topk
+
+    def resolved(self) -> LaunchParams:
+        """Consistent values or an ExportError naming the fix (SGLang only warns and overrides)."""
+        s, k = self.steps, self.topk
+        if s < 1 or k < 1:
+            raise ExportError(f"--steps {s} and --topk {k} must both be >= 1")
+        n = self.draft_tokens if self.draft_tokens is not None else 1 + s * k
+        if k == 1 and n != s + 1:
+            raise ExportError(f"--draft-tokens {n} with --topk 1: a chain of {s} steps verifies exactly {s + 1} "
+                              f"tokens; SGLang would silently force {s + 1}. Pass --draft-tokens {s + 1} or "
+                              "raise --topk")
+        # SGLang picks num_draft_tokens - 1 nodes out of topk + (steps - 1) * topk^2 scored candidates
+        most = 1 + k + (s - 1) * k * k
+        if not 2 <= n <= most:
+            raise ExportError(f"--draft-tokens {n} is outside 2..{most}, the tree that --steps {s} --topk {k} "
+                              "can draft")
+        return LaunchParams(s, k, n)
+
+
+def sglang_command(target: str, draft_dir: str, p: LaunchParams) -> str:
+    p = p.resolved()
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {draft_dir} --speculative-num-steps {p.steps} "
+            f"--speculative-eagle-topk {p.topk} --speculative-num-draft-tokens {p.draft_tokens}")
+
+
+def vllm_command(target: str, draft_dir: str, p: LaunchParams) -> str:
+    spec = json.dumps({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": p.resolved().steps})
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def launch_command(fmt: str, target: str, draft_dir: str, p: LaunchParams) -> str:
+    # vLLM loads speculators-format drafts natively (vllm/transformers_utils/configs/speculators/)
+    return sglang_command(target, draft_dir, p) if fmt == "sglang" else vllm_command(target, draft_dir, p)
+
+
+def serving_target(spec: str) -> str:
+    """What an engine's --model-path should be for an eyas target spec. A bundled GGUF name is not something
+    SGLang or vLLM can load; its dequantized HF folder (the exact weights the draft was trained on) is."""
+    from ..target import BUNDLED, TargetError, bundled_gguf, cache_dir, file_fingerprint
+
+    if spec not in BUNDLED:
+        return spec
+    try:
+        gguf = bundled_gguf(spec)
+    except TargetError:
+        return spec
+    # the folder name load_target converts the GGUF into
+    folder = cache_dir() / "targets" / f"{gguf.stem}-{file_fingerprint([gguf]).split(':')[1][:12]}"
+    return str(folder) if (folder / "config.json").exists() else spec
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+@dataclass
+class ExportResult:
+    path: Path
+    format: str
+    config: dict[str, Any]
+    manifest: dict[str, Any]
+    launch: str
+
+
+def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path, dtype: str = "fp32",
+                 target: str | None = None, launch: LaunchParams | None = None,
+                 embeddings: torch.Tensor | None = None, command: str | None = None) -> ExportResult:
+    """eyas draft -> `out` in `fmt` (sglang | vllm | speculators). `target`: the model path engines should
+    load (default: the draft's recorded target, its converted HF folder for a bundled GGUF).
+    `embeddings` [V, H]: the target's token embeddings, required for speculators: its loader
+    (speculators 0.9.0 + transformers 5.19) leaves a missing embed_tokens.weight uninitialised instead of
+    filling it from the verifier, and its own checkpoints always carry the table (SGLang and vLLM share the
+    target's embedding, so their exports leave it out)."""
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    launch = (launch or LaunchParams()).resolved()
+    ckpt = draft if isinstance(draft, DraftCheckpoint) else load_draft(draft)
+    layout, cfg = ckpt.layout, ckpt.model.config
+    if layout.target is None:
+        raise ExportError("the draft's layout has no target identity; its ids cannot be translated")
+    L = layout.target.num_layers
+    aux = list(layout.aux_indices)
+    if len(set(aux)) != len(aux):
+        raise ExportError(f"the layout {aux} repeats a stream index: SGLang, vLLM and speculators capture each layer "
+                          "once per forward (`if i in layers_to_capture` inside the layer loop), so fc would get fewer "
+                          "states than it takes. Retrain with distinct --aux-indices")
+    # engines concatenate the captured states in ascending layer order, whatever order the ids are listed in;
+    # an eyas layout in another order is exported with fc's input blocks permuted to match (exact)
+    order = sorted(range(len(aux)), key=aux.__getitem__)
+    if order != list(range(len(aux))):
+        layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
+                        target=layout.target, norms=dict(layout.norms))
+    try:
+        to_engine_ids(layout.aux_indices, fmt, L)  # refuses what the engine cannot express, with why
+    except LayoutError as e:
+        raise ExportError(f"cannot export to {fmt}: {e}") from e
+    if fmt in ("sglang", "vllm") and layout.num_aux != 3:
+        raise ExportError(f"the draft concatenates {layout.num_aux} aux states ({layout.aux_indices}); {fmt}'s "
+                          "EAGLE-3 draft builds fc over exactly 3 (sglang/srt/models/llama_eagle3.py, vllm/"
+                          "model_executor/models/llama_eagle3.py). Export --format speculators, whose fc takes "
+                          "len(ids) states, or retrain with 3 aux indices")
+    recorded = target or recorded_target(ckpt) or layout.target.name or "TARGET"
+    serve_as = serving_target(str(recorded))
+    out = Path(out)
+    check_out(out, "eyas-export", ckpt.path)
+    if fmt == "sglang":
+        config = sglang_config(cfg, layout, dtype)
+    elif fmt == "vllm":
+        config = vllm_config(cfg, layout, dtype)
+    else:
+        config = speculators_config(cfg, layout, dtype, verifier=serve_as, verifier_architecture=layout.target.
+                                    architecture, speculative_tokens=launch.steps)
+    sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
+    if order != list(range(len(aux))):
+        W = sd["fc.weight"]  # [H, n_aux * Ht], column blocks in eyas layout order
+        sd["fc.weight"] = W.view(W.shape[0], len(aux), -1)[:, order].reshape(W.shape).contiguous()
+    sd = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v) for k, v in sd.items()}
+    sd = to_format_names(sd, fmt)
+    if fmt == "speculators":
+        want = (cfg.vocab_size, cfg.hidden_size)
+        if embeddings is None:
+            raise ExportError("a speculators export needs the target's token embeddings (speculators leaves a "
+                              "missing embed_tokens.weight uninitialised); pass the target (eyas export --target)")
+        if tuple(embeddings.shape) != want:
+            raise ExportError(f"target embeddings {tuple(embeddings.shape)} do not fit the draft (vocab, hidden) "
+                              f"{want}: wrong target")
+        sd["embed_tokens.weight"] = embeddings.detach().cpu().to(DTYPES[dtype]).contiguous()
+    launch_cmd = launch_command(fmt, serve_as, str(out.resolve()), launch)
+    src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
+    manifest = {
+        "kind": "eyas-export",
+        "format_version": 1,
+        "format": fmt,
+        "layout": layout.to_dict(),
+        "engine_ids": engine_ids_table(layout.aux_indices, L),  # the same layout in every convention
+        "ids_in_config": read_ids(config).to_dict(),
+        "draft_config": cfg.to_dict(),
+        "dtype": dtype,
+        "source_draft": str(ckpt.path) if ckpt.path else None,
+        "source_manifest_sha256": sha256_of(src_manifest) if src_manifest and src_manifest.exists() else None,
+        "target_source": recorded_target(ckpt),
+        "source_layout_order": aux if order != list(range(len(aux))) else None,  # fc blocks permuted from this
+        "serving_target": serve_as,
+        "launch": {"command": launch_cmd, "steps": launch.steps, "topk": launch.topk,
+                   "draft_tokens": launch.draft_tokens},
+        "eyas_version": __version__,
+        "commands": [command or " ".join(sys.argv)],
+    }
+
+    def write(tmp: Path) -> None:
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas", "eyas_format": fmt})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+
+    atomic_folder(out, write)
+    return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
+
+
+def recorded_target(ckpt: DraftCheckpoint) -> str | None:
+    """The target spec a draft was made with: datagen/import write target_source, the trainer target.source;
+    else the layout's target name when it is a bundled target (its name is its spec)."""
+    from ..target import BUNDLED
+
+    m = ckpt.manifest
+    t = m.get("target") if isinstance(m.get("target"), dict) else {}
+    name = ckpt.layout.target.name if ckpt.layout.target is not None else ""
+    return m.get("target_source") or t.get("source") or (name if name in BUNDLED else None)
+
+
+def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
+    """The token embeddings [V, H] of the draft's target (`spec`, default the draft's recorded target),
+    after checking that this target is the one the draft was trained for (fingerprint included)."""
+    from ..draft import check_draft_for_target
+    from ..target import load_target
+
+    spec = spec or recorded_target(ckpt)
+    if not spec:
+        raise ExportError("the draft records no target_source; pass --target (the model it was trained for)")
+    t = load_target(spec)
+    check_draft_for_target(ckpt, t)
+    return t.embed_tokens().weight.detach().float().cpu()

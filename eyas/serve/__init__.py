@@ -1,0 +1,1 @@
+"""Serve stage: the OpenAI-compatible HTTP server on the speculative engine."""

@@ -1,0 +1,385 @@
+"""OpenAI-compatible HTTP server on the speculative engine (`eyas serve`).
+
+One engine, one worker thread (eyas.serve.worker); the request checks (auth, model name, tokenization and
+limits) are plain functions here, and `create_app` wires them into FastAPI routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from ..engine import EngineError, SamplingParams, chat_input_ids
+from ..errors import EyasError
+from . import openai_schema as oai
+from .metrics import CountRequests, Metrics
+from .openai_schema import APIError, GenRequest
+from .worker import Job, Worker
+
+log = logging.getLogger("eyas.server")
+API_KEY_ENV = "EYAS_API_KEY"
+
+
+class ServeError(EyasError):
+    pass
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    api_key: str | None = None
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 1024
+    context_length: int | None = None  # the target's position limit: prompt + completion must fit
+
+    def check(self) -> None:
+        if self.max_prompt_tokens < 1:
+            raise ServeError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.max_new_tokens < 1:
+            raise ServeError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.model_name:
+            raise ServeError("--model-name must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServeError(f"the API key (--api-key or ${API_KEY_ENV}) is empty; set a real key or leave it unset")
+
+
+# ---- the app -------------------------------------------------------------------------------------
+
+MAX_BODY = 16 << 20  # bytes; far above any prompt the token limit admits
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def check_auth(request: Request, api_key: str | None) -> None:
+    """Bearer-key check (constant-time compare); no key configured = open server."""
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if not header:
+        raise APIError(401, "Missing API key: send the header 'Authorization: Bearer KEY'.",
+                       code="invalid_api_key")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def check_model(name: str, cfg: ServeConfig) -> None:
+    if name != cfg.model_name:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{cfg.model_name}' "
+                            "(GET /v1/models).", param="model", code="model_not_found")
+
+
+def tokenize(req: GenRequest, tokenizer: Any, lock: threading.Lock) -> list[int]:
+    """A chat request through the chat template, a string prompt through the tokenizer (one caller at a
+    time per tokenizer copy: HF fast tokenizers are not thread-safe)."""
+    with lock:
+        if req.kind == "chat":
+            try:
+                return list(chat_input_ids(tokenizer, req.messages))
+            except EngineError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        return list(tokenizer.encode(req.prompt))
+
+
+async def prepare(req: GenRequest, cfg: ServeConfig, encode: Callable[[GenRequest], list[int]],
+                  vocab: int) -> tuple[list[int], int]:
+    """Tokenize (off the event loop: a long prompt must not stall other streams) and check limits
+    -> (input ids, max new tokens)."""
+    if req.kind == "chat" or isinstance(req.prompt, str):
+        input_ids = await asyncio.to_thread(encode, req)
+    else:
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"'prompt' token ids must be in 0..{vocab - 1}; found {bad[:5]}.", param="prompt",
+                           code="invalid_value")
+        input_ids = list(req.prompt)
+    n = len(input_ids)
+    what = "messages" if req.kind == "chat" else "prompt"
+    if n > cfg.max_prompt_tokens:
+        raise APIError(400, f"The prompt is {n} tokens; this server accepts at most {cfg.max_prompt_tokens} "
+                            "(--max-prompt-tokens). Shorten it.", param=what, code="context_length_exceeded")
+    if req.max_tokens is not None and req.max_tokens > cfg.max_new_tokens:
+        raise APIError(400, f"max_tokens is {req.max_tokens}; this server generates at most {cfg.max_new_tokens} "
+                            "tokens per request (--max-new-tokens).", param="max_tokens", code="invalid_value")
+    max_new = req.max_tokens or cfg.max_new_tokens
+    if cfg.context_length is not None and n + max_new > cfg.context_length:
+        if req.max_tokens is not None or n >= cfg.context_length:
+            raise APIError(400, f"The prompt ({n} tokens) plus max_tokens ({max_new}) exceeds the model's "
+                                f"context length of {cfg.context_length} tokens; shorten one of them.",
+                           param=what, code="context_length_exceeded")
+        max_new = cfg.context_length - n  # no explicit max_tokens: use what the context allows
+    return input_ids, max_new
+
+
+def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
+    """The FastAPI app over one engine (an eyas.engine.Engine; its tokenizer is passed separately)."""
+    cfg.check()
+    metrics = Metrics()
+    # separate tokenizer copies: the event loop encodes while the worker decodes
+    enc_tok = copy.deepcopy(tokenizer)
+    worker = Worker(engine, copy.deepcopy(tokenizer), metrics)
+    enc_lock = threading.Lock()  # requests tokenize on worker threads; one tokenizer copy, one at a time
+
+    def encode(req: GenRequest) -> list[int]:
+        return tokenize(req, enc_tok, enc_lock)
+
+    created = oai.now()
+    target = getattr(engine, "target", None)
+    vocab = target.identity.vocab_size if target is not None else len(tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="eyas", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker, app.state.metrics, app.state.config = worker, metrics, cfg
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return _error_response(APIError(400, f"invalid request: {e.errors()[:1]}", code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            msg = (f"no route {request.method} {request.url.path}; eyas serves POST /v1/chat/completions, "
+                   "POST /v1/completions, GET /v1/models, GET /health, GET /metrics")
+        else:
+            msg = f"{e.detail} ({request.method} {request.url.path})"
+        return _error_response(APIError(e.status_code, msg, code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("unexpected error")
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                                        code="internal_error"))
+
+    async def watch_disconnect(request: Request, job: Job) -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                job.cancelled.set()
+                return
+
+    def finish_metrics(job: Job, endpoint: str, finish: str, prompt_tokens: int, completion_tokens: int) -> None:
+        metrics.inc("eyas_requests_finished_total", endpoint=endpoint, finish_reason=finish)
+        metrics.inc("eyas_prompt_tokens_total", prompt_tokens)
+        metrics.inc("eyas_completion_tokens_total", completion_tokens)
+        metrics.observe("eyas_request_latency_seconds", time.perf_counter() - job.arrived, endpoint=endpoint)
+        if job.first_token_at is not None:
+            metrics.observe("eyas_time_to_first_token_seconds", job.first_token_at - job.arrived, endpoint=endpoint)
+
+    async def generate(request: Request, parse) -> Response:
+        arrived = time.perf_counter()
+        check_auth(request, cfg.api_key)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise APIError(413, f"the request body is {int(size)} bytes; at most {MAX_BODY} are accepted",
+                           code="request_too_large")
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)  # the client left before sending its request
+        if len(body) > MAX_BODY:
+            raise APIError(413, f"the request body is {len(body)} bytes; at most {MAX_BODY} are accepted",
+                           code="request_too_large")
+        req = parse(body)
+        check_model(req.model, cfg)
+        input_ids, max_new = await prepare(req, cfg, encode, vocab)
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                max_new_tokens=max_new, stop=list(req.stop), seed=req.seed)
+        try:
+            params.validate()
+        except EngineError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+        endpoint = request.url.path
+        job = Job(input_ids=input_ids, params=params, stop=req.stop, loop=asyncio.get_running_loop(),
+                  arrived=arrived, endpoint=endpoint)
+        rid, created = oai.new_id(req.kind), oai.now()
+        worker.submit(job)
+        if req.stream:
+            return StreamingResponse(stream_events(job, req, rid, created, len(input_ids)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(watch_disconnect(request, job))
+        parts: list[str] = []
+        try:
+            while True:
+                ev = await job.events.get()
+                if ev.kind == "error":
+                    raise ev.error
+                if ev.kind == "cancelled":  # the client is gone; this answer is never read
+                    return Response(status_code=499)
+                parts.append(ev.text)
+                if ev.kind == "done":
+                    job.done = True
+                    break
+        finally:
+            watcher.cancel()
+            if not job.done:  # the client left (or the handler failed): stop the generation
+                job.cancelled.set()
+        finish_metrics(job, endpoint, ev.finish_reason, len(input_ids), ev.completion_tokens)
+        return JSONResponse(oai.completion_body(req.kind, rid, created, req.model, "".join(parts), ev.finish_reason,
+                                                len(input_ids), ev.completion_tokens))
+
+    async def stream_events(job: Job, req: GenRequest, rid: str, created: int, prompt_tokens: int
+                            ) -> AsyncIterator[bytes]:
+        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> bytes:
+            return oai.sse(oai.chunk_body(req.kind, rid, created, req.model, text, finish, req.include_usage, first))
+
+        try:
+            if req.kind == "chat":  # the role comes first, as OpenAI sends it
+                yield chunk("", first=True)
+            while True:
+                ev = await job.events.get()
+                if ev.kind == "start":
+                    continue
+                if ev.kind == "cancelled":
+                    return
+                if ev.kind == "error":
+                    yield oai.sse(ev.error.body())
+                    break
+                if ev.text:
+                    yield chunk(ev.text)
+                if ev.kind == "done":
+                    yield chunk(None, ev.finish_reason) if req.kind == "chat" else chunk("", ev.finish_reason)
+                    if req.include_usage:
+                        yield oai.sse(oai.usage_chunk(req.kind, rid, created, req.model, prompt_tokens,
+                                                      ev.completion_tokens))
+                    job.done = True
+                    finish_metrics(job, job.endpoint, ev.finish_reason, prompt_tokens, ev.completion_tokens)
+                    break
+            yield oai.sse("[DONE]")
+        finally:
+            # reached on completion, and on disconnect (Starlette cancels this generator's task)
+            if not job.done:
+                job.cancelled.set()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, oai.parse_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, oai.parse_completion)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request, cfg.api_key)
+        return {"object": "list", "data": [oai.model_card(cfg.model_name, created)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str):
+        check_auth(request, cfg.api_key)
+        check_model(name, cfg)
+        return oai.model_card(cfg.model_name, created)
+
+    @app.get("/health")
+    async def health():
+        alive = worker._thread is not None and worker._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine worker not running", "model": cfg.model_name},
+                            status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics_text(request: Request):
+        check_auth(request, cfg.api_key)
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app
+
+
+# ---- running it ----------------------------------------------------------------------------------
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    if is_loopback(host) or api_key:
+        return None
+    return (f"binding to {host} without an API key: anyone who can reach this machine can use the model. "
+            f"Pass --api-key KEY (or set ${API_KEY_ENV}), or bind to 127.0.0.1.")
+
+
+def resolve_method(method: str | None, draft: str) -> str:
+    """--method default: tree with a draft, plain with --draft none. Refuses the contradictions."""
+    if method is None:
+        return "plain" if draft == "none" else "tree"
+    if method == "plain" and draft != "none":
+        raise ServeError(f"--method plain decodes without a draft, but --draft {draft} was given; "
+                         "pass --draft none, or --method tree|chain to use the draft")
+    if method in ("tree", "chain") and draft == "none":
+        raise ServeError(f"--method {method} needs a draft: pass --draft DIR (an eyas draft folder), 'default' or "
+                         "'random' (untrained: the plumbing, not the speed), or use --method plain")
+    return method
+
+
+def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
+                 depth: int | None = None, topk: int | None = None, tokens: int | None = None,
+                 dtype: str = "fp32", device: str = "cpu", lookup: int | None = None):
+    """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
+    from ..draft import check_default_draft, resolve_draft
+    from ..engine import Engine, SpecParams
+    from ..target import load_target
+
+    method = resolve_method(method, draft)
+    spec_kw = {k: v for k, v in dict(steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup).items()
+               if v is not None}
+    spec = SpecParams(method=method, **spec_kw)
+    if method not in ("tree", "chain", "plain"):
+        spec.validate(None)  # raises EngineError naming the choices
+    if method != "plain":
+        check_default_draft(draft, "--draft none for plain decoding")
+    target = load_target(target_spec, dtype=dtype, device=device)
+    ckpt = None if method == "plain" else resolve_draft(draft, target)
+    return Engine(target, ckpt, spec), target, method
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def context_length_of(target: Any) -> int | None:
+    cfg = getattr(target.model.config, "text_config", None) or target.model.config
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    return flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def startup_line(cfg: ServeConfig, host: str, port: int, engine_desc: str) -> str:
+    auth = "API key required" if cfg.api_key else "no API key"
+    return (f"eyas serve: {cfg.model_name} ({engine_desc}) on http://{host}:{port}/v1 — {auth}; "
+            f"max prompt {cfg.max_prompt_tokens} tokens, max new {cfg.max_new_tokens}")
+
+

@@ -1,0 +1,235 @@
+"""Where training samples come from: captured shards (ShardSource) or conversations captured on the fly
+(OnlineSource); both hand out padded batches. plan_epoch orders them into deterministic global batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..data.shards import ShardSet, is_heldout
+
+# ---- data -----------------------------------------------------------------------------------------
+
+@dataclass
+class Item:
+    key: tuple[int, int]  # (shard index, sample index) or (-1, conversation index)
+    length: int
+    row_id: int
+
+
+@dataclass
+class Batch:
+    aux: torch.Tensor  # [B, S, nA*H]
+    final: torch.Tensor  # [B, S, H]
+    input_ids: torch.Tensor  # [B, S]
+    loss_mask: torch.Tensor  # [B, S] bool
+    tokens: int  # real (unpadded) tokens
+
+
+def _pad_stack(seqs: list[torch.Tensor], S: int, value=0) -> torch.Tensor:
+    out = seqs[0].new_full((len(seqs), S, *seqs[0].shape[1:]), value)
+    for i, s in enumerate(seqs):
+        out[i, :s.shape[0]] = s
+    return out
+
+
+def has_rows(loss_mask: torch.Tensor, max_len: int) -> bool:
+    """A sample trains only if some row has a label: TTT step 0 row t needs loss_mask[t+2] within max_len.
+    Samples without (e.g. the reply starts past --max-len) would make all-padding steps that still move
+    AdamW's weights through its momentum, so they are skipped and counted."""
+    return bool(loss_mask[2:max_len].any())
+
+
+class ShardSource:
+    """Captured shards. Token ids and masks are indexed up front (small); aux/final are read per shard
+    on demand and held up to `buffer_mb` (the planner keeps each shuffling window inside that budget)."""
+
+    def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30):
+        self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
+        self.layout = self.set.layout
+        self.paths = self.set.shard_paths()
+        self.bytes = [p.stat().st_size for p in self.paths]
+        self.buffer = buffer_mb << 20
+        self.tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.train: list[Item] = []
+        self.heldout: list[Item] = []
+        self.skipped: dict[str, int] = {}
+        for si, p in enumerate(self.paths):
+            with safe_open(str(p), framework="pt") as f:
+                off = f.get_tensor("offsets").tolist()
+                rows = f.get_tensor("row_ids").tolist()
+                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            for i, row in enumerate(rows):
+                a, b = off[i], off[i + 1]
+                if not has_rows(mask[a:b], max_len):
+                    self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
+                    continue
+                self.tokens[(si, i)] = (ids[a:b], mask[a:b])
+                it = Item(key=(si, i), length=b - a, row_id=int(row))
+                (self.heldout if is_heldout(int(row), heldout_pct) else self.train).append(it)
+        self._cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._cache_order: list[int] = []
+
+    def hash(self) -> str:
+        return self.set.hash()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "shards", "folders": [str(f) for f in self.set.folders], "hash": self.hash(),
+                "skipped": self.skipped,
+                "target_source": self.set.manifests[0].get("target_source"),
+                "config": self.set.manifests[0].get("config")}
+
+    def groups(self) -> list[tuple[int, int]]:
+        """(group id, bytes) per shard: the planner shuffles whole shards, then samples within windows."""
+        return list(enumerate(self.bytes))
+
+    def _shard(self, si: int) -> dict[str, torch.Tensor]:
+        if si not in self._cache:
+            while self._cache_order and sum(self.bytes[s] for s in self._cache_order) + self.bytes[si] > self.buffer:
+                del self._cache[self._cache_order.pop(0)]
+            with safe_open(str(self.paths[si]), framework="pt") as f:
+                self._cache[si] = {k: f.get_tensor(k) for k in ("aux", "final", "offsets")}
+            self._cache_order.append(si)
+        return self._cache[si]
+
+    def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
+        aux, final, ids, mask = [], [], [], []
+        for it in items:
+            si, i = it.key
+            sh = self._shard(si)
+            a = int(sh["offsets"][i])
+            n = min(it.length, max_len)
+            aux.append(sh["aux"][a:a + n])
+            final.append(sh["final"][a:a + n])
+            t_ids, t_mask = self.tokens[it.key]
+            ids.append(t_ids[:n])
+            mask.append(t_mask[:n])
+        S = max(x.shape[0] for x in ids)
+        return Batch(aux=_pad_stack(aux, S).to(device=device, dtype=torch.float32),
+                     final=_pad_stack(final, S).to(device=device, dtype=torch.float32),
+                     input_ids=_pad_stack(ids, S).to(device), loss_mask=_pad_stack(mask, S, False).to(device),
+                     tokens=sum(x.shape[0] for x in ids))
+
+    def token_pairs(self, items: list[Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for it in items:
+            yield self.tokens[it.key]
+
+
+class OnlineSource:
+    """Conversations tokenized up front; features captured from the target per batch (no shards)."""
+
+    def __init__(self, target, source: str, num: int | None, max_len: int, heldout_pct: float,
+                 aux_indices: list[int] | None):
+        from ..data.conversations import load_conversations, tokenize_conversation  # another module; imported when used
+        from ..target import stream_norms
+
+        self.target = target
+        convs, skipped = load_conversations(source, num)
+        self.skipped = dict(skipped)
+        self.tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.train: list[Item] = []
+        self.heldout: list[Item] = []
+        import hashlib
+
+        h = hashlib.sha256()
+        for i, conv in enumerate(convs):
+            ids, mask = tokenize_conversation(target.tokenizer, conv.messages, max_len)
+            if not has_rows(mask, max_len):
+                self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
+                continue
+            self.tokens[(-1, i)] = (ids.long(), mask.bool())
+            h.update(ids.to(torch.int64).numpy().tobytes() + mask.to(torch.uint8).numpy().tobytes())
+            it = Item(key=(-1, i), length=ids.numel(), row_id=int(conv.row_id))
+            (self.heldout if is_heldout(int(conv.row_id), heldout_pct) else self.train).append(it)
+        self._hash = "sha256:" + h.hexdigest()[:24]
+        self.source = source
+        layout = target.default_layout(aux_indices)
+        sample = [self.tokens[it.key][0][None, :256].to(target.device) for it in self.train[:8]]
+        layout.norms = stream_norms(target.model, sample, layout.aux_indices) if sample else {}
+        self.layout = layout
+
+    def hash(self) -> str:
+        return self._hash
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "online", "source": self.source, "hash": self._hash, "skipped": self.skipped,
+                "target_source": self.target.source}
+
+    def groups(self) -> list[tuple[int, int]]:
+        return [(-1, 0)]
+
+    def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
+        from ..target import capture
+
+        ids = [self.tokens[it.key][0][:max_len] for it in items]
+        mask = [self.tokens[it.key][1][:max_len] for it in items]
+        S = max(x.shape[0] for x in ids)
+        input_ids = _pad_stack(ids, S).to(self.target.device)
+        attn = _pad_stack([torch.ones_like(x) for x in ids], S).to(self.target.device)
+        cap = capture(self.target.model, input_ids, self.layout, attention_mask=attn)  # right padding: causal rows
+        return Batch(aux=cap.aux.to(device=device, dtype=torch.float32),
+                     final=cap.final_prenorm.to(device=device, dtype=torch.float32),
+                     input_ids=input_ids.to(device), loss_mask=_pad_stack(mask, S, False).to(device),
+                     tokens=sum(x.shape[0] for x in ids))
+
+    def token_pairs(self, items: list[Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for it in items:
+            yield self.tokens[it.key]
+
+
+def plan_epoch(items: list[Item], groups: list[tuple[int, int]], seed: int, epoch: int, batch_tokens: int,
+               max_len: int, buffer_bytes: int, pool: int = 64) -> list[list[int]]:
+    """Deterministic global batches (lists of indices into `items`) for one epoch.
+    Shuffle groups (shards), merge them into windows of <= buffer_bytes, shuffle samples in a window,
+    sort pools of `pool` samples by length (less padding), fill batches up to batch_tokens padded tokens,
+    shuffle batch order within the window. Same (seed, epoch) -> same plan on every rank and every resume."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    by_group: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        by_group.setdefault(it.key[0] if groups[0][0] != -1 else -1, []).append(i)
+    order = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
+    windows: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for gid, nbytes in order:
+        if cur and cur_bytes + nbytes > buffer_bytes:
+            windows.append(cur)
+            cur, cur_bytes = [], 0
+        cur.extend(by_group.get(gid, []))
+        cur_bytes += nbytes
+    if cur:
+        windows.append(cur)
+    plan: list[list[int]] = []
+    for win in windows:
+        perm = [win[i] for i in torch.randperm(len(win), generator=g).tolist()]
+        batches: list[list[int]] = []
+        for a in range(0, len(perm), pool):
+            chunk = sorted(perm[a:a + pool], key=lambda i: (-min(items[i].length, max_len), i))
+            cur_b: list[int] = []
+            longest = 0
+            for i in chunk:
+                n = min(items[i].length, max_len)
+                if cur_b and (len(cur_b) + 1) * max(longest, n) > batch_tokens:
+                    batches.append(cur_b)
+                    cur_b, longest = [], 0
+                cur_b.append(i)
+                longest = max(longest, n)
+            if cur_b:
+                batches.append(cur_b)
+        plan.extend(batches[i] for i in torch.randperm(len(batches), generator=g).tolist())
+    return plan
+
+
+@torch.no_grad()
+def feature_norm(source, items: list[Item], max_len: int) -> float:
+    """RMS over real tokens of |cat(aux)| on the first (up to) 16 samples: what fc's input scale is."""
+    b = source.batch(items[:16], torch.device("cpu"), max_len)
+    valid = torch.zeros(b.input_ids.shape, dtype=torch.bool)
+    for i, it in enumerate(items[:16]):
+        valid[i, :min(it.length, max_len)] = True
+    sq = b.aux.cpu().float().pow(2).sum(-1)[valid]
+    return float(sq.mean().sqrt())

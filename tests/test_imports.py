@@ -1,0 +1,115 @@
+"""The architecture as a test: eyas's import graph (read from the source with ast, function-level imports
+included) has no cycle, and no module imports from a stage above its own.
+
+Stages, lowest first (a module may import its own stage and any lower one; stages of equal rank may not
+import each other):
+  core     the flat modules under eyas/: errors, files, text, layout, target, model, sampling, lookup, vocab,
+           draft, engine, inspect (layout contract, target, draft, engine: what every stage builds on)
+  data     eyas/data: conversations, datagen, shards (needs the target to capture)
+  train    eyas/train: config, sources, checkpoint, loop, ttt (reads shards)
+  doctor   eyas/doctor: checks, inference, flags lint, engines' config readers, trace (measures with ttt)
+  interop  eyas/interop: formats, export, import (import asks the doctor's layout inference)
+  bench, serve   eyas/bench, eyas/serve: peers on the engine; neither needs the other
+  recipe   eyas/recipe.py: data -> train -> bench -> ship
+  cli      eyas/cli.py and eyas/__main__.py: every command
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import eyas
+
+ROOT = Path(eyas.__file__).parent
+RANK = {"core": 0, "data": 1, "train": 2, "doctor": 3, "interop": 4, "bench": 5, "serve": 5, "recipe": 6,
+        "cli": 7, "__main__": 8}
+STAGE_PACKAGES = ("data", "train", "doctor", "interop", "bench", "serve")
+
+
+def module_name(path: Path) -> str:
+    parts = ["eyas", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def stage(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "core"  # the package itself (__version__)
+    if parts[1] in STAGE_PACKAGES or parts[1] in ("recipe", "cli", "__main__"):
+        return parts[1]
+    return "core"
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """eyas modules that `module` imports anywhere in its file (relative and absolute)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "eyas")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            if src.split(".")[0] != "eyas":
+                continue
+            subs = {f"{src}.{a.name}" for a in node.names} & known  # `from pkg import module`
+            out.update(subs or {src})
+    return {m for m in out if m in known and m != module}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: imports_of(m, p, set(mods)) for m, p in mods.items()}
+
+
+def test_every_module_has_a_stage():
+    for m in modules():
+        assert stage(m) in RANK, m
+
+
+def test_no_upward_imports():
+    bad = []
+    for m, deps in graph().items():
+        for d in deps:
+            a, b = stage(m), stage(d)
+            if a != b and RANK[b] >= RANK[a]:
+                bad.append(f"{m} ({a}) imports {d} ({b})")
+    assert not bad, "imports from a stage at or above the importer's:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles: list[list[str]] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_graph_is_read():
+    """Guard against a parser that silently finds nothing: known edges must be there."""
+    g = graph()
+    assert "eyas.draft" in g["eyas.engine"]
+    assert "eyas.doctor.inference" in g["eyas.interop.importer"]
+    assert "eyas.serve.openai_schema" in g["eyas.serve.app"]
+    assert "eyas.engine" not in g["eyas.target"]
