@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.eyas-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean llama-cpp
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ BENCH_ARGS ?= --depth 3 --topk 4 --tokens 8 --lookup 8
 demo: setup
 	$(VENV)/bin/eyas bench --bench mt-bench --limit $(BENCH_LIMIT) --max-new-tokens $(BENCH_TOKENS) \
 		--methods hf-greedy,plain,tree,tree-lookup --draft default $(BENCH_ARGS)
+
+# Optional peer for `eyas bench --methods ...,llama-cpp`: llama-cpp-python builds llama.cpp from source (~20 minutes
+# on 2 cores). Never part of setup, test or CI.
+llama-cpp: setup
+	$(PY) -m pip install llama-cpp-python==0.3.36
+	$(PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 TargetOpt = typer.Option("smollm2-135m", "--target", help="smollm2-135m, a HF model folder, or a .gguf file")
 DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
+WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, CPU) | "
+                          "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 
 
 @app.callback()
@@ -86,6 +88,7 @@ def bench(
     sweep_topk: str = typer.Option("1,2,4,8", "--sweep-topk"),
     sweep_tokens: str = typer.Option("4,8,16,32", "--sweep-tokens"),
     sweep_lookup: str = typer.Option("0", "--sweep-lookup", help="lookup candidates tried with each tree setting"),
+    weights: str = WeightsOpt,
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
@@ -97,7 +100,8 @@ def bench(
                          parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
-                          target=target, draft=draft, dtype=dtype, device=device, methods=parse_methods(methods),
+                          target=target, draft=draft, dtype=dtype, device=device, weights=weights,
+                          methods=parse_methods(methods),
                           steps=steps, depth=depth, topk=topk, tokens=tokens, lookup_tokens=lookup_tokens,
                           lookup=lookup,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
@@ -229,6 +233,7 @@ def serve(
     model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    weights: str = WeightsOpt,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
@@ -243,7 +248,7 @@ def serve(
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
         engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
-                                             lookup)
+                                             lookup, weights)
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
@@ -357,6 +362,7 @@ def doctor(
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    weights: str = WeightsOpt,
 ) -> None:
     """Check the target, data, draft and config.json from measurements; exit 0 only when every check passes.
     Subcommands: `flags` (lint a serve command), `trace` (one prompt through the serving path)."""
@@ -372,7 +378,7 @@ def doctor(
         tgt = load_target(target, dtype=dtype, device=device)
         ck = load_draft(draft, device=device)
         rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples, max_len=max_len,
-                         steps=steps, heldout_pct=heldout_pct, quick=quick)
+                         steps=steps, heldout_pct=heldout_pct, quick=quick, weights=weights)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2, default=str))
     else:
@@ -455,6 +461,7 @@ def generate(
     stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable); trimmed from the output"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    weights: str = WeightsOpt,
 ) -> None:
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
@@ -480,7 +487,8 @@ def generate(
             except json.JSONDecodeError as e:
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
             eng.check_messages(msgs)
-        spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup)
+        spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
+                              weights=weights)
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()

@@ -15,6 +15,28 @@
 
 #define LANES 8
 
+/* exp with a fixed polynomial (Cephes expf's), so the compiler can vectorize it and every build computes the
+ * same function for every element; x <= -87 gives exactly 0 (masked keys carry -inf). */
+static inline float exp_det(float x) {
+    const float keep = x > -87.0f ? 1.0f : 0.0f;
+    x = x > -87.0f ? x : -87.0f;
+    x = x < 88.0f ? x : 88.0f;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    const float r2 = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r2 + r + 1.0f;
+    union { float f; int32_t i; } sc;
+    sc.i = ((int32_t)n + 127) << 23;
+    return y * sc.f * keep;
+}
+
 /* dot product with a fixed reduction tree (8 lane partials, then pairwise) */
 static inline float dot_f32(const float *a, const float *b, int n) {
     float acc[LANES] = {0};
@@ -57,18 +79,32 @@ void eyas_attention(const float *q, const float *k, const float *v, int64_t maxl
             for (int j = 0; j < T; j++) {
                 const float *kj = kb + (int64_t)j * hd;
                 for (int i = 0; i < S; i++) {
-                    if (mb ? !mb[(int64_t)i * T + j] : j > start + i) continue;
-                    const float s = dot_f32(q + (((int64_t)b * S + i) * nh + h) * hd, kj, hd) * scale;
+                    float s = -INFINITY;
+                    if (mb ? mb[(int64_t)i * T + j] : j <= start + i) {
+                        s = dot_f32(q + (((int64_t)b * S + i) * nh + h) * hd, kj, hd) * scale;
+                        if (s > mx[i]) mx[i] = s;
+                    }
                     sc[(int64_t)i * T + j] = s;
-                    if (s > mx[i]) mx[i] = s;
                 }
+            }
+            for (int i = 0; i < S; i++) {
+                /* weights of hidden keys are exactly 0 and are skipped below: the visible keys' sequence of
+                   operations is the one a plain step performs */
+                float *row = sc + (int64_t)i * T;
+                const float m = mx[i];
+                if (m == -INFINITY) continue;
+                const int lim = mb ? T : start + i + 1;  /* causal rows: keys after lim are never read */
+                for (int j = 0; j < lim; j++) row[j] = exp_det(row[j] - m);
+                float li = 0.0f;
+                for (int j = 0; j < lim; j++) li += row[j];
+                l[i] = li;
             }
             for (int j = 0; j < T; j++) {
                 const float *vj = vb + (int64_t)j * hd;
                 for (int i = 0; i < S; i++) {
-                    if (mb ? !mb[(int64_t)i * T + j] : j > start + i) continue;
-                    const float p = expf(sc[(int64_t)i * T + j] - mx[i]);
-                    l[i] += p;
+                    if (!mb && j > start + i) continue;
+                    const float p = sc[(int64_t)i * T + j];
+                    if (p == 0.0f || mx[i] == -INFINITY) continue;
                     float *a = acc + (int64_t)i * hd;
                     for (int d = 0; d < hd; d++) a[d] += p * vj[d];
                 }

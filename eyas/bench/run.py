@@ -36,10 +36,11 @@ from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 
-METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup")
+METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup", "llama-cpp")
 ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup")
 SPEC_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
 HF_METHODS = ("hf-greedy", "hf-lookup")
+PEER_METHODS = (*HF_METHODS, "llama-cpp")  # other engines: compared for speed, not expected to be token-identical
 WARMUP_TOKENS = 16
 SKIP_SPEC = "--methods hf-greedy,plain,hf-lookup to skip the speculative methods"  # a run without a draft
 
@@ -82,6 +83,7 @@ class BenchConfig:
     draft: str = "default"  # an eyas draft folder, "default" (bundled) or "random" (untrained, in memory)
     dtype: str = "fp32"
     device: str = "cpu"
+    weights: str = "auto"  # eyas methods' target forward (eyas.model.engine_model)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     steps: int = 4  # chain
     depth: int = 4  # tree
@@ -101,10 +103,10 @@ class BenchConfig:
 
 
 # the fields that must agree for `--resume` to continue an earlier run's rows
-RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "methods",
+RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights", "methods",
                "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup")
-SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "sweep_limit",
-                     "grid")
+SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
+                     "sweep_limit", "grid")
 
 
 # ---- draft ---------------------------------------------------------------------------------------
@@ -185,6 +187,41 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
             model.generation_config = saved
         ids, finish = _strip_end(out[0, len(input_ids):].tolist(), end_ids)
         return Output(ids, dt, calls[0], finish or "length")
+
+    return run
+
+
+def llama_cpp_runner(target: Target, end_ids: list[int], threads: int | None,
+                     n_ctx: int = 4096) -> Callable[..., Output] | None:
+    """llama.cpp (llama-cpp-python, `make llama-cpp`) greedy on the target's own GGUF, fed the same prompt
+    token ids. None, with a one-line note, when it is not installed or the target is not a GGUF."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("bench: skipping llama-cpp: llama-cpp-python is not installed (make llama-cpp builds it, ~20 min)",
+              file=sys.stderr)
+        return None
+    if target.gguf is None:
+        print(f"bench: skipping llama-cpp: {target.source!r} is not a GGUF target", file=sys.stderr)
+        return None
+    nt = threads or torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(target.gguf), n_ctx=n_ctx, n_threads=nt, n_threads_batch=nt,
+                          n_batch=512, verbose=False)
+
+    def run(input_ids: list[int], max_new_tokens: int) -> Output:
+        llm.reset()
+        t0 = time.perf_counter()
+        out: list[int] = []
+        forwards = 0
+        for tok in llm.generate(input_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                reset=True):
+            forwards += 1
+            out.append(int(tok))
+            if tok in end_ids or len(out) >= max_new_tokens:
+                break
+        dt = time.perf_counter() - t0
+        ids, finish = _strip_end(out, end_ids)
+        return Output(ids, dt, forwards, finish or "length")
 
     return run
 
@@ -412,6 +449,10 @@ def render(results: dict[str, Any]) -> None:
                             for m in summ])
         con.print(ct)
     for m, s in summ.items():
+        if m in PEER_METHODS and s["compared"]:
+            con.print(f"{m}: {s['identical']}/{s['compared']} prompts token-identical to {ref} (another engine's "
+                      "numerics; not a lossless check)")
+            continue
         for mm in s["mismatches"]:
             con.print(f"[yellow]{m} differs from {ref} on {mm['prompt']} at token {mm['first_diff']}[/yellow]")
     for m, s in summ.items():
@@ -437,11 +478,16 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
             runners[m] = hf_runner(target, end_ids)
         elif m == "hf-lookup":
             runners[m] = hf_runner(target, end_ids, lookup_tokens=cfg.lookup_tokens)
+        elif m == "llama-cpp":
+            run = llama_cpp_runner(target, end_ids, cfg.threads)
+            if run is not None:
+                runners[m] = run
         else:
             from ..engine import Engine, SpecParams
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
-                              topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0)
+                              topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0,
+                              weights=cfg.weights)
             runners[m] = engine_runner(Engine(target, draft if m in SPEC_METHODS else None, spec), end_ids,
                                        target.device)
     return runners
@@ -550,6 +596,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     done_rows = _prepare_out(cfg, out, target)
     done = {r["prompt"] for r in done_rows}
     runners = build_runners(cfg, target, draft, end_ids)
+    cfg.methods = [m for m in cfg.methods if m in runners]  # an optional peer that is not installed is skipped
     reference = "plain" if "plain" in cfg.methods else ("hf-greedy" if "hf-greedy" in cfg.methods else None)
 
     for run in runners.values():  # warm-up: allocations, lazy init, kernel selection

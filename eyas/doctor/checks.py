@@ -425,11 +425,12 @@ def _blocking(checks: list[Check]) -> str | None:
 def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | None = None,
                samples: Sequence[Any] | None = None, source: str | None = None, num_samples: int = 6,
                max_len: int = 384, steps: int | None = None, heldout_pct: float | None = None,
-               quick: bool = False) -> DoctorReport:
+               quick: bool = False, weights: str = "auto") -> DoctorReport:
     """All checks. data: shard folders (training path + paired serving path on the same held-out tokens;
     default: the training folders the draft manifest names, when they exist here); samples: token-id samples
     for the serving path (tests, tiny targets); else `num_samples` conversations of `source` (default: the
-    training source, held-out rows only; else bundled ShareGPT). quick: identity and config checks only."""
+    training source, held-out rows only; else bundled ShareGPT). quick: identity and config checks only.
+    weights: the engine forward's mode for the serving path (eyas.model.engine_model)."""
     checks = check_identity(target, ckpt)
     man = ckpt.manifest or {}
     training = man.get("training") or {}
@@ -478,7 +479,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
                 if v.indices is not None and v.indices != recorded and len(v.indices) == len(recorded):
                     configured[f"{eng} config.json" + (f" ({v.when})" if v.when else "")] = v.indices
     cands = layout_candidates(recorded, L, draft.config.num_aux, configured)
-    serving = Serving(target)
+    serving = Serving(target, weights)
     meta["serving_path"] = serving.path
     need = {k for idx, _ in cands for k in idx} | set(recorded)
     fresh = _fresh(serving, draft, target, evs, need, all_streams_first=shard_set is not None)  # ONE per sample

@@ -193,14 +193,15 @@ class Serving:
     """The serving-path forward: eyas.model.TargetModel (what the engine runs) when the family has one,
     else the HF forward with hooks (the only path those families have)."""
 
-    def __init__(self, target):
+    def __init__(self, target, weights: str = "auto"):
         self.target = target
         self.L = target.num_layers
         try:
-            from ..model import TargetModel
+            from ..model import engine_model
 
-            self.fwd = TargetModel(target.model)
-            self.path = "eyas.model.TargetModel (the engine's forward)"
+            self.fwd = engine_model(target, weights)
+            mode = "native GGUF weights" if self.fwd.native is not None else "fp32 weights"
+            self.path = f"eyas.model.TargetModel (the engine's forward, {mode})"
         except ValueError:
             self.fwd = None
             self.path = "HF forward + hooks (no engine forward for this family)"
