@@ -36,11 +36,13 @@ from .draft import DraftCheckpoint, check_draft_for_target
 from .errors import EyasError
 from .lookup import lookup_chain
 from .model import WEIGHTS, KVCache, compact, engine_model
+from .quant import quantize_draft_q8
 from .sampling import rejection_step, sample, warp
 from .target import Target, end_token_ids
 from .target import sync_device as _sync
 from .text import stop_cut
 
+DRAFT_WEIGHTS = ("auto", "q8", "fp32")
 METHODS = ("tree", "chain", "plain")
 
 
@@ -80,6 +82,7 @@ class SpecParams:
     lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
     weights: str = "auto"  # target forward: auto | native (a GGUF's quantized weights) | fp32 (eyas.model)
+    draft_weights: str = "auto"  # auto (q8 with a native target) | q8 (eyas.quant.Q8Linear) | fp32
 
     def shape(self) -> tuple[int, int, int]:
         """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""
@@ -90,6 +93,8 @@ class SpecParams:
     def validate(self, draft_vocab: int | None) -> None:
         if self.weights not in WEIGHTS:
             raise EngineError(f"--weights {self.weights!r}: expected one of {', '.join(WEIGHTS)}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise EngineError(f"--draft-weights {self.draft_weights!r}: expected one of {', '.join(DRAFT_WEIGHTS)}")
         if self.method not in METHODS:
             raise EngineError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
         if self.lookup < 0 or self.lookup_ngram < 2:
@@ -232,6 +237,7 @@ class Engine:
         self.weights = "native" if self.model.native is not None else "fp32"  # the mode auto resolved to
         self.device = self.model.device
         self.draft = None
+        self.draft_weights: str | None = None  # what auto resolved to, with a draft
         self.spec.validate(draft.model.config.draft_vocab_size if draft is not None else None)
         if draft is not None:
             check_draft_for_target(draft, target)
@@ -240,6 +246,14 @@ class Engine:
             d.eval()
             d.requires_grad_(False)
             d.set_embeddings(target.embed_tokens().weight)
+            dw = self.spec.draft_weights
+            if dw == "auto":
+                dw = "q8" if self.weights == "native" else "fp32"
+            if dw == "q8":
+                if self.device.type != "cpu" or self.model.dtype != torch.float32:
+                    raise EngineError("--draft-weights q8 runs on the CPU in fp32; use --draft-weights fp32")
+                d = quantize_draft_q8(d)
+            self.draft_weights = dw
             self.draft = d
             self.aux_indices = list(draft.layout.aux_indices)
             self.draft_ids = d.target_token_ids()  # [Vd] target id of each draft token

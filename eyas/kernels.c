@@ -37,88 +37,79 @@ static inline float exp_det(float x) {
     return y * sc.f * keep;
 }
 
-/* dot product with a fixed reduction tree (8 lane partials, then pairwise) */
+/* dot product with a fixed reduction order: 32 partial sums (four 8-wide chains, so the FMA latency is
+ * hidden), folded pairwise. Every caller gets the same sequence for the same n. */
 static inline float dot_f32(const float *a, const float *b, int n) {
-    float acc[LANES] = {0};
+    float acc[32] = {0};
     int d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int t = 0; t < LANES; t++) acc[t] += a[d + t] * b[d + t];
-    for (; d < n; d++) acc[d % LANES] += a[d] * b[d];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; d + 32 <= n; d += 32)
+        for (int t = 0; t < 32; t++) acc[t] += a[d + t] * b[d + t];
+    for (int t = 0; d < n && t < 32; d++, t++) acc[t] += a[d] * b[d];  /* the n % 32 tail */
+    for (int w = 16; w >= 1; w /= 2)
+        for (int t = 0; t < w; t++) acc[t] += acc[t + w];
+    return acc[0];
+}
+
+/* one query row of one head over its visible keys, in position order: scores and max, exp-weights (hidden
+ * keys weigh exactly 0 and are skipped), their sum, then the weighted values. hd is a literal at the call
+ * sites below so the accumulator stays in registers. */
+static inline void attend_row(const float *qi, const float *kb, const float *vb, const uint8_t *mi, int lim,
+                              float scale, float *row, float *o, const int hd) {
+    float m = -INFINITY;
+    for (int j = 0; j < lim; j++) {
+        float sj = -INFINITY;
+        if (!mi || mi[j]) {
+            sj = dot_f32(qi, kb + (int64_t)j * hd, hd) * scale;
+            if (sj > m) m = sj;
+        }
+        row[j] = sj;
+    }
+    float acc[256];
+    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
+    float l = 0.0f;
+    if (m != -INFINITY) {
+        for (int j = 0; j < lim; j++) row[j] = exp_det(row[j] - m);
+        for (int j = 0; j < lim; j++) l += row[j];
+        for (int j = 0; j < lim; j++) {
+            const float p = row[j];
+            if (p == 0.0f) continue;
+            const float *vj = vb + (int64_t)j * hd;
+            for (int d = 0; d < hd; d++) acc[d] += p * vj[d];
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < hd; d++) o[d] = acc[d] * inv;
 }
 
 /* q [B, S, nh, hd]; k, v: one layer's cache [B, kvh, maxlen, hd]; keys 0..start+S-1 are valid.
  * mask: NULL (causal: row i sees keys 0..start+i) or uint8 [*, S, start+S] with batch stride mask_bstride
- * (0 = one mask for every sequence). out [B, S, nh, hd].
- * One (sequence, head) per work item; its S rows walk the keys together so each key is read once, but every
- * row's arithmetic is its own sequence over its visible keys in position order (two passes: scores and max,
- * then exp-weights and values). */
+ * (0 = one mask for every sequence). out [B, S, nh, hd]. hd <= 256.
+ * Work item = (sequence, head, row): a row's arithmetic never depends on the other rows. */
 void eyas_attention(const float *q, const float *k, const float *v, int64_t maxlen, int B, int S, int nh,
                     int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride, float scale,
                     float *out, int nthreads) {
     const int T = start + S;
     const int group = nh / kvh;
-    const int items = B * nh;
-#pragma omp parallel num_threads(nthreads)
+    const int items = B * nh * S;
+#pragma omp parallel num_threads(items > 1 ? nthreads : 1)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)S * (T > 0 ? T : 1));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)S * hd);
-        float *mx = (float *)malloc(sizeof(float) * (size_t)S);
-        float *l = (float *)malloc(sizeof(float) * (size_t)S);
+        float *row = (float *)malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
 #pragma omp for schedule(static)
         for (int it = 0; it < items; it++) {
-            const int b = it / nh, h = it % nh, g = h / group;
+            const int b = it / (nh * S), h = (it / S) % nh, i = it % S, g = h / group;
             const float *kb = k + ((int64_t)b * kvh + g) * maxlen * hd;
             const float *vb = v + ((int64_t)b * kvh + g) * maxlen * hd;
-            const uint8_t *mb = mask ? mask + b * mask_bstride : NULL;
-            for (int i = 0; i < S; i++) {
-                mx[i] = -INFINITY;
-                l[i] = 0.0f;
-                for (int d = 0; d < hd; d++) acc[(int64_t)i * hd + d] = 0.0f;
-            }
-            for (int j = 0; j < T; j++) {
-                const float *kj = kb + (int64_t)j * hd;
-                for (int i = 0; i < S; i++) {
-                    float s = -INFINITY;
-                    if (mb ? mb[(int64_t)i * T + j] : j <= start + i) {
-                        s = dot_f32(q + (((int64_t)b * S + i) * nh + h) * hd, kj, hd) * scale;
-                        if (s > mx[i]) mx[i] = s;
-                    }
-                    sc[(int64_t)i * T + j] = s;
-                }
-            }
-            for (int i = 0; i < S; i++) {
-                /* weights of hidden keys are exactly 0 and are skipped below: the visible keys' sequence of
-                   operations is the one a plain step performs */
-                float *row = sc + (int64_t)i * T;
-                const float m = mx[i];
-                if (m == -INFINITY) continue;
-                const int lim = mb ? T : start + i + 1;  /* causal rows: keys after lim are never read */
-                for (int j = 0; j < lim; j++) row[j] = exp_det(row[j] - m);
-                float li = 0.0f;
-                for (int j = 0; j < lim; j++) li += row[j];
-                l[i] = li;
-            }
-            for (int j = 0; j < T; j++) {
-                const float *vj = vb + (int64_t)j * hd;
-                for (int i = 0; i < S; i++) {
-                    if (!mb && j > start + i) continue;
-                    const float p = sc[(int64_t)i * T + j];
-                    if (p == 0.0f || mx[i] == -INFINITY) continue;
-                    float *a = acc + (int64_t)i * hd;
-                    for (int d = 0; d < hd; d++) a[d] += p * vj[d];
-                }
-            }
-            for (int i = 0; i < S; i++) {
-                float *o = out + (((int64_t)b * S + i) * nh + h) * hd;
-                const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-                for (int d = 0; d < hd; d++) o[d] = acc[(int64_t)i * hd + d] * inv;
+            const uint8_t *mi = mask ? mask + b * mask_bstride + (int64_t)i * T : NULL;
+            const int lim = mask ? T : start + i + 1;
+            const float *qi = q + (((int64_t)b * S + i) * nh + h) * hd;
+            float *o = out + (((int64_t)b * S + i) * nh + h) * hd;
+            switch (hd) {
+            case 64: attend_row(qi, kb, vb, mi, lim, scale, row, o, 64); break;
+            case 128: attend_row(qi, kb, vb, mi, lim, scale, row, o, 128); break;
+            default: attend_row(qi, kb, vb, mi, lim, scale, row, o, hd);
             }
         }
-        free(sc);
-        free(acc);
-        free(mx);
-        free(l);
+        free(row);
     }
 }
 
@@ -224,4 +215,82 @@ void eyas_f32_matmul(const float *x, const float *w, float *out, int M, int N, i
         const float *wn = w + (int64_t)n * K;
         for (int r = 0; r < M; r++) out[(int64_t)r * N + n] = dot_f32(x + (int64_t)r * K, wn, K);
     }
+}
+
+/* ---- the native layer's glue: norms, RoPE + KV write + attention, SwiGLU, in bf16/fp32 ---------------------
+ * One call per step instead of a dozen torch ops (each ~5 us of dispatch: ~40% of a 4-bit decode step).
+ * bf16 values are uint16 with round-to-nearest-even, as torch converts. Every row is computed on its own. */
+
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    const uint32_t r = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    return (uint16_t)((v.u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);  /* branch-free: vectorizes */
+}
+
+static inline float from_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+/* x [R, H] fp32 (+= y bf16 [R, H] when y is given), then out = bf16(w * (x * rsqrt(mean(x^2) + eps))) */
+void eyas_add_rms_bf16(float *x, const uint16_t *y, const float *w, uint16_t *out, int R, int H, float eps,
+                       int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(R > 16 ? nthreads : 1)
+    for (int r = 0; r < R; r++) {
+        float *xr = x + (int64_t)r * H;
+        if (y)
+            for (int c = 0; c < H; c++) xr[c] += from_bf16(y[(int64_t)r * H + c]);
+        const float ss = dot_f32(xr, xr, H);
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        uint16_t *o = out + (int64_t)r * H;
+        for (int c = 0; c < H; c++) o[c] = to_bf16(w[c] * (xr[c] * inv));
+    }
+}
+
+/* gu [R, 2I] bf16 (gate | up) -> out [R, I] bf16 = silu(gate) * up */
+void eyas_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int R, int I, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(R > 16 ? nthreads : 1)
+    for (int r = 0; r < R; r++) {
+        const uint16_t *g = gu + (int64_t)r * 2 * I, *u = g + I;
+        uint16_t *o = out + (int64_t)r * I;
+        float buf[256];
+        for (int c0 = 0; c0 < I; c0 += 256) {  /* simple passes over a small buffer: each one vectorizes */
+            const int n = I - c0 < 256 ? I - c0 : 256;
+            for (int c = 0; c < n; c++) buf[c] = exp_det(-from_bf16(g[c0 + c]));
+            for (int c = 0; c < n; c++) buf[c] = from_bf16(g[c0 + c]) / (1.0f + buf[c]) * from_bf16(u[c0 + c]);
+            for (int c = 0; c < n; c++) o[c0 + c] = to_bf16(buf[c]);
+        }
+    }
+}
+
+/* qkv [B, S, (nh + 2 kvh) hd] bf16 from the fused projection; cos, sin [B, S, hd] (HF rotary, rotate-half form).
+ * Rotates q and k, writes k and v into cache slots start..start+S-1, attends (eyas_attention) and writes
+ * out [B, S, nh hd] bf16. qbuf, obuf: fp32 scratch of B*S*nh*hd. */
+void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
+                      int B, int S, int nh, int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride,
+                      float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads) {
+    const int half = hd / 2, width = (nh + 2 * kvh) * hd;
+    for (int b = 0; b < B; b++)
+        for (int s = 0; s < S; s++) {
+            const uint16_t *row = qkv + ((int64_t)b * S + s) * width;
+            const float *cs = cos + ((int64_t)b * S + s) * hd, *sn = sin + ((int64_t)b * S + s) * hd;
+            for (int h = 0; h < nh + kvh; h++) {
+                const uint16_t *src = row + h * hd;
+                float *dst = h < nh ? qbuf + (((int64_t)b * S + s) * nh + h) * hd
+                                    : kc + (((int64_t)b * kvh + (h - nh)) * maxlen + start + s) * hd;
+                for (int d = 0; d < hd; d++) {
+                    const float x = from_bf16(src[d]);
+                    const float rot = d < half ? -from_bf16(src[d + half]) : from_bf16(src[d - half]);
+                    dst[d] = x * cs[d] + rot * sn[d];
+                }
+            }
+            for (int h = 0; h < kvh; h++) {
+                const uint16_t *src = row + (nh + kvh + h) * hd;
+                float *dst = vc + (((int64_t)b * kvh + h) * maxlen + start + s) * hd;
+                for (int d = 0; d < hd; d++) dst[d] = from_bf16(src[d]);
+            }
+        }
+    eyas_attention(qbuf, kc, vc, maxlen, B, S, nh, kvh, hd, start, mask, mask_bstride, scale, obuf, nthreads);
+    const int64_t n = (int64_t)B * S * nh * hd;
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(obuf[i]);
 }

@@ -64,6 +64,12 @@ def lib() -> ctypes.CDLL:
     so.eyas_q4_matmul.restype = None
     so.eyas_f32_matmul.argtypes = [p, p, p, i32, i32, i32, i32]
     so.eyas_f32_matmul.restype = None
+    so.eyas_add_rms_bf16.argtypes = [p, p, p, p, i32, i32, f32, i32]
+    so.eyas_add_rms_bf16.restype = None
+    so.eyas_silu_mul_bf16.argtypes = [p, p, i32, i32, i32]
+    so.eyas_silu_mul_bf16.restype = None
+    so.eyas_rope_attend.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32, p, i64, f32, p, p, p, i32]
+    so.eyas_rope_attend.restype = None
     return so
 
 
@@ -124,3 +130,40 @@ def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     lib().eyas_f32_matmul(_ptr(x2), _ptr(w), _ptr(out), x2.shape[0], w.shape[0], K, torch.get_num_threads())
     return out.view(*x.shape[:-1], w.shape[0])
+
+
+def add_rms_bf16(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """In place x [.., H] fp32 += y (bf16, optional); returns bf16(RMSNorm(x) * w)."""
+    H = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib().eyas_add_rms_bf16(_ptr(x), None if y is None else _ptr(y), _ptr(w), _ptr(out), x.numel() // H, H,
+                            float(eps), torch.get_num_threads())
+    return out
+
+
+def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
+    """gu [.., 2I] bf16 (gate | up) -> silu(gate) * up [.., I] bf16."""
+    I2 = gu.shape[-1]
+    out = torch.empty(*gu.shape[:-1], I2 // 2, dtype=torch.bfloat16)
+    lib().eyas_silu_mul_bf16(_ptr(gu), _ptr(out), gu.numel() // I2, I2 // 2, torch.get_num_threads())
+    return out
+
+
+def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float, nh: int, kvh: int,
+                hd: int) -> torch.Tensor:
+    """qkv [B, S, (nh+2kvh)hd] bf16; cos/sin [B, S, hd] fp32; one layer's cache [B, kvh, max_len, hd] fp32.
+    Writes the rotated k and v at slots start.. and returns attention out [B, S, nh*hd] bf16."""
+    B, S, _ = qkv.shape
+    T = start + S
+    qbuf = torch.empty(B, S, nh, hd)
+    obuf = torch.empty(B, S, nh, hd)
+    out = torch.empty(B, S, nh * hd, dtype=torch.bfloat16)
+    m_ptr, m_stride = None, 0
+    if mask is not None:
+        m = mask.reshape(-1, S, T).to(torch.uint8).contiguous()
+        m_ptr, m_stride = _ptr(m), (S * T if m.shape[0] > 1 else 0)
+    lib().eyas_rope_attend(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], B, S,
+                           nh, kvh, hd, start, m_ptr, m_stride, float(scale), _ptr(qbuf), _ptr(obuf), _ptr(out),
+                           torch.get_num_threads())
+    return out

@@ -167,6 +167,11 @@ class TargetModel:
             ))
         self.qk_eps = float(getattr(layers[0].self_attn, "q_norm", None).variance_epsilon) \
             if self.layers[0].qn is not None else self.eps
+        # the fused native layer (eyas/kernels.c glue) covers the plain llama layer: int4 matrices, no biases,
+        # no q/k norms, SiLU; anything else runs the same native matrices through torch ops
+        self.fused = native is not None and all(
+            {"qkv", "o", "gu", "d"} <= set(m) and all(q.kind == "int4" and q.bias is None for q in m.values())
+            for m in native.layers) and all(L.qn is None and L.act is None for L in self.layers)
 
     @property
     def device(self) -> torch.device:
@@ -233,7 +238,10 @@ class TargetModel:
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         gqa = nh != nkv
         nat = self.native.layers if self.native is not None else None
-        for i, L in enumerate(self.layers):
+        if self.fused:
+            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), cache, start, mask, want,
+                                   store)
+        for i, L in enumerate(self.layers if not self.fused else []):
             if i in want:
                 store[i] = x
             h = _rms(x, L.ln1, self.eps)
@@ -283,6 +291,23 @@ class TargetModel:
         elif logits != "none":
             raise ModelError(f"logits={logits!r}: expected 'last', 'all', 'none' or a row index tensor")
         return ForwardOut(out_logits, aux, final)
+
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+                      mask: torch.Tensor | None, want: set[int], store: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The decoder layers in native mode, a few calls each: x [B, S, H] fp32 -> stream L [B, S, H]."""
+        nat = self.native.layers
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = x.float().contiguous()  # updated in place by the kernels
+        pending = None  # the previous layer's MLP output, added by the next norm
+        for i, L in enumerate(self.layers):
+            h = kernels.add_rms_bf16(x, pending, L.ln1, self.eps)  # [B, S, H] bf16; x is now stream i
+            if i in want:
+                store[i] = x.clone()
+            qkv = nat[i]["qkv"].mm_bf16(h)  # [B, S, (nh + 2 nkv) hd] bf16
+            o = kernels.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], start, mask, self.scale, nh, nkv, hd)
+            h = kernels.add_rms_bf16(x, nat[i]["o"].mm_bf16(o), L.ln2, self.eps)
+            pending = nat[i]["d"].mm_bf16(kernels.silu_mul_bf16(nat[i]["gu"].mm_bf16(h)))
+        return x + pending.float()
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""

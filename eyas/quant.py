@@ -149,6 +149,11 @@ class QLinear:
     scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
     bias: torch.Tensor | None = None
 
+    def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """int4 kind only: x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.k), self.w, GROUP, self.scales)
+        return y.view(*x.shape[:-1], self.n)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N] fp32."""
         from . import kernels
@@ -303,3 +308,44 @@ def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads
     if head_module.bias is not None:
         head.bias = head_module.bias.detach().float()
     return NativeWeights(out, head, types)
+
+
+# ---- the draft in 8 bits -------------------------------------------------------------------------
+
+class Q8Linear(torch.nn.Module):
+    """An nn.Linear whose weight is stored as int8 blocks of 32 with one fp32 scale each (d = max|w| / 127,
+    Q8_0's rule), multiplied in fp32 by eyas's q8 kernel: a quarter of the bytes of an fp32 draft per step.
+    The draft only proposes tokens, so this cannot change what the target accepts, only how often."""
+
+    def __init__(self, lin: torch.nn.Linear):
+        super().__init__()
+        w = lin.weight.detach().float().cpu()
+        n, k = w.shape
+        if k % GROUP:
+            raise NativeError(f"cannot quantize a linear with {k} inputs to blocks of {GROUP}")
+        blk = w.view(n, k // GROUP, GROUP)
+        d = blk.abs().amax(-1) / 127
+        q = torch.where(d[..., None] > 0, blk / d.clamp_min(1e-30)[..., None], torch.zeros_like(blk))
+        self.register_buffer("q", q.round().clamp(-127, 127).to(torch.int8).view(n, k))
+        self.register_buffer("d", d.contiguous())
+        self.bias = None if lin.bias is None else torch.nn.Parameter(lin.bias.detach().float(), requires_grad=False)
+        self.in_features, self.out_features = k, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import kernels
+
+        y = kernels.q8_matmul(x, self.q, self.d)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_draft_q8(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a draft with every nn.Linear replaced by Q8Linear (CPU, fp32 activations)."""
+    import copy
+
+    emb = getattr(model, "embed_weight", None)  # the target's embeddings: shared, never copied
+    out = copy.deepcopy(model, memo={id(emb): emb} if emb is not None else None)
+    for mod in list(out.modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(mod, child_name, Q8Linear(child))
+    return out

@@ -1,0 +1,91 @@
+"""Cost of one target forward of S new tokens after a context, as verification runs it, for S = 1..16.
+
+    python benchmarks/bench_verify.py [--context 300] [--rows 1,2,4,8,16] [--repeats 21] [--threads 2]
+                                      [--weights native,fp32] [--llama-cpp] [--out verify.json]
+
+Each eyas mode runs the engine's forward (eyas.model) with a tree mask, all-row logits and the draft's three
+captured streams, i.e. exactly what a verification round costs; the median of --repeats timings is reported
+with its ratio to S = 1 (one decode step). --llama-cpp adds llama.cpp (llama-cpp-python, `make llama-cpp`) on
+the same GGUF: a batch of S tokens with all-row logits after the same context. The modes are interleaved per
+repeat so load drift hits all of them. Compare ratios within one run, never across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from eyas.model import engine_model
+from eyas.target import load_target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default="native,fp32")
+    ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = [int(r) for r in a.rows.split(",")]
+    t = load_target(a.target)
+    g = torch.Generator().manual_seed(0)
+    V = t.model.config.vocab_size
+    ctx = torch.randint(0, V, (1, a.context), generator=g)
+    new = torch.randint(0, V, (1, max(rows)), generator=g)
+    runners = {}
+    for w in a.weights.split(","):
+        m = engine_model(t, w)
+        cache = m.new_cache(1, a.context + max(rows))
+        m.forward(ctx, torch.arange(a.context)[None], cache, logits="none")
+        cache.length = a.context
+
+        def run(S: int, m=m, cache=cache) -> None:
+            mask = torch.ones(S, S, dtype=torch.bool).tril()
+            m.forward(new[:, :S], torch.arange(a.context, a.context + S)[None], cache, tree_mask=mask,
+                      capture=[2, 15, 27], logits="all")
+        runners[f"eyas {w}"] = run
+    if a.llama_cpp:
+        try:
+            import llama_cpp
+        except ImportError:
+            print("skipping llama.cpp: llama-cpp-python is not installed (make llama-cpp)")
+        else:
+            llm = llama_cpp.Llama(model_path=str(t.gguf), n_ctx=a.context + 64, n_threads=a.threads,
+                                  n_threads_batch=a.threads, logits_all=True, verbose=False)
+            llm.eval(ctx[0].tolist())
+
+            def run_llama(S: int) -> None:
+                llm.n_tokens = a.context  # drop the previous batch from the KV cache position
+                llm.eval(new[0, :S].tolist())
+            runners["llama.cpp"] = run_llama
+    times: dict[str, dict[int, list[float]]] = {k: {S: [] for S in rows} for k in runners}
+    for _ in range(a.repeats):
+        for S in rows:
+            for k, run in runners.items():
+                t0 = time.perf_counter()
+                run(S)
+                times[k][S].append(time.perf_counter() - t0)
+    med = {k: {S: statistics.median(v) * 1e3 for S, v in d.items()} for k, d in times.items()}
+    print(f"verify forward after {a.context} tokens, {a.threads} threads, median of {a.repeats} (ms; ratio to S=1)")
+    print("mode".ljust(14) + "".join(f"S={S}".rjust(16) for S in rows))
+    for k, d in med.items():
+        print(k.ljust(14) + "".join(f"{d[S]:8.1f} ({d[S] / d[rows[0]]:.2f}x)".rjust(16) for S in rows))
+    if 8 in rows and 1 in rows:
+        for k, d in med.items():
+            print(f"{k}: an 8-row verify costs {d[8] / d[1]:.2f}x a one-token step")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"context": a.context, "threads": a.threads, "repeats": a.repeats, "ms": med}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
