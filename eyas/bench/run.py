@@ -36,7 +36,8 @@ from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 
-METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup", "llama-cpp")
+METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup")
+OPTIONAL_METHODS = ("llama-cpp",)  # peers outside the default install: asked for by name, skipped when absent
 ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup")
 SPEC_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
 HF_METHODS = ("hf-greedy", "hf-lookup")
@@ -58,10 +59,11 @@ def parse_int_list(text: str, what: str, minimum: int = 1) -> list[int]:
 
 def parse_methods(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
+    known = METHODS + OPTIONAL_METHODS
+    bad = [m for m in names if m not in known]
     if bad or not names:
-        raise BenchError(f"--methods {text!r}: unknown {bad}; choose from {','.join(METHODS)}")
-    return [m for m in METHODS if m in names]  # canonical order, duplicates dropped
+        raise BenchError(f"--methods {text!r}: unknown {bad}; choose from {','.join(known)}")
+    return [m for m in known if m in names]  # canonical order, duplicates dropped
 
 
 @dataclass
