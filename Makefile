@@ -20,15 +20,17 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The main job: MT-bench side by side (HF greedy vs eyas plain vs eyas EAGLE-3 tree vs tree + lookup) with the
-# shipped draft at the fastest setting of its sweep (runs/sweep-s2: depth 3, topk 4, 8 tokens, 8 lookup candidates).
-# BENCH_LIMIT=80 BENCH_TOKENS=256 is the full figure run; the default (one question per category, 128 new tokens)
-# keeps the demo near 10 minutes on a 2-core CPU including set-up.
+# shipped draft, the bundled GGUF in its native 4-bit weights (the default `--weights auto`). Tree setting: the
+# small tree that lost least to plain in session 4 (depth 2, topk 2, 3 tokens; on this CPU a verify of S rows costs
+# ~1 + 0.3 (S - 1) decode steps, see docs/RESULTS.md). BENCH_LIMIT=80 BENCH_TOKENS=256 is the full figure run;
+# BENCH_METHODS=hf-greedy,plain,tree,tree-lookup,llama-cpp adds llama.cpp after `make llama-cpp`.
 BENCH_LIMIT ?= 8
 BENCH_TOKENS ?= 128
-BENCH_ARGS ?= --depth 3 --topk 4 --tokens 8 --lookup 8
+BENCH_METHODS ?= hf-greedy,plain,tree,tree-lookup
+BENCH_ARGS ?= --depth 2 --topk 2 --tokens 3 --lookup 4
 demo: setup
 	$(VENV)/bin/eyas bench --bench mt-bench --limit $(BENCH_LIMIT) --max-new-tokens $(BENCH_TOKENS) \
-		--methods hf-greedy,plain,tree,tree-lookup --draft default $(BENCH_ARGS)
+		--methods $(BENCH_METHODS) --draft default $(BENCH_ARGS)
 
 # Optional peer for `eyas bench --methods ...,llama-cpp`: llama-cpp-python builds llama.cpp from source (~20 minutes
 # on 2 cores). Never part of setup, test or CI.
