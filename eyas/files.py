@@ -59,5 +59,9 @@ def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        raise
     return swap_folder(tmp, out)

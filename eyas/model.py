@@ -20,7 +20,7 @@ from torch import nn
 
 from . import kernels
 from .errors import EyasError
-from .target import Capture, Target, TargetError, decoder_parts
+from .target import Capture, Target, decoder_parts
 
 if TYPE_CHECKING:
     from .quant import NativeWeights
@@ -352,7 +352,7 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     if why is None:
         try:
             native = native_weights(target)
-        except TargetError as e:
+        except EyasError as e:  # a type the native kernels do not cover, a foreign layout, no C compiler
             why = str(e)
     if why is not None:
         if weights == "native":

@@ -24,12 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_file import BLOCK_BYTES, GROUP, GGUFTensor, read_gguf_tensors
 from .target import TargetError
 
-GROUP = 32
-# bytes per 32-weight block
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-NATIVE_TYPES = tuple(_BLOCK_BYTES)
+NATIVE_TYPES = tuple(BLOCK_BYTES)
 
 # GGUF tensor suffix -> (HF attribute path inside a decoder layer)
 _LAYER_TENSORS = {
@@ -43,100 +41,6 @@ class NativeError(TargetError):
     pass
 
 
-# ---- a minimal GGUF tensor directory --------------------------------------------------------------
-# gguf-py's reader builds numpy views for every metadata string (8.6 s for SmolLM2's 49k-token vocab);
-# native weights only need the tensor directory, which this reads in milliseconds.
-
-_GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # others are named by number
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-@dataclass
-class GGUFTensor:
-    name: str
-    type_name: str
-    shape: tuple[int, ...]  # ggml order: shape[0] is the row length
-    data: np.ndarray  # uint8 [rows, bytes per row] for block types (a view of the memory-mapped file)
-
-
-def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
-    """The tensor directory of a GGUF v2/v3 file; a truncated or foreign file raises NativeError."""
-    import struct
-
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        size = struct.calcsize(fmt)
-        if pos + size > len(buf):
-            raise NativeError(f"{path}: the GGUF header ends early at byte {pos} (a truncated download?); "
-                              "fetch the file again")
-        v = struct.unpack_from(fmt, buf, pos)[0]
-        pos += size
-        return v
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        if pos + n > len(buf):
-            raise NativeError(f"{path}: the GGUF header ends early at byte {pos}; fetch the file again")
-        v = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
-        pos += n
-        return v
-
-    def skip_value(vt: int) -> object:
-        nonlocal pos
-        if vt == 8:
-            return string()
-        if vt == 9:
-            et, n = take("<I"), take("<Q")
-            if et in _SCALAR:
-                pos += struct.calcsize(_SCALAR[et]) * n
-            else:
-                for _ in range(n):
-                    skip_value(et)
-            return None
-        if vt not in _SCALAR:
-            raise NativeError(f"{path}: unknown GGUF value type {vt}; not a GGUF file eyas can read")
-        return take(_SCALAR[vt])
-
-    if len(buf) < 24 or bytes(buf[:4]) != b"GGUF":
-        raise NativeError(f"{path} is not a GGUF file (no GGUF magic); pass a .gguf file or a HF folder")
-    pos = 4
-    version = take("<I")
-    if version not in (2, 3):
-        raise NativeError(f"{path}: GGUF version {version}; eyas reads versions 2 and 3")
-    n_tensors, n_kv = take("<Q"), take("<Q")
-    align = 32
-    for _ in range(n_kv):
-        key, vt = string(), take("<I")
-        v = skip_value(vt)
-        if key == "general.alignment" and isinstance(v, int):
-            align = v
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        dims = tuple(take("<Q") for _ in range(take("<I")))
-        infos.append((name, dims, take("<I"), take("<Q")))
-    start = (pos + align - 1) // align * align
-    out: dict[str, GGUFTensor] = {}
-    for name, dims, t, off in infos:
-        tname = _GGML_TYPES.get(t, f"ggml type {t}")
-        rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-        if tname in _BLOCK_BYTES:
-            width = dims[0] // GROUP * _BLOCK_BYTES[tname]
-        elif tname in ("F32", "F16"):
-            width = dims[0] * (4 if tname == "F32" else 2)
-        else:
-            out[name] = GGUFTensor(name, tname, dims, np.empty((0, 0), np.uint8))
-            continue
-        a = start + off
-        if a + rows * width > len(buf):
-            raise NativeError(f"{path}: tensor {name} runs past the end of the file ({len(buf)} bytes); the file "
-                              "is truncated, fetch it again")
-        out[name] = GGUFTensor(name, tname, dims, buf[a:a + rows * width].reshape(rows, width))
-    return out
 
 
 @dataclass
@@ -174,13 +78,13 @@ class QLinear:
 
 def _blocks(t: GGUFTensor, name: str) -> tuple[str, np.ndarray, int, int]:
     kind = t.type_name
-    if kind not in _BLOCK_BYTES:
+    if kind not in BLOCK_BYTES:
         raise NativeError(f"GGUF tensor {name} is {kind}; native weights cover {', '.join(NATIVE_TYPES)} "
                           "(run with --weights fp32 for this file)")
     raw = np.asarray(t.data)
     n = raw.shape[0]
-    nb = raw.shape[1] // _BLOCK_BYTES[kind]
-    return kind, raw.reshape(n, nb, _BLOCK_BYTES[kind]), n, nb * GROUP
+    nb = raw.shape[1] // BLOCK_BYTES[kind]
+    return kind, raw.reshape(n, nb, BLOCK_BYTES[kind]), n, nb * GROUP
 
 
 def _f16(raw: np.ndarray, at: int) -> torch.Tensor:

@@ -233,6 +233,9 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         fp = file_fingerprint([gguf])
         folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
         if not (folder / "config.json").exists():
+            from .gguf_file import read_gguf_tensors
+
+            read_gguf_tensors(gguf)  # a truncated or foreign file: one clear error before transformers reads it
             convert_gguf(gguf, folder)
         name = spec if spec in BUNDLED else gguf.name
     else:

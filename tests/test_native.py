@@ -143,3 +143,24 @@ def test_bundled_gguf_native_mode_is_lossless_and_agrees_with_fp32():
         agree, total = agree + n, total + len(ref)
     # native is another numerics mode (bf16 activations): greedy text may drift late, not from the start
     assert agree >= total // 4
+
+
+def test_truncated_or_foreign_gguf_is_one_clear_error(tmp_path):
+    import struct
+
+    from eyas.gguf_file import GGUFError, read_gguf_tensors
+
+    foreign = tmp_path / "x.gguf"
+    foreign.write_bytes(b"PK\x03\x04" + bytes(40))
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        read_gguf_tensors(foreign)
+    name = b"blk.0.attn_q.weight"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", len(name)) + name
+    head += struct.pack("<I", 2) + struct.pack("<QQ", 64, 8) + struct.pack("<IQ", 3, 0)  # Q4_1 64x8, no data
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(head)
+    with pytest.raises(GGUFError, match="truncated"):
+        read_gguf_tensors(cut)
+    cut.write_bytes(head[:30])
+    with pytest.raises(GGUFError, match="ends early"):
+        read_gguf_tensors(cut)
