@@ -147,67 +147,6 @@ void eyas_q8_matmul(const float *x, const int8_t *qw, const float *d, float *out
     }
 }
 
-/* out [M, N] = x [M, K] . W^T for a 4-bit weight in GGUF Q4_0/Q4_1 block order: qs uint8 [N, K/2]
- * (block b of row n: byte t holds element t in its low nibble and element t+16 in its high nibble),
- * w = d * q + m per block (Q4_0: m = -8 d). Per row: sum_b d_b (q_b . x_b) + sum_b m_b sum(x_b). */
-void eyas_q4_matmul(const float *x, const uint8_t *qs, const float *d, const float *mn, float *out, int M, int N,
-                    int K, int nthreads) {
-    const int nb = K / 32;
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)M * nb);
-    for (int r = 0; r < M; r++)
-        for (int bI = 0; bI < nb; bI++) {
-            const float *xr = x + (int64_t)r * K + bI * 32;
-            float s[LANES] = {0};
-            for (int c = 0; c < 32; c += LANES)
-                for (int t = 0; t < LANES; t++) s[t] += xr[c + t];
-            xsum[r * nb + bI] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-        }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wn = qs + (int64_t)n * (K / 2);
-        const float *dn = d + (int64_t)n * nb;
-        const float *mnn = mn + (int64_t)n * nb;
-        float accs[16][LANES];
-        float accm[16];
-        for (int m0 = 0; m0 < M; m0 += 16) {
-            const int mm = M - m0 < 16 ? M - m0 : 16;
-            for (int r = 0; r < mm; r++) {
-                for (int t = 0; t < LANES; t++) accs[r][t] = 0.0f;
-                accm[r] = 0.0f;
-            }
-            for (int bI = 0; bI < nb; bI++) {
-                uint8_t qq[32];
-                float wf[32];
-                const uint8_t *qb = wn + bI * 16;
-                uint64_t w[2], lo[2], hi[2];
-                memcpy(w, qb, 16);  /* nibbles via 64-bit words: compilers do not vectorize byte shifts */
-                for (int t = 0; t < 2; t++) {
-                    lo[t] = w[t] & 0x0F0F0F0F0F0F0F0FULL;
-                    hi[t] = (w[t] >> 4) & 0x0F0F0F0F0F0F0F0FULL;
-                }
-                memcpy(qq, lo, 16);
-                memcpy(qq + 16, hi, 16);
-                for (int t = 0; t < 32; t++) wf[t] = (float)qq[t];
-                const float db = dn[bI], mb = mnn[bI];
-                for (int r = 0; r < mm; r++) {
-                    const float *xr = x + (int64_t)(m0 + r) * K + bI * 32;
-                    float s[LANES] = {0};
-                    for (int c = 0; c < 32; c += LANES)
-                        for (int t = 0; t < LANES; t++) s[t] += wf[c + t] * xr[c + t];
-                    for (int t = 0; t < LANES; t++) accs[r][t] += db * s[t];
-                    accm[r] += mb * xsum[(m0 + r) * nb + bI];
-                }
-            }
-            for (int r = 0; r < mm; r++) {
-                float *a = accs[r];
-                out[(int64_t)(m0 + r) * N + n] =
-                    (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) + accm[r];
-            }
-        }
-    }
-    free(xsum);
-}
-
 /* out [M, N] = x [M, K] . W^T for an fp32 weight [N, K] (a head that is not Q8_0), same scheme as above. */
 void eyas_f32_matmul(const float *x, const float *w, float *out, int M, int N, int K, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)

@@ -60,8 +60,6 @@ def lib() -> ctypes.CDLL:
     so.eyas_attention.restype = None
     so.eyas_q8_matmul.argtypes = [p, p, p, p, i32, i32, i32, i32]
     so.eyas_q8_matmul.restype = None
-    so.eyas_q4_matmul.argtypes = [p, p, p, p, p, i32, i32, i32, i32]
-    so.eyas_q4_matmul.restype = None
     so.eyas_f32_matmul.argtypes = [p, p, p, i32, i32, i32, i32]
     so.eyas_f32_matmul.restype = None
     so.eyas_add_rms_bf16.argtypes = [p, p, p, p, i32, i32, f32, i32]
@@ -109,17 +107,6 @@ def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     x2 = x.reshape(-1, K).contiguous().float()
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
     lib().eyas_q8_matmul(_ptr(x2), _ptr(qw), _ptr(d), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
-    return out.view(*x.shape[:-1], N)
-
-
-def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [..., K] fp32 @ W^T for a GGUF Q4_0/Q4_1 weight: qs uint8 [N, K/2] in GGUF block order, d and m
-    fp32 [N, K/32] (w = d * q + m) -> [..., N] fp32."""
-    K = x.shape[-1]
-    N = qs.shape[0]
-    x2 = x.reshape(-1, K).contiguous().float()
-    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    lib().eyas_q4_matmul(_ptr(x2), _ptr(qs), _ptr(d), _ptr(m), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
     return out.view(*x.shape[:-1], N)
 
 
