@@ -17,6 +17,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 TargetOpt = typer.Option("smollm2-135m", "--target", help="smollm2-135m, a HF model folder, or a .gguf file")
 DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
+DraftWeightsOpt = typer.Option("auto", "--draft-weights", help="draft matrices: q8 (8-bit blocks, CPU) | fp32 | "
+                               "auto (q8 with native target weights)")
 WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, CPU) | "
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 
@@ -89,6 +91,7 @@ def bench(
     sweep_tokens: str = typer.Option("4,8,16,32", "--sweep-tokens"),
     sweep_lookup: str = typer.Option("0", "--sweep-lookup", help="lookup candidates tried with each tree setting"),
     weights: str = WeightsOpt,
+    draft_weights: str = DraftWeightsOpt,
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
@@ -101,7 +104,7 @@ def bench(
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
                           target=target, draft=draft, dtype=dtype, device=device, weights=weights,
-                          methods=parse_methods(methods),
+                          draft_weights=draft_weights, methods=parse_methods(methods),
                           steps=steps, depth=depth, topk=topk, tokens=tokens, lookup_tokens=lookup_tokens,
                           lookup=lookup,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
@@ -462,6 +465,7 @@ def generate(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     weights: str = WeightsOpt,
+    draft_weights: str = DraftWeightsOpt,
 ) -> None:
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
@@ -488,7 +492,7 @@ def generate(
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
             eng.check_messages(msgs)
         spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
-                              weights=weights)
+                              weights=weights, draft_weights=draft_weights)
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()

@@ -86,6 +86,7 @@ class BenchConfig:
     dtype: str = "fp32"
     device: str = "cpu"
     weights: str = "auto"  # eyas methods' target forward (eyas.model.engine_model)
+    draft_weights: str = "auto"  # the draft's matrices (eyas.engine.SpecParams.draft_weights)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     steps: int = 4  # chain
     depth: int = 4  # tree
@@ -105,7 +106,8 @@ class BenchConfig:
 
 
 # the fields that must agree for `--resume` to continue an earlier run's rows
-RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights", "methods",
+RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
+               "draft_weights", "methods",
                "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                      "sweep_limit", "grid")
@@ -489,7 +491,7 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
                               topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0,
-                              weights=cfg.weights)
+                              weights=cfg.weights, draft_weights=cfg.draft_weights)
             runners[m] = engine_runner(Engine(target, draft if m in SPEC_METHODS else None, spec), end_ids,
                                        target.device)
     return runners

@@ -144,7 +144,8 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     for s in settings:
         label = setting_label(s)
         try:
-            engine = Engine(target, None if s["method"] == "plain" else draft, SpecParams(**s, weights=cfg.weights))
+            spec = SpecParams(**s, weights=cfg.weights, draft_weights=cfg.draft_weights)
+            engine = Engine(target, None if s["method"] == "plain" else draft, spec)
             run = engine_runner(engine, end_ids, target.device)
             run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))  # warm-up; also where lazy checks would fire
         except EngineError as e:
