@@ -75,6 +75,15 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _mask_bytes(mask: torch.Tensor | None, S: int, T: int) -> tuple[torch.Tensor | None, int]:
+    """bool mask [B|1, 1, S, T] -> (contiguous [B|1, S, T] view the caller keeps alive during the call, batch
+    stride in bytes; 0 = one mask for every sequence). torch stores bool as one 0/1 byte: no conversion."""
+    if mask is None:
+        return None, 0
+    m = mask.to(torch.bool).reshape(-1, S, T).contiguous()
+    return m, (S * T if m.shape[0] > 1 else 0)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, S, nh, hd] fp32; one layer's cache [B, kvh, max_len, hd] holding keys 0..start+S-1;
@@ -89,14 +98,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         raise KernelError("the KV cache slices passed to the attention kernel must be contiguous")
     out = torch.empty_like(q)
     T = start + S
-    m_ptr, m_stride = None, 0
-    if mask is not None:
-        m = mask.reshape(-1, S, T).to(torch.uint8).contiguous()
-        m_ptr, m_stride = _ptr(m), (S * T if m.shape[0] > 1 else 0)
+    m, m_stride = _mask_bytes(mask, S, T)
     lib().eyas_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), max_len, B, S, nh, kvh, hd, start,
-                         m_ptr, m_stride, float(scale), _ptr(out), torch.get_num_threads())
-    if mask is not None:
-        del m  # kept alive across the call above
+                         None if m is None else _ptr(m), m_stride, float(scale), _ptr(out), torch.get_num_threads())
     return out
 
 
@@ -146,11 +150,9 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     qbuf = torch.empty(B, S, nh, hd)
     obuf = torch.empty(B, S, nh, hd)
     out = torch.empty(B, S, nh * hd, dtype=torch.bfloat16)
-    m_ptr, m_stride = None, 0
-    if mask is not None:
-        m = mask.reshape(-1, S, T).to(torch.uint8).contiguous()
-        m_ptr, m_stride = _ptr(m), (S * T if m.shape[0] > 1 else 0)
+    m, m_stride = _mask_bytes(mask, S, T)
     lib().eyas_rope_attend(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], B, S,
-                           nh, kvh, hd, start, m_ptr, m_stride, float(scale), _ptr(qbuf), _ptr(obuf), _ptr(out),
+                           nh, kvh, hd, start, None if m is None else _ptr(m), m_stride, float(scale), _ptr(qbuf),
+                           _ptr(obuf), _ptr(out),
                            torch.get_num_threads())
     return out
