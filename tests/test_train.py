@@ -3,6 +3,8 @@ integration run on the bundled SmolLM2 target."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -282,6 +284,10 @@ def _cli(root: Path, out: str, *extra: str, env: dict | None = None, launcher: l
     return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
 
 
+_LAUNCH_RACE = re.compile(r"EADDRINUSE|address already in use|DistNetworkError|RendezvousConnectionError|"
+                          r"RendezvousTimeoutError|failed to listen", re.I)
+
+
 def _losses(out: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (out / "train_log.jsonl").read_text().splitlines()]
 
@@ -313,6 +319,11 @@ def test_two_processes_match_one(world):
     assert r1.returncode == 0, r1.stderr
     tr = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas"]
     r2 = _cli(root, "two", *args, launcher=tr)
+    if r2.returncode != 0 and _LAUNCH_RACE.search(r2.stderr):
+        # torchrun --standalone picks a free port and rebinds it: another process can take it in between.
+        # That is the launcher's race, not eyas's; rerun once. Any numeric difference still fails below.
+        shutil.rmtree(root / "two", ignore_errors=True)
+        r2 = _cli(root, "two", *args, launcher=tr)
     assert r2.returncode == 0, r2.stderr[-3000:]
     a = load_file(str(root / "one" / "draft" / "model.safetensors"))
     b = load_file(str(root / "two" / "draft" / "model.safetensors"))
