@@ -13,15 +13,8 @@ from typer.testing import CliRunner
 
 from eyas.cli import app
 from eyas.data.conversations import load_conversations, masked_spans, render, tokenize_conversation
-from eyas.data.datagen import (
-    DatagenConfig,
-    DatagenError,
-    _loop_criteria,
-    generate_replies,
-    length_batches,
-    run_datagen,
-    stop_token_ids,
-)
+from eyas.data.datagen import DatagenConfig, DatagenError, length_batches, run_datagen
+from eyas.data.regen import _loop_criteria, engine_generate, generate_replies, hf_generate, regen_engine, stop_token_ids
 from eyas.data.shards import MANIFEST, ShardSet, load_manifest
 from eyas.target import capture, load_target
 
@@ -167,19 +160,54 @@ def test_repetition_stop_matches_loop_end():
         assert first == [loop_end(r, n) for r in seqs.tolist()]
 
 
-def test_repetition_limit_cuts_a_looping_reply(tiny_dir):
+@pytest.mark.parametrize("path", ["engine", "hf"])
+def test_repetition_limit_cuts_a_looping_reply(tiny_dir, path):
     t = load_target(str(tiny_dir))
     with torch.no_grad():
         t.model.lm_head.weight.zero_()
         t.model.lm_head.weight[7] = 1.0  # logits: token 7 gets sum(h), every other token 0: a period-1 loop
         t.model.model.norm.weight.fill_(1.0)
+    eng = regen_engine(t) if path == "engine" else None
+    assert (eng is not None) == (path == "engine")
     cfg = DatagenConfig(out="unused", max_new_tokens=40, repetition_limit=4, max_len=512)
     p = t.tokenizer("hello", add_special_tokens=False)["input_ids"]
-    (reply, why), = generate_replies(t, [p], cfg, seed=0, stop_ids=stop_token_ids(t))
+    (reply, why), = generate_replies(t, [p], cfg, seed=0, stop_ids=stop_token_ids(t), engine=eng)
     assert why == "repetition" and len(reply) <= 10 and loop_end_len(reply) == len(reply)
     cfg.repetition_limit = 0
-    (reply, why), = generate_replies(t, [p], cfg, seed=0, stop_ids=stop_token_ids(t))
+    (reply, why), = generate_replies(t, [p], cfg, seed=0, stop_ids=stop_token_ids(t), engine=eng)
     assert why == "length" and len(reply) == 40
+
+
+def test_engine_batch_matches_each_prompt_alone_and_hf(tiny_dir):
+    """Left padding, per-row positions and the key mask: a row's greedy reply in a ragged batch (rows finishing
+    at different steps, the batch compacted as they do) is the reply it gets alone, and HF generate's."""
+    t = load_target(str(tiny_dir))
+    eng = regen_engine(t)
+    tok = t.tokenizer
+    texts = ["hi", "Tell me a long story about a dragon and a castle", "What is 2+2?", "ok", "Name three colors",
+             "The quick brown fox jumps over the lazy dog, twice, and then sleeps for a while."]
+    prompts = [tok(render(tok, [{"role": "user", "content": x}], add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for x in texts]
+    caps = [3, 17, 9, 12, 5, 14]  # different lengths: rows leave the batch at different steps
+    stop = stop_token_ids(t)
+    batch = engine_generate(eng, prompts, caps, stop, repetition_limit=0)
+    for p, c, got in zip(prompts, caps, batch, strict=True):
+        alone = engine_generate(eng, [p], [c], stop, repetition_limit=0)[0]
+        hf = hf_generate(t, [p], c, stop, repetition_limit=0)[0]
+        assert got == alone == hf, (got, alone, hf)
+        assert got[1] in ("eos", "length") and (got[1] == "eos" or len(got[0]) == c)
+
+
+def test_engine_sampling_is_seeded(tiny_dir):
+    t = load_target(str(tiny_dir))
+    eng = regen_engine(t)
+    p = [t.tokenizer("hello there", add_special_tokens=False)["input_ids"]] * 3
+    stop = stop_token_ids(t)
+    a = engine_generate(eng, p, [20] * 3, stop, 0, temperature=1.0, top_p=0.9, seed=5)
+    b = engine_generate(eng, p, [20] * 3, stop, 0, temperature=1.0, top_p=0.9, seed=5)
+    c = engine_generate(eng, p, [20] * 3, stop, 0, temperature=1.0, top_p=0.9, seed=6)
+    assert a == b and a != c
+    assert len({tuple(r) for r, _ in a}) > 1  # the rows of one batch draw different tokens
 
 
 def loop_end_len(reply):

@@ -24,17 +24,16 @@ import torch
 from ..errors import EyasError
 from ..files import atomic_write_json
 from ..layout import Layout, LayoutError, check_layouts
-from ..target import Target, capture, end_token_ids, file_fingerprint, load_target, parse_dtype
+from ..target import Target, capture, file_fingerprint, load_target, parse_dtype
 from .conversations import (
     Conversation,
     DataError,
     Skip,
     iter_source,
-    loop_end,
-    render,
     resolve_source,
     tokenize_conversation_checked,
 )
+from .regen import regen_engine, regenerate
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -132,71 +131,7 @@ def length_batches(lengths: list[int], max_batch: int, token_budget: int) -> lis
     return batches
 
 
-# ---- regeneration ------------------------------------------------------------------------------------
-
-def stop_token_ids(target: Target) -> list[int]:
-    """Where a regenerated reply ends: the target's end-of-turn tokens (eyas.target.end_token_ids)."""
-    return end_token_ids(target.tokenizer, target.model,
-                         "regeneration could never stop: use --no-regenerate or fix the config")
-
-
-def _loop_criteria(n: int, prompt_len: int):
-    from transformers import StoppingCriteria
-
-    class LoopStop(StoppingCriteria):
-        """Per row: stop once the last n generated tokens already occurred as an earlier n-token window of the
-        reply (the same rule as eyas.data.conversations.loop_end, checked after every new token)."""
-
-        def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-            gen = input_ids[:, prompt_len:]  # [B, T]
-            T = gen.shape[1]
-            if T <= n:
-                return torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
-            earlier = gen[:, :T - 1].unfold(1, n, 1)  # [B, T-n, n] windows starting before the last one
-            return (earlier == gen[:, None, T - n:]).all(dim=-1).any(dim=-1)  # [B]
-
-    return LoopStop()
-
-
-@torch.no_grad()
-def generate_replies(target: Target, prompts: list[list[int]], cfg: DatagenConfig, seed: int,
-                     stop_ids: list[int]) -> list[tuple[list[int], str]]:
-    """One batched generate over left-padded prompts; per prompt the reply tokens (without the end token) and
-    why it finished: 'eos' | 'repetition' | 'length'."""
-    from transformers import GenerationConfig, StoppingCriteriaList
-
-    dev = target.device
-    pad = target.tokenizer.pad_token_id
-    pad = stop_ids[0] if pad is None else int(pad)
-    S = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), S), pad, dtype=torch.long)
-    am = torch.zeros((len(prompts), S), dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding: every row's next token lands in the last column
-        ids[b, S - len(p):] = torch.tensor(p)
-        am[b, S - len(p):] = 1
-    max_new = max(1, min(cfg.max_new_tokens, cfg.max_len - min(len(p) for p in prompts)))
-    sample = cfg.temperature > 0
-    gc = GenerationConfig(max_new_tokens=max_new, do_sample=sample, temperature=cfg.temperature if sample else None,
-                          top_p=cfg.top_p if sample else None, top_k=0 if sample else None,
-                          eos_token_id=stop_ids, pad_token_id=pad)
-    crit = StoppingCriteriaList([_loop_criteria(cfg.repetition_limit, S)]) if cfg.repetition_limit > 0 else None
-    torch.manual_seed(seed)  # sampling is reproducible per (run seed, chunk, turn, batch)
-    out = target.model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), generation_config=gc,
-                                stopping_criteria=crit)
-    stops = set(stop_ids)
-    results = []
-    for row in out[:, S:].tolist():
-        # the reply ends at the first end token, or where it first completes a loop, whichever comes first
-        end = next((j for j, t in enumerate(row) if t in stops), None)
-        loop = loop_end(row, cfg.repetition_limit)
-        if end is not None and (loop is None or end < loop):
-            results.append((row[:end], "eos"))
-        elif loop is not None:
-            results.append((row[:loop], "repetition"))
-        else:
-            results.append((row, "length"))
-    return results
-
+# ---- regeneration (eyas/data/regen.py) ---------------------------------------------------------------
 
 def limit_turns(messages: list[dict[str, str]], max_turns: int | None) -> list[dict[str, str]]:
     """Cut a conversation after its max_turns-th assistant reply."""
@@ -209,47 +144,6 @@ def limit_turns(messages: list[dict[str, str]], max_turns: int | None) -> list[d
             if seen == max_turns:
                 return messages[:i + 1]
     return messages
-
-
-def regenerate(target: Target, convs: list[Conversation], cfg: DatagenConfig, stats: Counter,
-               on_progress: Callable[[str], None] | None = None) -> list[Conversation]:
-    """Replace every assistant reply with the target's own, given the conversation so far (its own earlier
-    replies, the original user turns). Turn by turn, batched across conversations by prompt length. A turn
-    whose prompt already fills max_len is dropped with everything after it (truncation would cut it anyway)."""
-    tok = target.tokenizer
-    stop_ids = stop_token_ids(target)
-    msgs = [[dict(m) for m in c.messages] for c in convs]
-    turns = [[i for i, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
-    cut = [len(ms) for ms in msgs]  # messages kept per conversation
-    for r in range(max((len(t) for t in turns), default=0)):
-        jobs: list[tuple[int, int, list[int]]] = []
-        for ci, t in enumerate(turns):
-            if r >= len(t) or t[r] >= cut[ci]:
-                continue
-            i = t[r]
-            prompt = tok(render(tok, msgs[ci][:i], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-            if len(prompt) >= cfg.max_len:
-                cut[ci] = i
-                stats["turns_dropped_context_full"] += len(t) - r
-                continue
-            jobs.append((ci, i, prompt))
-        lens = [len(p) + min(cfg.max_new_tokens, cfg.max_len - len(p)) for _, _, p in jobs]
-        for bi, batch in enumerate(length_batches(lens, cfg.gen_batch, cfg.gen_tokens)):
-            if on_progress:
-                on_progress(f"regen turn {r + 1} batch {bi + 1}")
-            first_row = convs[jobs[batch[0]][0]].row_id
-            seed = (cfg.seed * 1_000_003 + first_row * 1_009 + r) % (2**63)
-            t0 = time.perf_counter()
-            replies = generate_replies(target, [jobs[j][2] for j in batch], cfg, seed, stop_ids)
-            stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
-            for j, (reply, why) in zip(batch, replies, strict=True):
-                ci, i, _ = jobs[j]
-                msgs[ci][i] = {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=False)}
-                stats["regenerated_replies"] += 1
-                stats["regenerated_tokens"] += len(reply)
-                stats[f"finish_{why}"] += 1
-    return [Conversation(row_id=c.row_id, messages=ms[:n], dropped_turns=c.dropped_turns)
-            for c, ms, n in zip(convs, msgs, cut, strict=True)]
 
 
 # ---- capture -----------------------------------------------------------------------------------------
@@ -434,7 +328,10 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
         except LayoutError as e:
             raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
         conf = _manifest_config(cfg, source, source_fp)
+        if cfg.regenerate:  # what wrote the replies; both run the HF weights in --target-dtype
+            conf["regen_engine"] = "hf-generate" if regen_engine(target) is None else "eyas-engine"
         m = _open_manifest(out, cfg, target, layout, conf, log)
+        m["config"]["regen_engine"] = conf.get("regen_engine")
         m["commands"].append(command or " ".join(sys.argv))
         atomic_write_json(out / MANIFEST, m)
         _run_chunks(cfg, target, layout, m, out, log, progress)
@@ -473,7 +370,8 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
         stats: Counter[str] = Counter()
         convs = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns) for c in convs]
         if cfg.regenerate and convs:
-            convs = regenerate(target, convs, cfg, stats, on_progress=postfix)
+            convs = regenerate(target, convs, cfg, stats,
+                               lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), postfix)
         loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
         items = []
         for c in convs:
