@@ -118,14 +118,17 @@ def main() -> None:
                                add_special_tokens=False)["input_ids"]
                            for c in load_conversations("sharegpt", num=2 * args.regen_samples)[0])
                if len(p) <= args.max_len // 2][:args.regen_samples]
-    gcfg = DatagenConfig(out="", max_new_tokens=args.regen_new_tokens, repetition_limit=32, max_len=4096)
+    gcfg = DatagenConfig(out="", max_new_tokens=args.regen_new_tokens, repetition_limit=32, max_len=4096,
+                         gen_batch=args.gen_batch)
     stop = stop_token_ids(target)
     engine = regen_engine(target)
     generate_replies(target, prompts[:2], DatagenConfig(out="", max_new_tokens=4, max_len=4096), 0, stop, engine)
     regen = {}
     for name, group, eng in (("eyas engine", prompts, engine), ("HF generate", prompts[:args.hf_samples], None)):
         new, dt_s, finish = 0, 0.0, Counter()
-        for b in length_batches([len(p) + args.regen_new_tokens for p in group], args.gen_batch, 1 << 30):
+        lens = [len(p) + args.regen_new_tokens for p in group]
+        # the engine's pool takes every prompt at once and refills rows as replies end (as datagen does)
+        for b in ([list(range(len(group)))] if eng else length_batches(lens, args.gen_batch, 1 << 30)):
             s = time.perf_counter()
             replies = generate_replies(target, [group[i] for i in b], gcfg, 0, stop, eng)
             dt_s += time.perf_counter() - s

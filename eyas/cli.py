@@ -192,7 +192,7 @@ def datagen(
     aux_indices: str = typer.Option(None, "--aux-indices", help="stream indices, e.g. 2,15,27 (default EAGLE-3)"),
     shard_samples: int = typer.Option(64, "--shard-samples", help="conversations per chunk/shard"),
     shard_tokens: int = typer.Option(65536, "--shard-tokens", help="max tokens per shard"),
-    gen_batch: int = typer.Option(32, "--gen-batch", help="prompts per regeneration batch"),
+    gen_batch: int = typer.Option(64, "--gen-batch", help="regeneration: prompts decoding at once"),
     capture_tokens: int = typer.Option(8192, "--capture-tokens", help="padded tokens per capture forward"),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = default; 1 on a busy machine)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),

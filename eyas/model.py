@@ -126,10 +126,16 @@ class TargetModel:
     With `native` (see eyas/quant.py) the decoder matrices and the head run from the GGUF's quantized
     weights and attention runs through eyas's row-invariant kernel; everything else is shared."""
 
-    def __init__(self, model: nn.Module, native: NativeWeights | None = None):
+    def __init__(self, model: nn.Module, native: NativeWeights | None = None, kernel_attention: bool = False):
         cfg = _check_family(model)
         self.hf = model
         self.native = native
+        # eyas's C attention (always with native weights): it skips masked keys without reading them, which
+        # pays when rows of one batch hold sequences of very different lengths (datagen's regeneration)
+        self.kernel_attention = native is not None or kernel_attention
+        if kernel_attention and (model.dtype != torch.float32 or model.device.type != "cpu"):
+            raise ModelError(f"eyas's attention kernel runs fp32 on the CPU; this target is {model.dtype} on "
+                             f"{model.device}")
         if native is not None and (model.dtype != torch.float32 or model.device.type != "cpu"):
             raise ModelError(f"native GGUF weights run on the CPU with an fp32 residual stream; this target is "
                              f"{model.dtype} on {model.device} (use --weights fp32, or --dtype fp32 --device cpu)")
@@ -211,9 +217,12 @@ class TargetModel:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                capture: list[int] | None = None, logits: str | torch.Tensor = "last") -> ForwardOut:
+                capture: list[int] | None = None, logits: str | torch.Tensor = "last",
+                slots: torch.Tensor | None = None) -> ForwardOut:
         """Run S new tokens after the cache's committed slots and write their K/V into slots
         [length, length+S) (the caller commits them with `cache.length += S` or `compact`).
+        slots [B] (S = 1 only): row b writes its key/value at slot slots[b] < length + 1 instead, and attn_mask
+        says which slots each row sees (rows of different lengths in one cache).
 
         input_ids, position_ids [B, S]. Mask: tree_mask [S, S] (the prefix is fully visible) or
         attn_mask [B|1, 1, S, length+S], else causal. capture: stream indices to return (concatenated
@@ -230,6 +239,12 @@ class TargetModel:
             raise ModelError(f"{T} tokens exceed the target's sliding attention window of {w}; eyas's forward "
                              f"implements full attention only, so keep prompt + new tokens within {w}")
         mask = self._mask(cache, S, T, tree_mask, attn_mask)
+        rows = None
+        if slots is not None:
+            if S != 1 or attn_mask is None or self.fused or tuple(slots.shape) != (B,):
+                raise ModelError(f"per-row slots need one new token per row, slots [{B}], an attn_mask and the "
+                                 f"unfused forward; found S={S}, slots {tuple(slots.shape)}")
+            rows = torch.arange(B, device=self.device)
         want = set(capture or [])
         store: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed_weight)  # [B, S, H]
@@ -256,11 +271,17 @@ class TargetModel:
                 q, k = _rms(q, L.qn, self.qk_eps), _rms(k, L.kn, self.qk_eps)
             q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
             k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, S, hd]
-            cache.k[i, :, :, start:T] = k
-            cache.v[i, :, :, start:T] = v.transpose(1, 2)
-            if nat is not None:
+            if rows is None:
+                cache.k[i, :, :, start:T] = k
+                cache.v[i, :, :, start:T] = v.transpose(1, 2)
+            else:
+                cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
+                cache.v[i][rows, :, slots] = v[:, 0]
+            if self.kernel_attention:
                 o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, mask, self.scale)
-                x = x + nat[i]["o"](o.reshape(B, S, nh * hd))  # o: [B, S, nh, hd]
+                o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
+            if nat is not None:
+                x = x + nat[i]["o"](o)
                 h = _rms(x, L.ln2, self.eps)
                 if "gu" in nat[i]:
                     g, u = nat[i]["gu"](h).chunk(2, dim=-1)
@@ -269,9 +290,11 @@ class TargetModel:
                 g = F.silu(g) if L.act is None else L.act(g)
                 x = x + nat[i]["d"](g * u)
                 continue
-            o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=mask,
-                                               scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
-            x = x + F.linear(o.transpose(1, 2).reshape(B, S, nh * hd), L.wo, L.bo)
+            if not self.kernel_attention:
+                o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
+                o = o.transpose(1, 2).reshape(B, S, nh * hd)
+            x = x + F.linear(o, L.wo, L.bo)
             h = _rms(x, L.ln2, self.eps)
             g = F.linear(h, L.wg, L.bg)
             g = F.silu(g) if L.act is None else L.act(g)

@@ -179,8 +179,8 @@ def test_repetition_limit_cuts_a_looping_reply(tiny_dir, path):
 
 
 def test_engine_batch_matches_each_prompt_alone_and_hf(tiny_dir):
-    """Left padding, per-row positions and the key mask: a row's greedy reply in a ragged batch (rows finishing
-    at different steps, the batch compacted as they do) is the reply it gets alone, and HF generate's."""
+    """Per-row slots, positions and key masks: a prompt's greedy reply in a pool (rows finishing at different
+    steps, refilled with the next prompt or compacted out) is the reply it gets alone, and HF generate's."""
     t = load_target(str(tiny_dir))
     eng = regen_engine(t)
     tok = t.tokenizer
@@ -190,11 +190,12 @@ def test_engine_batch_matches_each_prompt_alone_and_hf(tiny_dir):
                    add_special_tokens=False)["input_ids"] for x in texts]
     caps = [3, 17, 9, 12, 5, 14]  # different lengths: rows leave the batch at different steps
     stop = stop_token_ids(t)
-    batch = engine_generate(eng, prompts, caps, stop, repetition_limit=0)
-    for p, c, got in zip(prompts, caps, batch, strict=True):
+    full = engine_generate(eng, prompts, caps, stop, repetition_limit=0)
+    pooled = engine_generate(eng, prompts, caps, stop, repetition_limit=0, width=2)  # rows refilled as they end
+    for p, c, got, got2 in zip(prompts, caps, full, pooled, strict=True):
         alone = engine_generate(eng, [p], [c], stop, repetition_limit=0)[0]
         hf = hf_generate(t, [p], c, stop, repetition_limit=0)[0]
-        assert got == alone == hf, (got, alone, hf)
+        assert got == got2 == alone == hf, (got, got2, alone, hf)
         assert got[1] in ("eos", "length") and (got[1] == "eos" or len(got[0]) == c)
 
 

@@ -63,8 +63,8 @@ class DatagenConfig:
     aux_indices: list[int] | None = None  # None = the target's EAGLE-3 default
     shard_samples: int = 64  # conversations per chunk (and at most per shard)
     shard_tokens: int = 65536  # a chunk's samples are split into shards of at most this many tokens
-    gen_batch: int = 32  # prompts per generate call
-    gen_tokens: int = 32768  # padded (prompt + new) tokens per generate call: bounds the KV cache
+    gen_batch: int = 64  # prompts decoding at once
+    gen_tokens: int = 65536  # KV-cache slots for generation (rows x longest prompt + new tokens): bounds memory
     capture_tokens: int = 8192  # padded tokens per capture forward: bounds activation memory
     threads: int = 0  # torch CPU threads (0 = torch's default); 1 is far faster on an oversubscribed machine
 

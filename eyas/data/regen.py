@@ -16,10 +16,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..model import KVCache, ModelError, TargetModel, engine_model
+from ..model import ModelError, TargetModel
 from ..sampling import warp
 from ..target import Target, end_token_ids
 from .conversations import Conversation, loop_end, render
@@ -35,8 +36,9 @@ def stop_token_ids(target: Target) -> list[int]:
 
 def regen_engine(target: Target) -> TargetModel | None:
     """The engine forward regeneration runs on, or None when the family needs HF generate."""
+    m = target.model
     try:
-        return engine_model(target, "fp32")
+        return TargetModel(m, kernel_attention=m.dtype == torch.float32 and m.device.type == "cpu")
     except ModelError:
         return None
 
@@ -58,74 +60,111 @@ class _LoopWatch:
         return False
 
 
-def _compact(model: TargetModel, cache: KVCache, keep: torch.Tensor) -> KVCache:
-    """A cache holding only the batch rows `keep` (committed slots only are copied)."""
-    n = cache.length
-    new = model.new_cache(int(keep.numel()), cache.max_len)
-    new.k[:, :, :, :n] = cache.k[:, keep, :, :n]
-    new.v[:, :, :, :n] = cache.v[:, keep, :, :n]
-    new.length = n
-    return new
+@dataclass
+class _Row:
+    job: int
+    length: int  # tokens in the cache row (prompt + reply so far)
+    reply: list[int]
+    watch: _LoopWatch
+    cap: int
+
+
+class _Pool:
+    """Up to `width` jobs decoding together in one KV cache: row r's tokens sit in slots [0, length_r) of its
+    own cache row, so a row that finishes takes the next job at once (its prompt prefilled alone, its K/V
+    copied in). Once the queue is empty, finished rows are compacted out."""
+
+    def __init__(self, model: TargetModel, prompts: list[list[int]], caps: list[int], width: int, sample):
+        self.model, self.prompts, self.caps, self.sample = model, prompts, caps, sample
+        self.queue = list(range(len(prompts)))[::-1]  # pop() takes the next job in order
+        slots = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
+        self.cache = model.new_cache(min(width, len(prompts)), slots)
+        self.rows: list[_Row | None] = [None] * self.cache.k.shape[1]
+        self.next: list[int] = [0] * len(self.rows)  # the token each row feeds at the next step
+
+    def admit(self, r: int, repetition_limit: int) -> int | None:
+        """Prefill the next job into row r; -> its first token (None when the queue is empty)."""
+        if not self.queue:
+            self.rows[r] = None
+            return None
+        j = self.queue.pop()
+        p = self.prompts[j]
+        one = self.model.new_cache(1, len(p))
+        pos = torch.arange(len(p), device=self.model.device)[None]
+        logits = self.model.forward(torch.tensor([p], device=self.model.device), pos, one).logits[:, -1]
+        self.cache.k[:, r, :, :len(p)] = one.k[:, 0]
+        self.cache.v[:, r, :, :len(p)] = one.v[:, 0]
+        self.rows[r] = _Row(j, len(p), [], _LoopWatch(repetition_limit), self.caps[j])
+        return int(self.sample(logits)[0])
+
+    def compact(self) -> None:
+        keep = [r for r, row in enumerate(self.rows) if row is not None]
+        n = max(row.length for row in self.rows if row is not None)
+        idx = torch.tensor(keep, device=self.model.device)
+        new = self.model.new_cache(len(keep), self.cache.max_len)
+        new.k[:, :, :, :n] = self.cache.k[:, idx, :, :n]
+        new.v[:, :, :, :n] = self.cache.v[:, idx, :, :n]
+        self.cache = new
+        self.rows = [self.rows[r] for r in keep]
+        self.next = [self.next[r] for r in keep]
 
 
 @torch.no_grad()
 def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[int], stop_ids: list[int],
-                    repetition_limit: int, temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int = 0) -> list[Reply]:
-    """Per prompt, the target's reply (greedy at temperature 0, else sampled) of at most max_new[b] tokens."""
+                    repetition_limit: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                    width: int = 64) -> list[Reply]:
+    """Per prompt, the target's reply (greedy at temperature 0, else sampled from one seeded generator) of at
+    most max_new[b] tokens; at most `width` prompts decode at once, the next one joining as one finishes."""
     dev = model.device
-    B = len(prompts)
-    P = max(len(p) for p in prompts)
-    pad = torch.tensor([P - len(p) for p in prompts], device=dev)  # [B] left padding per row
-    cache = model.new_cache(B, P + max(max_new))
-    ids = torch.full((B, P), stop_ids[0], dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-    slots = torch.arange(cache.max_len, device=dev)
-    key_ok = slots[None, :] >= pad[:, None]  # [B, max_len] slot j holds a real token of row b
-    pos = (slots[None, :P] - pad[:, None]).clamp_min(0)  # [B, P]
-    causal = slots[None, :P, None] >= slots[None, None, :P]  # [1, P, P]
-    # a padding query sees only itself, so its softmax is never empty (its output is never read)
-    mask = (causal & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]  # [B, P, P]
-    logits = model.forward(ids.to(dev), pos, cache, attn_mask=mask[:, None], logits="last").logits[:, -1]
-    cache.length = P
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    stops = set(stop_ids)
-    rows = list(range(B))  # original index of each live batch row
-    replies: list[list[int]] = [[] for _ in range(B)]
-    watch = [_LoopWatch(repetition_limit) for _ in range(B)]
-    done: list[Reply | None] = [None] * B
-    while True:
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
         if gen is None:
-            nxt = logits.argmax(-1)  # [B_live]
-        else:
-            nxt = torch.multinomial(warp(logits, temperature, 0, top_p), 1, generator=gen)[:, 0]
-        live = []
-        for r, (b, t) in enumerate(zip(rows, nxt.tolist(), strict=True)):
-            if done[b] is not None:
-                continue
+            return logits.argmax(-1)
+        return torch.multinomial(warp(logits, temperature, 0, top_p), 1, generator=gen)[:, 0]
+
+    stops = set(stop_ids)
+    done: list[Reply | None] = [None] * len(prompts)
+    pool = _Pool(model, prompts, max_new, width, sample)
+
+    def take(r: int, t: int | None) -> None:
+        """Row r produced token t: record it, or finish the row's job and refill the row."""
+        while t is not None:
+            row = pool.rows[r]
             if t in stops:
-                done[b] = (replies[b], "eos")
-                continue
-            replies[b].append(t)
-            if watch[b].closes_loop(replies[b]):
-                done[b] = (replies[b], "repetition")
-            elif len(replies[b]) >= max_new[b]:
-                done[b] = (replies[b], "length")
+                done[row.job] = (row.reply, "eos")
             else:
-                live.append(r)
-        if not live:
-            break
-        if len(rows) - len(live) >= max(1, len(rows) // 4):  # drop finished rows from the batch
-            keep = torch.tensor(live, device=dev)
-            cache = _compact(model, cache, keep)
-            rows, pad, nxt = [rows[r] for r in live], pad[keep], nxt[keep]
-            key_ok = key_ok[keep]
+                row.reply.append(t)
+                if row.watch.closes_loop(row.reply):
+                    done[row.job] = (row.reply, "repetition")
+                elif len(row.reply) >= row.cap:
+                    done[row.job] = (row.reply, "length")
+                else:
+                    pool.next[r] = t
+                    return
+            t = pool.admit(r, repetition_limit)
+
+    for r in range(len(pool.rows)):
+        take(r, pool.admit(r, repetition_limit))
+    while any(row is not None for row in pool.rows):
+        idle = sum(row is None for row in pool.rows)
+        if idle and idle >= len(pool.rows) // 4:  # the queue is empty: stop computing finished rows
+            pool.compact()
+        rows = pool.rows
+        lengths = torch.tensor([row.length if row else 0 for row in rows], device=dev)  # [B]
+        cache = pool.cache
+        cache.length = int(lengths.max())
         T = cache.length + 1
-        step_pos = (cache.length - pad)[:, None]  # [B_live, 1]
-        logits = model.forward(nxt[:, None], step_pos, cache, attn_mask=key_ok[:, None, None, :T],
-                               logits="last").logits[:, -1]  # [B_live, V]
-        cache.length = T
+        # row b sees its own slots [0, length_b] (the new token's included); an idle row sees slot 0 only
+        mask = torch.arange(T, device=dev)[None, :] <= lengths[:, None]  # [B, T]
+        ids = torch.tensor(pool.next, device=dev)[:, None]  # [B, 1]
+        logits = model.forward(ids, lengths[:, None], cache, attn_mask=mask[:, None, None], slots=lengths,
+                               logits="last").logits[:, -1]  # [B, V]
+        nxt = sample(logits).tolist()
+        for r, row in enumerate(rows):
+            if row is not None:
+                row.length += 1
+                take(r, nxt[r])
     return [d for d in done if d is not None]
 
 
@@ -189,20 +228,23 @@ def hf_generate(target: Target, prompts: list[list[int]], max_new: int, stop_ids
 def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, stop_ids: list[int],
                      engine: TargetModel | None = None) -> list[Reply]:
     """Replies to `prompts` under cfg's (DatagenConfig) max_new_tokens, max_len, repetition_limit,
-    temperature and top_p: through `engine` when given, else HF generate."""
+    temperature, top_p, gen_batch and gen_tokens: through `engine` when given (all prompts in one pool of at
+    most gen_batch rows whose KV cache holds at most gen_tokens slots), else one HF generate call."""
     caps = [max(1, min(cfg.max_new_tokens, cfg.max_len - len(p))) for p in prompts]
     opts = dict(repetition_limit=cfg.repetition_limit, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
     if engine is not None:
-        return engine_generate(engine, prompts, caps, stop_ids, **opts)
+        slots = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
+        width = max(1, min(cfg.gen_batch, cfg.gen_tokens // slots))
+        return engine_generate(engine, prompts, caps, stop_ids, width=width, **opts)
     return hf_generate(target, prompts, max(caps), stop_ids, **opts)
 
 
 def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, batches,
                on_progress: Callable[[str], None] | None = None) -> list[Conversation]:
     """Replace every assistant reply with the target's own, given the conversation so far (its own earlier
-    replies, the original user turns). Turn by turn, batched across conversations by prompt length
-    (`batches(lengths) -> index groups`). A turn whose prompt already fills max_len is dropped with everything
-    after it (truncation would cut it anyway)."""
+    replies, the original user turns). Turn by turn: the engine takes a turn's prompts in one pool; HF generate
+    takes them batched by length (`batches(lengths) -> index groups`). A turn whose prompt already fills max_len
+    is dropped with everything after it (truncation would cut it anyway)."""
     tok = target.tokenizer
     stop_ids = stop_token_ids(target)
     engine = regen_engine(target)
@@ -222,7 +264,10 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
                 continue
             jobs.append((ci, i, prompt))
         lens = [len(p) + min(cfg.max_new_tokens, cfg.max_len - len(p)) for _, _, p in jobs]
-        for bi, batch in enumerate(batches(lens)):
+        # the engine's pool refills rows as replies finish, so it takes a whole turn at once
+        groups = ([sorted(range(len(jobs)), key=lambda j: lens[j])] if engine is not None and jobs
+                  else batches(lens))
+        for bi, batch in enumerate(groups):
             if on_progress:
                 on_progress(f"regen turn {r + 1} batch {bi + 1}")
             first_row = convs[jobs[batch[0]][0]].row_id
