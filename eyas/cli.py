@@ -21,6 +21,8 @@ DraftWeightsOpt = typer.Option("auto", "--draft-weights", help="draft matrices: 
                                "auto (q8 with native target weights)")
 WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, CPU) | "
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
+MinProbOpt = typer.Option(0.0, "--min-prob", help="chain/tree: verify only candidates whose cumulative draft "
+                          "probability reaches this (0 = all selected; an unsure round verifies fewer rows)")
 
 
 @app.callback()
@@ -80,6 +82,7 @@ def bench(
     tokens: int = typer.Option(16, "--tokens", help="tree: nodes verified per round"),
     lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
     lookup: int = typer.Option(8, "--lookup", help="tree-lookup: lookup candidates merged into the tree per round"),
+    min_prob: float = MinProbOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
     out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
@@ -106,7 +109,7 @@ def bench(
                           target=target, draft=draft, dtype=dtype, device=device, weights=weights,
                           draft_weights=draft_weights, methods=parse_methods(methods),
                           steps=steps, depth=depth, topk=topk, tokens=tokens, lookup_tokens=lookup_tokens,
-                          lookup=lookup,
+                          lookup=lookup, min_prob=min_prob,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid)
         (run_sweep if sweep else run_bench)(cfg)
@@ -228,6 +231,7 @@ def serve(
     topk: int = typer.Option(None, "--topk", help="tree: children per node"),
     tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included"),
     lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round (0 = off)"),
+    min_prob: float = MinProbOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
@@ -251,7 +255,7 @@ def serve(
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
         engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
-                                             lookup, weights)
+                                             lookup, weights, min_prob)
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
@@ -456,6 +460,7 @@ def generate(
     topk: int = typer.Option(4, "--topk", help="tree: children per expanded node and frontier width"),
     tokens: int = typer.Option(16, "--tokens", help="tree: tokens verified per round, root included"),
     lookup: int = typer.Option(0, "--lookup", help="lookup candidates merged into the tree per round (0 = off)"),
+    min_prob: float = MinProbOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
@@ -492,7 +497,7 @@ def generate(
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
             eng.check_messages(msgs)
         spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
-                              weights=weights, draft_weights=draft_weights)
+                              weights=weights, draft_weights=draft_weights, min_prob=min_prob)
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()

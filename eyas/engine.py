@@ -26,6 +26,7 @@ norm(max(p-q, 0)) — the classic scheme, which gains when the draft spreads mas
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,9 @@ class SpecParams:
     tokens: int = 16  # tree: verified tokens per round, root included
     lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
+    # tree: verify only candidates the draft gives at least this probability (cumulative along the path), so a
+    # round where the draft is unsure verifies fewer rows, down to the root alone (a plain step); 0 = off
+    min_prob: float = 0.0
     weights: str = "auto"  # target forward: auto | native (a GGUF's quantized weights) | fp32 (eyas.model)
     draft_weights: str = "auto"  # auto (q8 with a native target) | q8 (eyas.quant.Q8Linear) | fp32
 
@@ -97,6 +101,8 @@ class SpecParams:
             raise EngineError(f"--draft-weights {self.draft_weights!r}: expected one of {', '.join(DRAFT_WEIGHTS)}")
         if self.method not in METHODS:
             raise EngineError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise EngineError(f"min_prob {self.min_prob} must be in [0, 1) (0 = verify every selected candidate)")
         if self.lookup < 0 or self.lookup_ngram < 2:
             raise EngineError(f"lookup {self.lookup} must be >= 0 and lookup_ngram {self.lookup_ngram} >= 2")
         if self.method == "plain":
@@ -309,6 +315,8 @@ class _Run:
         self.e, self.p, self.gen = eng, params, gen
         self.prompt = prompt
         self.depth, self.topk, self.ntok = depth, topk, ntok
+        mp = eng.spec.min_prob
+        self.log_min_prob = math.log(mp) if mp > 0 else -math.inf  # compared with cumulative draft log-probs
         self.dev = eng.device
         self.cache: KVCache = eng.model.new_cache(1, max_len)
         if eng.speculative:
@@ -484,6 +492,8 @@ class _Run:
             # next frontier: the best K candidates of this depth, run as draft rows
             kf = min(K, cand.numel())
             fs, fi = cand.topk(kf)
+            if float(fs[0]) < self.log_min_prob:  # no deeper node can reach min_prob: stop drafting
+                break
             fi_l = fi.tolist()
             pool_par = parents[-1][fi].tolist()
             hidden = front_h[:, fi // tok.shape[1]]  # [1, kf, H]: each candidate's parent row (cand = [F, K])
@@ -509,7 +519,9 @@ class _Run:
         sc = torch.cat(scores).tolist()
         tk = self.e.draft_ids[torch.cat(toks)].tolist()
         par = torch.cat(parents).tolist()
-        order = sorted(range(len(sc)), key=lambda i: (-sc[i], depth_of[i], i))[: self.ntok - 1]
+        # a path's score never rises with depth, so the kept set stays closed under parents
+        order = sorted((i for i in range(len(sc)) if sc[i] >= self.log_min_prob),
+                       key=lambda i: (-sc[i], depth_of[i], i))[: self.ntok - 1]
         order.sort(key=lambda i: (depth_of[i], -sc[i], i))
         tree_idx = {-1: 0}
         tree = _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None], lookup=[False])

@@ -151,6 +151,28 @@ def test_lookup_merged_tree_is_lossless_and_accepted(tiny, trained):
             assert proposed > 0 and accepted > 0, (spec, proposed, accepted)
 
 
+def test_min_prob_shrinks_unsure_rounds_and_stays_lossless(tiny, trained):
+    """--min-prob: candidates below the cumulative draft probability are not verified. Output stays identical to
+    plain; a high threshold verifies fewer rows (rounds of the root alone count as rounds without proposals),
+    and min_prob 0 is today's full tree."""
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    rows = {}
+    for mp in (0.0, 0.3, 0.9):
+        eng = Engine(tiny, trained, SpecParams("tree", depth=3, topk=3, tokens=8, min_prob=mp))
+        proposed = 0
+        for p in PROMPTS:
+            res = eng.generate(p, SamplingParams(max_new_tokens=40))
+            assert res.token_ids == greedy(plain, p), (mp, p)
+            proposed += sum(res.stats.proposed_per_depth)
+        rows[mp] = proposed
+    assert rows[0.0] > rows[0.3] > rows[0.9], rows
+    lk = Engine(tiny, trained, SpecParams("tree", depth=3, topk=3, tokens=8, lookup=6, min_prob=0.99))
+    p = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    assert lk.generate(p, SamplingParams(max_new_tokens=60)).token_ids == greedy(plain, p, 60)
+    with pytest.raises(EngineError, match="min_prob 1.0 must be in"):
+        Engine(tiny, trained, SpecParams("tree", min_prob=1.0))
+
+
 def test_lookup_needs_a_draft_method(tiny):
     with pytest.raises(EngineError, match="lookup candidates are merged into a draft's tree"):
         Engine(tiny, None, SpecParams(method="plain", lookup=4))

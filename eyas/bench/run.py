@@ -94,6 +94,7 @@ class BenchConfig:
     tokens: int = 16
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
     lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
+    min_prob: float = 0.0  # chain/tree: verify only candidates with at least this cumulative draft probability
     threads: int | None = None
     out: str | None = None
     resume: bool = False
@@ -108,7 +109,7 @@ class BenchConfig:
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                "draft_weights", "methods",
-               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup")
+               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "min_prob")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                      "sweep_limit", "grid")
 
@@ -491,7 +492,8 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
                               topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0,
-                              weights=cfg.weights, draft_weights=cfg.draft_weights)
+                              weights=cfg.weights, draft_weights=cfg.draft_weights,
+                              min_prob=cfg.min_prob if m in SPEC_METHODS else 0.0)
             runners[m] = engine_runner(Engine(target, draft if m in SPEC_METHODS else None, spec), end_ids,
                                        target.device)
     return runners

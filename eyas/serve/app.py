@@ -342,7 +342,8 @@ def resolve_method(method: str | None, draft: str) -> str:
 
 def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
                  depth: int | None = None, topk: int | None = None, tokens: int | None = None,
-                 dtype: str = "fp32", device: str = "cpu", lookup: int | None = None, weights: str = "auto"):
+                 dtype: str = "fp32", device: str = "cpu", lookup: int | None = None, weights: str = "auto",
+                 min_prob: float = 0.0):
     """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
     from ..draft import check_default_draft, resolve_draft
     from ..engine import Engine, SpecParams
@@ -351,7 +352,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     method = resolve_method(method, draft)
     spec_kw = {k: v for k, v in dict(steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup).items()
                if v is not None}
-    spec = SpecParams(method=method, weights=weights, **spec_kw)
+    spec = SpecParams(method=method, weights=weights, min_prob=min_prob, **spec_kw)
     if method not in ("tree", "chain", "plain"):
         spec.validate(None)  # raises EngineError naming the choices
     if method != "plain":
