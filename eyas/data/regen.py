@@ -112,9 +112,10 @@ class _Pool:
 @torch.no_grad()
 def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[int], stop_ids: list[int],
                     repetition_limit: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                    width: int = 64) -> list[Reply]:
+                    width: int = 64, progress: Callable[[int, int], None] | None = None) -> list[Reply]:
     """Per prompt, the target's reply (greedy at temperature 0, else sampled from one seeded generator) of at
-    most max_new[b] tokens; at most `width` prompts decode at once, the next one joining as one finishes."""
+    most max_new[b] tokens; at most `width` prompts decode at once, the next one joining as one finishes.
+    progress(replies finished, tokens generated) is called every 32 decode steps."""
     dev = model.device
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
 
@@ -146,7 +147,13 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
 
     for r in range(len(pool.rows)):
         take(r, pool.admit(r, repetition_limit))
+    step = 0
     while any(row is not None for row in pool.rows):
+        step += 1
+        if progress and step % 32 == 0:
+            finished = [d for d in done if d is not None]
+            live = sum(len(row.reply) for row in pool.rows if row is not None)
+            progress(len(finished), live + sum(len(r) for r, _ in finished))
         idle = sum(row is None for row in pool.rows)
         if idle and idle >= len(pool.rows) // 4:  # the queue is empty: stop computing finished rows
             pool.compact()
@@ -226,7 +233,8 @@ def hf_generate(target: Target, prompts: list[list[int]], max_new: int, stop_ids
 
 
 def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, stop_ids: list[int],
-                     engine: TargetModel | None = None) -> list[Reply]:
+                     engine: TargetModel | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> list[Reply]:
     """Replies to `prompts` under cfg's (DatagenConfig) max_new_tokens, max_len, repetition_limit,
     temperature, top_p, gen_batch and gen_tokens: through `engine` when given (all prompts in one pool of at
     most gen_batch rows whose KV cache holds at most gen_tokens slots), else one HF generate call."""
@@ -235,7 +243,7 @@ def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, s
     if engine is not None:
         slots = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
         width = max(1, min(cfg.gen_batch, cfg.gen_tokens // slots))
-        return engine_generate(engine, prompts, caps, stop_ids, width=width, **opts)
+        return engine_generate(engine, prompts, caps, stop_ids, width=width, progress=progress, **opts)
     return hf_generate(target, prompts, max(caps), stop_ids, **opts)
 
 
@@ -273,7 +281,12 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
             first_row = convs[jobs[batch[0]][0]].row_id
             seed = (cfg.seed * 1_000_003 + first_row * 1_009 + r) % (2**63)
             t0 = time.perf_counter()
-            replies = generate_replies(target, [jobs[j][2] for j in batch], cfg, seed, stop_ids, engine)
+            def report(n: int, toks: int, r=r, bi=bi, total=len(batch), t0=time.perf_counter()) -> None:
+                if on_progress:
+                    on_progress(f"regen turn {r + 1} batch {bi + 1}: {n}/{total} replies, {toks} tok "
+                                f"({toks / max(time.perf_counter() - t0, 1e-9):.0f} tok/s)")
+
+            replies = generate_replies(target, [jobs[j][2] for j in batch], cfg, seed, stop_ids, engine, report)
             stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
             for j, (reply, why) in zip(batch, replies, strict=True):
                 ci, i, _ = jobs[j]
