@@ -241,9 +241,23 @@ def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, s
     caps = [max(1, min(cfg.max_new_tokens, cfg.max_len - len(p))) for p in prompts]
     opts = dict(repetition_limit=cfg.repetition_limit, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
     if engine is not None:
-        slots = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
-        width = max(1, min(cfg.gen_batch, cfg.gen_tokens // slots))
-        return engine_generate(engine, prompts, caps, stop_ids, width=width, progress=progress, **opts)
+        # one pool per width class: a long prompt narrows only the pool of the prompts as long as it
+        # (widths fall as lengths rise, so sorting by length makes each class one run of jobs)
+        order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]) + caps[j])
+        out: list[Reply | None] = [None] * len(prompts)
+        while order:
+            width = max(1, min(cfg.gen_batch, cfg.gen_tokens // (len(prompts[order[0]]) + caps[order[0]])))
+            group = [j for j in order if max(1, min(cfg.gen_batch, cfg.gen_tokens // (len(prompts[j]) + caps[j])))
+                     == width]
+            order = order[len(group):]
+            prev = [r for r in out if r is not None]
+            base_n, base_tok = len(prev), sum(len(r) for r, _ in prev)
+            report = None if progress is None else lambda n, t, a=base_n, b=base_tok: progress(a + n, b + t)
+            replies = engine_generate(engine, [prompts[j] for j in group], [caps[j] for j in group], stop_ids,
+                                      width=width, progress=report, **opts)
+            for j, rep in zip(group, replies, strict=True):
+                out[j] = rep
+        return [r for r in out if r is not None]
     return hf_generate(target, prompts, max(caps), stop_ids, **opts)
 
 
