@@ -130,8 +130,9 @@ class TargetModel:
         cfg = _check_family(model)
         self.hf = model
         self.native = native
-        # eyas's C attention (always with native weights): it skips masked keys without reading them, which
-        # pays when rows of one batch hold sequences of very different lengths (datagen's regeneration)
+        # eyas's C attention (always with native weights; with fp32 weights for masked forwards when asked): it
+        # skips masked keys without reading them, which pays when rows of one batch hold sequences of very
+        # different lengths (datagen's regeneration)
         self.kernel_attention = native is not None or kernel_attention
         if kernel_attention and (model.dtype != torch.float32 or model.device.type != "cpu"):
             raise ModelError(f"eyas's attention kernel runs fp32 on the CPU; this target is {model.dtype} on "
@@ -246,6 +247,9 @@ class TargetModel:
                                  f"unfused forward; found S={S}, slots {tuple(slots.shape)}")
             rows = torch.arange(B, device=self.device)
         want = set(capture or [])
+        # native: always the row-invariant kernel; fp32 asks for it for masked steps only (a causal prefill runs
+        # faster through SDPA's flash path)
+        kernel = self.native is not None or (self.kernel_attention and mask is not None)
         store: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed_weight)  # [B, S, H]
         cos, sin = self.rotary(x, position_ids)  # [B, S, hd]
@@ -277,7 +281,7 @@ class TargetModel:
             else:
                 cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
                 cache.v[i][rows, :, slots] = v[:, 0]
-            if self.kernel_attention:
+            if kernel:
                 o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, mask, self.scale)
                 o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
             if nat is not None:
@@ -290,7 +294,7 @@ class TargetModel:
                 g = F.silu(g) if L.act is None else L.act(g)
                 x = x + nat[i]["d"](g * u)
                 continue
-            if not self.kernel_attention:
+            if not kernel:
                 o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=mask,
                                                    scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
                 o = o.transpose(1, 2).reshape(B, S, nh * hd)

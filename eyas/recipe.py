@@ -93,7 +93,7 @@ def stage_data(cfg: RecipeConfig, log=print) -> None:
         jobs.append(DatagenConfig(out=str(work / "data-regen"), data="sharegpt", num=cfg.regen_num, regenerate=True,
                                   max_new_tokens=cfg.regen_max_new_tokens, repetition_limit=32, max_len=cfg.max_len,
                                   device=cfg.device, target_dtype="bf16" if cfg.device.startswith("cuda") else "fp32",
-                                  max_turns=2, threads=cfg.threads, shard_samples=256))  # a pool of 256 stays full
+                                  max_turns=2, threads=cfg.threads, shard_samples=128))  # a pool of 128 stays full
     for job in jobs:
         log(f"[recipe] data -> {job.out} (num {job.num}, regenerate {job.regenerate})")
         run_datagen(job, command=f"eyas recipe {cfg.name} (stage data)", log=log)
