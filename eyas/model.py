@@ -25,7 +25,7 @@ from .target import Capture, Target, decoder_parts
 if TYPE_CHECKING:
     from .quant import NativeWeights
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 class ModelError(EyasError):
@@ -81,6 +81,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(dt)
 
 
+def _rms_gemma(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's Gemma3RMSNorm: the (1 + w) scale is applied in fp32, before the cast back
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.float())).type_as(x)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
@@ -108,6 +115,8 @@ class _Layer:
     bu: torch.Tensor | None
     bd: torch.Tensor | None
     act: nn.Module | None  # None = silu (fast path)
+    ln_post_attn: torch.Tensor | None = None  # gemma's sandwich norms (then ln2 is the pre-MLP norm)
+    ln_post_ff: torch.Tensor | None = None
 
 
 def _check_family(model: nn.Module):
@@ -158,12 +167,25 @@ class TargetModel:
         self.windows = [getattr(l.self_attn, "sliding_window", None) for l in layers]
         if not self.windows[0] and getattr(cfg, "model_type", "") == "mistral":
             self.windows = [getattr(cfg, "sliding_window", None)] * self.num_layers
+        gemma = cfg.model_type == "gemma3_text"
+        if getattr(cfg, "attn_logit_softcapping", None):
+            raise ModelError(f"this {cfg.model_type} target caps attention logits (attn_logit_softcapping "
+                             f"{cfg.attn_logit_softcapping}), which eyas's attention does not implement")
+        self._norm = _rms_gemma if gemma else _rms
+        scale = getattr(embed, "embed_scale", None)  # gemma multiplies the embedding by sqrt(hidden)
+        self.embed_scale = scale if isinstance(scale, torch.Tensor) else None
+        self.softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+        # gemma: local (sliding) and global layers have their own RoPE base; HF's rotary takes the layer type
+        self.rope_keys = list(cfg.layer_types) if gemma else [None] * len(layers)
         self.layers: list[_Layer] = []
         for l in layers:
             a, m = l.self_attn, l.mlp
-            act_name = getattr(cfg, "hidden_act", "silu")
+            act_name = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "silu")
             self.layers.append(_Layer(
-                ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
+                ln1=l.input_layernorm.weight,
+                ln2=(l.pre_feedforward_layernorm if gemma else l.post_attention_layernorm).weight,
+                ln_post_attn=l.post_attention_layernorm.weight if gemma else None,
+                ln_post_ff=l.post_feedforward_layernorm.weight if gemma else None,
                 wq=a.q_proj.weight, bq=a.q_proj.bias, wk=a.k_proj.weight, bk=a.k_proj.bias,
                 wv=a.v_proj.weight, bv=a.v_proj.bias, wo=a.o_proj.weight, bo=a.o_proj.bias,
                 qn=a.q_norm.weight if hasattr(a, "q_norm") else None,
@@ -172,13 +194,15 @@ class TargetModel:
                 bg=m.gate_proj.bias, bu=m.up_proj.bias, bd=m.down_proj.bias,
                 act=None if act_name == "silu" else m.act_fn,
             ))
-        self.qk_eps = float(getattr(layers[0].self_attn, "q_norm", None).variance_epsilon) \
-            if self.layers[0].qn is not None else self.eps
+        qn = getattr(layers[0].self_attn, "q_norm", None)
+        self.qk_eps = float(getattr(qn, "variance_epsilon", None) or qn.eps) if qn is not None \
+            else self.eps
         # the fused native layer (eyas/kernels.c glue) covers the plain llama layer: int4 matrices, no biases,
         # no q/k norms, SiLU; anything else runs the same native matrices through torch ops
         self.fused = native is not None and all(
             {"qkv", "o", "gu", "d"} <= set(m) and all(q.kind == "int4" and q.bias is None for q in m.values())
-            for m in native.layers) and all(L.qn is None and L.act is None for L in self.layers)
+            for m in native.layers) and all(L.qn is None and L.act is None and L.ln_post_attn is None
+                                            for L in self.layers) and self.embed_scale is None
 
     @property
     def device(self) -> torch.device:
@@ -235,10 +259,6 @@ class TargetModel:
             raise ModelError(f"KV cache holds {cache.max_len} slots; {start} used + {S} new does not fit")
         if tuple(position_ids.shape) != (B, S):
             raise ModelError(f"position_ids must be [{B}, {S}], found {tuple(position_ids.shape)}")
-        w = min((w for w in self.windows if w), default=None)
-        if w is not None and T > w:
-            raise ModelError(f"{T} tokens exceed the target's sliding attention window of {w}; eyas's forward "
-                             f"implements full attention only, so keep prompt + new tokens within {w}")
         mask = self._mask(cache, S, T, tree_mask, attn_mask)
         rows = None
         if slots is not None:
@@ -252,18 +272,25 @@ class TargetModel:
         kernel = self.native is not None or (self.kernel_attention and mask is not None)
         store: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed_weight)  # [B, S, H]
-        cos, sin = self.rotary(x, position_ids)  # [B, S, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, hd]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
+        rope = {}  # per rope kind (gemma: one per layer type) -> cos, sin [B, 1, S, hd]
+        for key in dict.fromkeys(self.rope_keys):
+            cos, sin = self.rotary(x, position_ids) if key is None else self.rotary(x, position_ids, key)
+            rope[key] = cos[:, None], sin[:, None]
+        window_masks = self._window_masks(mask, position_ids, start, T, rows is not None)
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         gqa = nh != nkv
         nat = self.native.layers if self.native is not None else None
         if self.fused:
-            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), cache, start, mask, want,
+            cos, sin = rope[None]
+            masks = [window_masks.get(w, mask) for w in self.windows]
+            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), cache, start, masks, want,
                                    store)
         for i, L in enumerate(self.layers if not self.fused else []):
             if i in want:
                 store[i] = x
-            h = _rms(x, L.ln1, self.eps)
+            h = self._norm(x, L.ln1, self.eps)
             if nat is not None and "qkv" in nat[i]:
                 q, k, v = nat[i]["qkv"](h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             elif nat is not None:
@@ -272,7 +299,8 @@ class TargetModel:
                 q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
             q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
             if L.qn is not None:
-                q, k = _rms(q, L.qn, self.qk_eps), _rms(k, L.kn, self.qk_eps)
+                q, k = self._norm(q, L.qn, self.qk_eps), self._norm(k, L.kn, self.qk_eps)
+            cos, sin = rope[self.rope_keys[i]]
             q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
             k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, S, hd]
             if rows is None:
@@ -281,28 +309,29 @@ class TargetModel:
             else:
                 cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
                 cache.v[i][rows, :, slots] = v[:, 0]
+            m = window_masks.get(self.windows[i], mask)
             if kernel:
-                o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, mask, self.scale)
+                o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, m, self.scale)
                 o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
-            if nat is not None:
-                x = x + nat[i]["o"](o)
-                h = _rms(x, L.ln2, self.eps)
-                if "gu" in nat[i]:
-                    g, u = nat[i]["gu"](h).chunk(2, dim=-1)
-                else:
-                    g, u = nat[i]["g"](h), nat[i]["u"](h)
-                g = F.silu(g) if L.act is None else L.act(g)
-                x = x + nat[i]["d"](g * u)
-                continue
-            if not kernel:
-                o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=mask,
+            else:
+                o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=m,
                                                    scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
                 o = o.transpose(1, 2).reshape(B, S, nh * hd)
-            x = x + F.linear(o, L.wo, L.bo)
-            h = _rms(x, L.ln2, self.eps)
-            g = F.linear(h, L.wg, L.bg)
+            o = nat[i]["o"](o) if nat is not None else F.linear(o, L.wo, L.bo)
+            if L.ln_post_attn is not None:  # gemma: sandwich norms around both blocks
+                x = x + self._norm(o, L.ln_post_attn, self.eps)
+            else:
+                x = x + o
+            h = self._norm(x, L.ln2, self.eps)
+            if nat is not None and "gu" in nat[i]:
+                g, u = nat[i]["gu"](h).chunk(2, dim=-1)
+            elif nat is not None:
+                g, u = nat[i]["g"](h), nat[i]["u"](h)
+            else:
+                g, u = F.linear(h, L.wg, L.bg), F.linear(h, L.wu, L.bu)
             g = F.silu(g) if L.act is None else L.act(g)
-            x = x + F.linear(g * F.linear(h, L.wu, L.bu), L.wd, L.bd)
+            y = nat[i]["d"](g * u) if nat is not None else F.linear(g * u, L.wd, L.bd)
+            x = x + (self._norm(y, L.ln_post_ff, self.eps) if L.ln_post_ff is not None else y)
         aux = final = None
         if capture is not None:
             store[self.num_layers] = x
@@ -319,8 +348,27 @@ class TargetModel:
             raise ModelError(f"logits={logits!r}: expected 'last', 'all', 'none' or a row index tensor")
         return ForwardOut(out_logits, aux, final)
 
+    def _window_masks(self, mask: torch.Tensor | None, position_ids: torch.Tensor, start: int, T: int,
+                      slot_is_position: bool) -> dict[int, torch.Tensor]:
+        """Per sliding-window size w that some key falls outside of: the mask [B|1, 1, S, T] of `mask` (None =
+        all T keys) with keys w or more positions behind the query hidden (HF: kv > q - w). Committed slots
+        hold position == slot; new rows hold position_ids (every slot, with per-row slots)."""
+        out: dict[int, torch.Tensor] = {}
+        dev = self.device
+        for w in {w for w in self.windows if w}:
+            if T <= w:  # the query at the last position is at most T-1 < w positions past any key
+                continue
+            B = position_ids.shape[0]
+            kpos = torch.arange(T, device=dev).expand(B, T)
+            if not slot_is_position:
+                kpos = torch.cat([kpos[:, :start], position_ids], dim=1)  # [B, T]
+            near = (position_ids[:, :, None] - kpos[:, None, :]) < w  # [B, S, T]
+            out[w] = near[:, None] if mask is None else mask & near[:, None]
+        return out
+
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                      mask: torch.Tensor | None, want: set[int], store: dict[int, torch.Tensor]) -> torch.Tensor:
+                      masks: list[torch.Tensor | None], want: set[int], store: dict[int, torch.Tensor]
+                      ) -> torch.Tensor:
         """The decoder layers in native mode, a few calls each: x [B, S, H] fp32 -> stream L [B, S, H]."""
         nat = self.native.layers
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -331,7 +379,8 @@ class TargetModel:
             if i in want:
                 store[i] = x.clone()
             qkv = nat[i]["qkv"].mm_bf16(h)  # [B, S, (nh + 2 nkv) hd] bf16
-            o = kernels.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], start, mask, self.scale, nh, nkv, hd)
+            o = kernels.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], start, masks[i], self.scale, nh, nkv,
+                                    hd)
             h = kernels.add_rms_bf16(x, nat[i]["o"].mm_bf16(o), L.ln2, self.eps)
             pending = nat[i]["d"].mm_bf16(kernels.silu_mul_bf16(nat[i]["gu"].mm_bf16(h)))
         return x + pending.float()
@@ -340,7 +389,10 @@ class TargetModel:
         """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""
         if self.native is not None:
             return self.native.head(_rms(x, self.norm_weight, self.eps))
-        return F.linear(_rms(x, self.norm_weight, self.eps), self.lm_weight, self.lm_bias)
+        logits = F.linear(self._norm(x, self.norm_weight, self.eps), self.lm_weight, self.lm_bias)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, indices: list[int], logits: str = "none") -> Capture:
@@ -352,7 +404,7 @@ class TargetModel:
         cache = self.new_cache(B, S)
         pos = torch.arange(S, device=self.device).expand(B, S)
         out = self.forward(input_ids.to(self.device), pos, cache, capture=list(indices), logits=logits)
-        post = _rms(out.final, self.norm_weight, self.eps)
+        post = self._norm(out.final, self.norm_weight, self.eps)
         return Capture(aux=out.aux, final_prenorm=out.final, final_postnorm=post, logits=out.logits)
 
 

@@ -23,8 +23,8 @@ def tiny_config(family: str, vocab: int = 128, hidden: int = 32, layers: int = 6
         return tf.MistralConfig(**common), tf.MistralForCausalLM
     if family == "gemma2":
         return tf.Gemma2Config(head_dim=hidden // 4, **common), tf.Gemma2ForCausalLM
-    if family == "gemma3":
-        return tf.Gemma3TextConfig(head_dim=hidden // 4, **common), tf.Gemma3ForCausalLM
+    if family in ("gemma3", "gemma3_text"):  # a window of 6 so short test sequences cross it
+        return tf.Gemma3TextConfig(head_dim=hidden // 4, sliding_window=6, **common), tf.Gemma3ForCausalLM
     if family == "phi3":
         return tf.Phi3Config(pad_token_id=0, **common), tf.Phi3ForCausalLM
     raise KeyError(family)
