@@ -45,6 +45,8 @@ from .text import stop_cut
 
 DRAFT_WEIGHTS = ("auto", "q8", "fp32")
 METHODS = ("tree", "chain", "plain")
+MIN_TEMPERATURE = 1e-6
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # torch generators take a 64-bit seed
 
 
 class EngineError(EyasError):
@@ -63,6 +65,13 @@ class SamplingParams:
     def validate(self) -> None:
         if self.temperature < 0:
             raise EngineError(f"temperature {self.temperature} < 0; use 0 for greedy or a positive value")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # fp32 logits divided by it overflow to inf and the softmax turns to NaN
+            raise EngineError(f"temperature {self.temperature} is too small to sample with; use 0 for greedy "
+                              f"decoding or a temperature >= {MIN_TEMPERATURE}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise EngineError(f"seed {self.seed} is outside the signed 64-bit range {SEED_MIN}..{SEED_MAX}; "
+                              "pass a seed in that range")
         if not 0.0 < self.top_p <= 1.0:
             raise EngineError(f"top_p {self.top_p} must be in (0, 1]; use 1.0 to turn it off")
         if self.top_k < 0:
