@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +30,9 @@ from . import openai_schema as oai
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
 from .worker import Job, Worker
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("eyas.server")
 API_KEY_ENV = "EYAS_API_KEY"
@@ -389,7 +392,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     return Engine(target, ckpt, spec), target, method
 
 
-def make_server(app: FastAPI, **config: Any):
+def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
     """A uvicorn.Server for the app (config: uvicorn.Config's arguments) that drains the engine worker as
     soon as shutdown begins (SIGTERM, Ctrl-C). Uvicorn's own order — wait for open requests, then run the
     lifespan shutdown — would let queued requests wait out the grace period and then be cancelled into
