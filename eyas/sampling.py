@@ -21,6 +21,7 @@ def warp(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float 
         sp, idx = p.sort(dim=-1, descending=True)
         # keep the smallest head whose mass reaches top_p (the first token is always kept)
         drop = (sp.cumsum(-1) - sp) >= top_p
+        drop[..., 0] = False  # a top_p that rounds to 0 in fp32 would otherwise drop every token
         sp = sp.masked_fill(drop, 0.0)
         p = torch.zeros_like(p).scatter_(-1, idx, sp)
         p = p / p.sum(-1, keepdim=True)

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +30,9 @@ from . import openai_schema as oai
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
 from .worker import Job, Worker
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("eyas.server")
 API_KEY_ENV = "EYAS_API_KEY"
@@ -61,6 +64,9 @@ class ServeConfig:
 # ---- the app -------------------------------------------------------------------------------------
 
 MAX_BODY = 16 << 20  # bytes; far above any prompt the token limit admits
+# Text longer than this many characters per allowed prompt token is refused before tokenizing: real text
+# runs 3-5 characters per token, and tokenizing megabytes only to refuse them stalls every other request.
+CHARS_PER_TOKEN = 16
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -87,9 +93,31 @@ def check_model(name: str, cfg: ServeConfig) -> None:
                             "(GET /v1/models).", param="model", code="model_not_found")
 
 
+def check_text_size(req: GenRequest, cfg: ServeConfig) -> None:
+    """Refuse text that cannot fit in --max-prompt-tokens before paying to tokenize it."""
+    what = "messages" if req.kind == "chat" else "prompt"
+    if req.kind == "chat":
+        assert req.messages is not None
+        if len(req.messages) > cfg.max_prompt_tokens:  # every message costs at least one token
+            raise APIError(400, f"The request has {len(req.messages)} messages; a prompt of at most "
+                                f"{cfg.max_prompt_tokens} tokens (--max-prompt-tokens) cannot hold more messages "
+                                "than that. Send fewer.", param=what, code="context_length_exceeded")
+        chars = sum(len(m["content"]) for m in req.messages)
+    else:
+        assert isinstance(req.prompt, str)
+        chars = len(req.prompt)
+    limit = cfg.max_prompt_tokens * CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(400, f"The prompt text is {chars} characters; this server reads at most {limit} "
+                            f"({CHARS_PER_TOKEN} characters per token x --max-prompt-tokens {cfg.max_prompt_tokens}), "
+                            "which no prompt that fits in the token limit exceeds. Shorten it.", param=what,
+                       code="context_length_exceeded")
+
+
 def tokenize(req: GenRequest, tokenizer: Any, lock: threading.Lock) -> list[int]:
     """A chat request through the chat template, a string prompt through the tokenizer (one caller at a
-    time per tokenizer copy: HF fast tokenizers are not thread-safe)."""
+    time per tokenizer copy: HF fast tokenizers are not thread-safe, and this copy is the event loop's
+    alone — the engine worker decodes with its own, so tokenizing never waits on a generation)."""
     with lock:
         if req.kind == "chat":
             try:
@@ -104,6 +132,7 @@ async def prepare(req: GenRequest, cfg: ServeConfig, encode: Callable[[GenReques
     """Tokenize (off the event loop: a long prompt must not stall other streams) and check limits
     -> (input ids, max new tokens)."""
     if req.kind == "chat" or isinstance(req.prompt, str):
+        check_text_size(req, cfg)
         input_ids = await asyncio.to_thread(encode, req)
     else:
         bad = [t for t in req.prompt if not 0 <= t < vocab]
@@ -208,7 +237,8 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
         if len(body) > MAX_BODY:
             raise APIError(413, f"the request body is {len(body)} bytes; at most {MAX_BODY} are accepted",
                            code="request_too_large")
-        req = parse(body)
+        # off the event loop: parsing and checking a body of up to MAX_BODY bytes takes a while
+        req = await asyncio.to_thread(parse, body)
         check_model(req.model, cfg)
         input_ids, max_new = await prepare(req, cfg, encode, vocab)
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -221,7 +251,7 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
         job = Job(input_ids=input_ids, params=params, stop=req.stop, loop=asyncio.get_running_loop(),
                   arrived=arrived, endpoint=endpoint)
         rid, created = oai.new_id(req.kind), oai.now()
-        worker.submit(job)
+        worker.submit(job)  # raises the 503 once the server is shutting down
         if req.stream:
             return StreamingResponse(stream_events(job, req, rid, created, len(input_ids)),
                                      media_type="text/event-stream",
@@ -302,8 +332,8 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = worker._thread is not None and worker._thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine worker not running", "model": cfg.model_name},
-                            status_code=200 if alive else 503)
+        status = "shutting down" if worker._stopping else "ok" if alive else "engine worker not running"
+        return JSONResponse({"status": status, "model": cfg.model_name}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics_text(request: Request):
@@ -362,10 +392,26 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     return Engine(target, ckpt, spec), target, method
 
 
-def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
+    """A uvicorn.Server for the app (config: uvicorn.Config's arguments) that drains the engine worker as
+    soon as shutdown begins (SIGTERM, Ctrl-C). Uvicorn's own order — wait for open requests, then run the
+    lifespan shutdown — would let queued requests wait out the grace period and then be cancelled into
+    plain-text 500s, and cut an open stream off mid-answer; draining first answers queued requests with a
+    JSON 503 and ends a running stream with an error event and [DONE] within one decoding round."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    worker: Worker = app.state.worker
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            worker.drain()
+            await super().shutdown(sockets=sockets)
+
+    return Server(uvicorn.Config(app, **config))
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    make_server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5).run()
 
 
 def context_length_of(target: Any) -> int | None:

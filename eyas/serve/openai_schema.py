@@ -16,7 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
+from ..engine import SEED_MAX, SEED_MIN
+
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_DEPTH = 32  # JSON nesting; the deepest OpenAI request field (messages[i].content[j].text) is 5 levels down
 
 
 class APIError(Exception):
@@ -28,7 +31,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _printable(self.message), "type": self.type,
+                          "param": None if self.param is None else _printable(self.param), "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    # an error quoting the client's input may quote a lone surrogate, which UTF-8 cannot encode: escape it
+    # rather than fail to send the answer
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---- request models ------------------------------------------------------------------------------
@@ -68,7 +78,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=0)  # extension (vLLM/SGLang have it); 0 = off
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -175,15 +185,57 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _path(parts: list[str | int]) -> str:
+    text = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(parts))
+    return _printable(text) or "body"
+
+
+def _check_tree(obj: Any) -> None:
+    """Refuse what json.loads accepts but nothing downstream can handle: nesting deeper than MAX_DEPTH
+    (recursive code past this point, pydantic's and json.dumps', would hit Python's recursion limit) and
+    strings holding a lone UTF-16 surrogate ("\\ud800" is valid JSON, but not Unicode: the tokenizer
+    refuses it and the error answer could not even be encoded as UTF-8). Iterative: a hostile body must not
+    be able to exhaust the stack here either."""
+    stack: list[tuple[Any, list[str | int]]] = [(obj, [])]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise APIError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep (at "
+                                f"'{_path(path[:8])}...'); OpenAI requests nest a few levels. Flatten it.",
+                           code="invalid_json")
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            where = [*path, key]
+            for text, what in ((key, "key"), (value, "value")):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        bad = f"\\u{ord(text[e.start]):04x}"
+                        raise APIError(400, f"The request body's {what} at '{_path(where)}' holds a lone UTF-16 "
+                                            f"surrogate ({bad} at character {e.start}), which is not Unicode text. "
+                                            "Send characters outside the BMP as a complete surrogate pair, or "
+                                            "as raw UTF-8.", param=_path(where), code="invalid_value") from None
+            if isinstance(value, (dict, list)):
+                stack.append((value, where))
+
+
 def _load_json(body: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON ({e}). Send a JSON object with "
                             "Content-Type: application/json.", code="invalid_json") from e
+    except RecursionError:
+        raise APIError(400, f"The request body nests JSON too deeply to parse; at most {MAX_DEPTH} levels are "
+                            "accepted and OpenAI requests nest a few. Flatten it.", code="invalid_json") from None
+    except ValueError as e:  # Python refuses to read an integer of more than 4300 digits
+        raise APIError(400, f"The request body holds a number too long to read ({e}). Every numeric parameter "
+                            "here fits in 20 digits; send a smaller number.", code="invalid_value") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"The request body must be a JSON object, found {type(obj).__name__}.",
                        code="invalid_json")
+    _check_tree(obj)
     return obj
 
 

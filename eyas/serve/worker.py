@@ -53,6 +53,11 @@ class Job:
             self.cancelled.set()
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down and starts no new generations; retry the request once it is "
+                         "back (or against another replica).", type="server_error", code="shutting_down")
+
+
 class Worker:
     """Runs jobs one at a time, in arrival order, on one engine, in one thread."""
 
@@ -72,21 +77,31 @@ class Worker:
             self._thread = threading.Thread(target=self._loop, name="eyas-engine", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
-        """Shut down: the running generation stops at its next round, queued ones get a 503."""
-        if self._thread is not None:
+    def drain(self) -> None:
+        """Begin shutting down without waiting: new jobs are refused with a 503, queued ones are answered with
+        a 503, and the running generation stops at its next round with a 503 (a stream: an error event, then
+        [DONE]). Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
-            if self._current is not None:
-                self._current.cancelled.set()
+            # under the lock, after the flag: every job a submit() put in the queue is ahead of this
             self._queue.put(None)
+
+    def stop(self) -> None:
+        """Shut down (drain) and wait for the worker thread to finish."""
+        if self._thread is not None:
+            self.drain()
             self._thread.join(timeout=60)
             self._thread = None
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self._stopping:
+                raise shutting_down()
             self._waiting += 1
             self.metrics.set("eyas_queue_depth", self._waiting)
-        self._queue.put(job)
+            self._queue.put(job)
 
     def _loop(self) -> None:
         while True:
@@ -97,8 +112,8 @@ class Worker:
                 self._waiting -= 1
                 self.metrics.set("eyas_queue_depth", self._waiting)
             if self._stopping:
-                job.emit(Event("error", error=APIError(503, "the server is shutting down; retry later",
-                                                       type="server_error", code="shutting_down")))
+                self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="shutdown")
+                job.emit(Event("error", error=shutting_down()))
                 continue
             if job.cancelled.is_set():  # the client left while queued: never start it
                 self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="cancelled")
@@ -133,7 +148,7 @@ class Worker:
         ended_early = cancelled = False
         try:
             for ids in stream:
-                if job.cancelled.is_set():  # round boundary: the client is gone
+                if job.cancelled.is_set() or self._stopping:  # round boundary: the client is gone, or the server
                     ended_early = cancelled = True
                     break
                 if ts.finish_reason is not None:  # the engine went past where the text ended: stop it
@@ -147,6 +162,10 @@ class Worker:
                     job.emit(Event("delta", text=delta, completion_tokens=len(ts.ids)))
         finally:
             stream.close()
+        if cancelled and self._stopping:  # the client may still be there: tell it why its answer ends here
+            self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="shutdown")
+            job.emit(Event("error", error=shutting_down()))
+            return
         if cancelled:
             self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="cancelled")
             job.emit(Event("cancelled"))  # releases a non-streaming handler still waiting on this job
