@@ -55,9 +55,9 @@ def inspect(
     """Describe a target (layout in every engine's convention, stream norms), a shard folder or a draft."""
     from .inspect import inspect_path, inspect_target, render
 
-    info = inspect_path(Path(what)) if Path(what).is_dir() else None
-    if info is None:
-        with user_errors():
+    with user_errors():
+        info = inspect_path(Path(what)) if Path(what).is_dir() else None
+        if info is None:
             info = inspect_target(what, dtype=dtype, device=device)
     if json_out:
         typer.echo(json.dumps(info, indent=2, default=str))
@@ -95,6 +95,7 @@ def bench(
     sweep_lookup: str = typer.Option("0", "--sweep-lookup", help="lookup candidates tried with each tree setting"),
     weights: str = WeightsOpt,
     draft_weights: str = DraftWeightsOpt,
+    quiet: bool = typer.Option(False, "--quiet", help="no progress (per prompt and method, on stderr)"),
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
@@ -112,7 +113,7 @@ def bench(
                           lookup=lookup, min_prob=min_prob,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid)
-        (run_sweep if sweep else run_bench)(cfg)
+        (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
 
 
 @app.command()
