@@ -55,9 +55,9 @@ def inspect(
     """Describe a target (layout in every engine's convention, stream norms), a shard folder or a draft."""
     from .inspect import inspect_path, inspect_target, render
 
-    info = inspect_path(Path(what)) if Path(what).is_dir() else None
-    if info is None:
-        with user_errors():
+    with user_errors():
+        info = inspect_path(Path(what)) if Path(what).is_dir() else None
+        if info is None:
             info = inspect_target(what, dtype=dtype, device=device)
     if json_out:
         typer.echo(json.dumps(info, indent=2, default=str))
@@ -95,6 +95,7 @@ def bench(
     sweep_lookup: str = typer.Option("0", "--sweep-lookup", help="lookup candidates tried with each tree setting"),
     weights: str = WeightsOpt,
     draft_weights: str = DraftWeightsOpt,
+    quiet: bool = typer.Option(False, "--quiet", help="no progress (per prompt and method, on stderr)"),
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
@@ -112,7 +113,7 @@ def bench(
                           lookup=lookup, min_prob=min_prob,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid)
-        (run_sweep if sweep else run_bench)(cfg)
+        (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
 
 
 @app.command()
@@ -277,6 +278,9 @@ def export(
     steps: int = typer.Option(3, "--steps", help="draft steps (SGLang num-steps, vLLM num_speculative_tokens)"),
     topk: int = typer.Option(1, "--topk", help="SGLang --speculative-eagle-topk"),
     draft_tokens: int = typer.Option(None, "--draft-tokens", help="SGLang num-draft-tokens (default 1 + steps*topk)"),
+    verifier: str = typer.Option(None, "--verifier", help="speculators: verifier.name_or_path written in the config "
+                                 "(default: the target's public model id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct "
+                                 "for the bundled target; the weights fingerprint stays in the eyas manifest)"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Export a draft for SGLang/SpecForge, vLLM or speculators (ids in the engine's convention) + launch command."""
@@ -288,8 +292,11 @@ def export(
     with user_errors():
         ckpt = load_draft(draft)
         emb = target_embeddings(ckpt, target) if fmt == "speculators" else None
+        if verifier is not None and fmt != "speculators":
+            fail(f"--verifier applies to --format speculators only (its config names the verifier); got --format {fmt}")
         res = export_draft(ckpt, fmt, out, dtype=dtype, target=serve_model or target, embeddings=emb,
-                           launch=LaunchParams(steps, topk, draft_tokens), command="eyas " + " ".join(sys.argv[1:]))
+                           launch=LaunchParams(steps, topk, draft_tokens), command="eyas " + " ".join(sys.argv[1:]),
+                           verifier=verifier)
     if json_out:
         typer.echo(json.dumps({"path": str(res.path), "format": res.format, "config": res.config,
                                "launch": res.launch}, indent=2))
@@ -297,6 +304,12 @@ def export(
     ids = res.manifest["ids_in_config"]
     typer.echo(f"wrote {res.format} draft to {res.path} (stream indices {res.manifest['layout']['aux_indices']}; "
                f"config ids: " + ", ".join(f"{k} = {v}" for k, v in ids.items() if v is not None) + ")")
+    ver = (res.manifest.get("verifier") or {}).get("name_or_path")
+    if ver is not None:
+        typer.echo(f"verifier.name_or_path: {ver}")
+        if Path(ver).is_absolute():
+            typer.secho(f"warning: the verifier is named by a path on this machine ({ver}); pass --verifier "
+                        "ORG/MODEL for a folder that works elsewhere", fg="yellow", err=True)
     typer.echo("launch:")
     typer.echo(f"  {res.launch}")
 

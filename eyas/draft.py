@@ -114,8 +114,9 @@ class DraftConfig:
                     "use_aux_hidden_state": True,
                 }
                 # vLLM reads top-level ids first (input-of = stream indices); without them some vLLM builds
-                # use the eagle_config ids as-is (off by one) and others the target default. Written only
-                # next to eagle_config: SGLang builds that read top-level ids add +1 when eagle_config is absent.
+                # use the eagle_config ids as-is (off by one) and others the target default. SGLang never reads
+                # the top level (python/sglang/srt/model_executor/model_runner.py ModelRunner.__init__ takes
+                # eagle_config["eagle_aux_hidden_state_layer_ids"] only), so the two lists cannot collide.
                 out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm",
                                                                         layout.target.num_layers)
             except LayoutError:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .errors import EyasError
 from .layout import engine_ids_table
 from .target import load_target
 
@@ -56,7 +57,11 @@ def inspect_path(path: Path) -> dict[str, Any] | None:
     for name in ("manifest.json", "eyas_manifest.json"):
         m = path / name
         if m.exists():
-            data = json.loads(m.read_text())
+            try:
+                data = json.loads(m.read_text())
+            except json.JSONDecodeError as e:
+                raise EyasError(f"{m} is not valid JSON ({e}); the folder is corrupt (an interrupted write?) — "
+                                "regenerate it") from e
             if str(data.get("kind", "")).startswith("eyas"):
                 return data
     return None

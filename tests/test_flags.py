@@ -202,3 +202,107 @@ def test_command_as_one_string(tmp_path):
            f"--speculative-draft-model-path {d} --speculative-num-steps 3 --speculative-eagle-topk 1 " \
            "--speculative-num-draft-tokens 4"
     assert lint_serve_command([line], d).ok
+
+
+# ---- the launcher is read from the command's structure, not from substrings -----------------------
+
+def test_engine_is_the_program_not_a_substring(tmp_path):
+    # a vLLM launch whose draft path happens to contain "sglang": it was linted as SGLang (two false fails)
+    (tmp_path / "exp_sglang").mkdir()
+    d = draft_dir(tmp_path / "exp_sglang")
+    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
+    lint = lint_serve_command(["vllm", "serve", "/models/sglang-ready-llama", "--speculative-config", spec], d)
+    assert lint.engine == "vllm" and lint.ok, [(c.name, c.status, c.summary) for c in lint.checks]
+    line = f"CUDA_VISIBLE_DEVICES=0 python3 -m vllm.entrypoints.openai.api_server --model M " \
+           f"--speculative-config '{spec}'"
+    assert parse_serve_command([line]).engine == "vllm"
+    assert parse_serve_command(["python", "-m", "sglang.launch_server", "--model-path", "/x/vllm"]).engine == "sglang"
+    assert parse_serve_command(["sglang", "serve", "--model-path", "M"]).engine == "sglang"
+    assert parse_serve_command(["nice", "-n", "5", "vllm", "serve", "M"]).engine == "vllm"
+    # options only: the speculative flags tell
+    assert parse_serve_command(["--model-path", "M", "--speculative-algorithm", "EAGLE3"]).engine == "sglang"
+    assert parse_serve_command(["--model", "/x/sglang", "--speculative-config", spec]).engine == "vllm"
+    with pytest.raises(FlagsError, match="does not start SGLang or vLLM"):
+        parse_serve_command(["python", "serve_sglang.py", "--port", "1"])
+    with pytest.raises(FlagsError, match="cannot tell which engine"):
+        parse_serve_command(["--model", "/x/sglang", "--port", "1"])
+
+
+# ---- can SGLang load the folder at all --------------------------------------------------------------
+
+def _weights(d, names):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({n: torch.zeros(2) for n in names}, str(d / "model.safetensors"))
+
+
+SGLANG_OK = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", "4")
+
+
+def test_sglang_launch_on_layers0_weights_fails(tmp_path):
+    # SGLang's LlamaForCausalLMEagle3.load_weights drops names it has no parameter for: layers.0.* would leave
+    # the draft layer random while the server starts fine
+    d = draft_dir(tmp_path)
+    _weights(d, ["fc.weight", "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"])
+    lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
+    c = by_name(lint)["weights"]
+    assert c.status == "fail" and "layers.0" in c.summary and not lint.ok
+    # the same folder in vLLM is fine (it loads layers.0.* and renames midlayer.* itself)
+    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
+    assert lint_serve_command(["vllm", "serve", "M", "--speculative-config", spec], d).ok
+    _weights(d, ["fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"])
+    lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
+    assert by_name(lint)["weights"].status == "pass" and lint.ok
+
+
+def test_sglang_launch_on_speculators_folder_fails(tmp_path):
+    cfg = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+           "transformer_layer_config": {"hidden_size": 576}}
+    d = draft_dir(tmp_path, cfg)
+    lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
+    assert by_name(lint)["weights"].status == "fail" and "speculators" in by_name(lint)["weights"].summary
+
+
+def test_truncated_weights_file_is_a_clear_error(tmp_path):
+    d = draft_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(b"\x10\x00")
+    with pytest.raises(FlagsError, match="not a readable safetensors file"):
+        lint_serve_command(sglang(d, *SGLANG_OK), d)
+    (d / "model.safetensors").unlink()
+    (d / "eyas_manifest.json").write_text("{oops")
+    with pytest.raises(FlagsError, match="is not valid JSON"):
+        lint_serve_command(sglang(d, *SGLANG_OK), d)
+
+
+# ---- where each engine reads ids: SGLang eagle_config only, vLLM top level (+ eagle_aux_layer_semantics) ----
+
+def test_sglang_never_reads_top_level_ids():
+    # model_runner.py ModelRunner.__init__ reads eagle_config["eagle_aux_hidden_state_layer_ids"] only
+    (v,) = engine_views({"eagle_aux_hidden_state_layer_ids": [3, 16, 28]}, "sglang", L)
+    assert v.indices == [2, 15, 27] and "never reads" in v.source and not v.when
+
+
+def test_vllm_aux_layer_semantics_in_config(tmp_path):
+    # ids written in SGLang's output-of convention at the top level, marked so: newer vLLM adds 1
+    cfg = {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "eagle_aux_layer_semantics": "sglang"}
+    views = engine_views(cfg, "vllm", L)
+    assert [x.indices for x in views] == [[2, 15, 27], [1, 14, 26]] and all(x.when for x in views)
+    (v,) = engine_views({**cfg, "eagle_aux_layer_semantics": "vllm"}, "vllm", L)
+    assert v.indices == [1, 14, 26]
+    (bad,) = engine_views({**cfg, "eagle_aux_layer_semantics": "SGLang"}, "vllm", L)
+    assert bad.indices is None and "knows only" in bad.source
+    d = draft_dir(tmp_path, {"architectures": ["LlamaForCausalLMEagle3"], **cfg})
+    lint = lint_serve_command([json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})], d)
+    c = by_name(lint)["aux_ids"]
+    assert c.status == "warn" and '"eagle_aux_layer_semantics": "vllm"' in c.fix  # older vLLM ignores the key
+
+
+def test_vllm_aux_layer_semantics_in_speculative_config(tmp_path):
+    d = draft_dir(tmp_path)  # top-level ids [2, 15, 27] in vLLM's convention
+    spec = {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}
+    assert lint_serve_command([json.dumps({**spec, "eagle_aux_layer_semantics": "vllm"})], d).ok
+    lint = lint_serve_command([json.dumps({**spec, "eagle_aux_layer_semantics": "sglang"})], d)
+    c = by_name(lint)["aux_ids"]
+    assert c.status == "fail" and "stream [3, 16, 28]" in c.summary and "off by one" in c.summary

@@ -66,6 +66,12 @@ def parse_methods(text: str) -> list[str]:
     return [m for m in known if m in names]  # canonical order, duplicates dropped
 
 
+def check_threads(threads: int | None) -> None:
+    """--threads: torch refuses a negative count with a RuntimeError; say it as a flag error instead."""
+    if threads is not None and threads < 0:
+        raise BenchError(f"--threads {threads}: expected a positive number of CPU threads (0 = torch's default)")
+
+
 @dataclass
 class SweepGrid:
     steps: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
@@ -534,11 +540,17 @@ def _prepare_out(cfg: BenchConfig, out: Path, target: Target, keys: tuple[str, .
                  methods: list[str] | None = None) -> list[dict[str, Any]]:
     """Create `out`, or continue it with --resume; returns the rows already done (whole prompts only)."""
     rows_path, cfg_path = out / "rows.jsonl", out / "config.json"
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} is a file; expected a results folder (new, or an earlier run's to --resume)")
     me = {**{k: cfg.to_dict()[k] for k in keys}, "target_fingerprint": target.identity.fingerprint}
     if rows_path.exists() and rows_path.stat().st_size > 0:
         if not cfg.resume:
             raise BenchError(f"{out} already holds rows of a bench run; pass --resume to continue it, or another --out")
-        old = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            old = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except json.JSONDecodeError as e:
+            raise BenchError(f"--resume {out}: {cfg_path} is not valid JSON ({e}), so the earlier run's settings "
+                             "are unknown; start over in another --out") from e
         diff = [f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in me.items() if old.get(k) != v]
         if diff:
             raise BenchError(f"--resume {out}: the run there used other settings ({'; '.join(diff)}); "
@@ -552,25 +564,51 @@ def _prepare_out(cfg: BenchConfig, out: Path, target: Target, keys: tuple[str, .
     return []
 
 
+def progress_console():
+    """Where bench progress goes: stderr, so stdout keeps only the results."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def say(progress: bool, msg: str) -> None:
+    """One progress line on stderr (setup phases: warm-up, a skipped peer), unless progress is off (--quiet)."""
+    if progress:
+        progress_console().print(msg, markup=False, highlight=False)
+
+
 def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[str, Callable[..., Output]],
                reference: str | None, max_new_tokens: int, rows_path: Path, done: set[str],
                progress: bool, what: str) -> list[dict[str, Any]]:
     """Prompt by prompt, every runner on the prompt (the order rotates by one per prompt), lossless marks
-    against `reference`; each prompt's rows are appended to rows_path in one write (resume unit)."""
-    from rich.progress import Progress
+    against `reference`; each prompt's rows are appended to rows_path in one write (resume unit).
+
+    progress: on a terminal a live bar names the prompt (i/N) and the method running; when stderr is a file or a
+    pipe (a logged run, where a live bar would print nothing until the end) one line per finished method run."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     names = list(runners)
     rows: list[dict[str, Any]] = []
     todo = [i for i, p in enumerate(prompts) if p.id not in done]
-    with Progress(disable=not progress, transient=True) as bar:
+    con = progress_console()
+    live = progress and con.is_terminal
+    lines = progress and not live
+    first = len(prompts) - len(todo)  # prompts finished by an earlier run (--resume)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, disable=not live, transient=True) as bar:
         task = bar.add_task(what, total=len(todo) * len(names))
         for n, i in enumerate(todo):
             p = prompts[i]
             prow = {}
+            where = f"{what}: prompt {first + n + 1}/{len(prompts)} ({p.id})"
             for m in names[n % len(names):] + names[:n % len(names)]:
-                bar.update(task, description=f"{what} {p.id} {m}")
+                bar.update(task, description=f"{where} {m}")
                 prow[m] = make_row(p, m, runners[m](ids[i], max_new_tokens))
                 bar.advance(task)
+                if lines:
+                    r = prow[m]
+                    con.print(f"{where} {m}: {r['new_tokens']} tokens in {r['seconds']:.1f}s ({r['tok_s']:.1f} "
+                              "tok/s)", markup=False, highlight=False)
             prow_list = [prow[m] for m in names]
             mark_lossless(prow_list, reference)
             with open(rows_path, "a") as f:
@@ -584,6 +622,7 @@ def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[s
 def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
               progress: bool = True, show: bool = True) -> dict[str, Any]:
     """Run the side-by-side benchmark; writes results.json, rows.jsonl and bench.png into cfg.out."""
+    check_threads(cfg.threads)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.max_new_tokens < 1:
@@ -605,7 +644,10 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     cfg.methods = [m for m in cfg.methods if m in runners]  # an optional peer that is not installed is skipped
     reference = "plain" if "plain" in cfg.methods else ("hf-greedy" if "hf-greedy" in cfg.methods else None)
 
-    for run in runners.values():  # warm-up: allocations, lazy init, kernel selection
+    say(progress, f"bench: {len(prompts)} prompts x {len(runners)} methods ({', '.join(runners)}), "
+                  f"{cfg.max_new_tokens} new tokens each" + (f"; {len(done)} prompts done earlier" if done else ""))
+    for m, run in runners.items():  # warm-up: allocations, lazy init, kernel selection
+        say(progress, f"bench: warm-up {m}")
         run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
     rows = done_rows + interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl", done,
                                   progress, "bench")

@@ -22,6 +22,7 @@ from .run import (
     Output,
     SweepGrid,
     _prepare_out,
+    check_threads,
     default_out,
     draft_summary,
     engine_runner,
@@ -30,6 +31,7 @@ from .run import (
     greedy_answer,
     interleave,
     prompt_ids,
+    say,
     stop_ids,
     summarize,
     wide_console,
@@ -124,6 +126,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
     from ..engine import Engine, EngineError, SpecParams
 
+    check_threads(cfg.threads)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
@@ -141,8 +144,9 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
     runners: dict[str, Callable[..., Output]] = {}
     refused = []
-    for s in settings:
+    for n, s in enumerate(settings):
         label = setting_label(s)
+        say(progress, f"sweep: warm-up {n + 1}/{len(settings)} {label}")
         try:
             spec = SpecParams(**s, weights=cfg.weights, draft_weights=cfg.draft_weights)
             engine = Engine(target, None if s["method"] == "plain" else draft, spec)

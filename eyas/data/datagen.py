@@ -365,68 +365,71 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
         bar.set_postfix_str(f"{phase} | {base_tokens + run_tokens} tok | {run_tokens / max(dt, 1e-9):.0f} tok/s",
                             refresh=True)
 
-    for convs, skips, last_row, exhausted in _chunks(cfg, int(m["watermark"]), remaining):
-        t0 = time.perf_counter()
-        stats: Counter[str] = Counter()
-        convs = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns) for c in convs]
-        if cfg.regenerate and convs:
-            convs = regenerate(target, convs, cfg, stats,
-                               lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), postfix)
-        loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
-        items = []
-        for c in convs:
-            try:
-                ids, mask, exact = tokenize_conversation_checked(target.tokenizer, c.messages)
-            except DataError:
-                skips["template_error"] += 1
-                continue
-            stats["mask_boundary_inexact"] += int(not exact)
-            stats["truncated"] += int(len(ids) > cfg.max_len)
-            stats["dropped_leading_assistant"] += int(c.dropped_turns > 0)
-            ids, mask = ids[:cfg.max_len], mask[:cfg.max_len]
-            if not mask.any():
-                skips["no_loss_tokens_after_truncation"] += 1
-                continue
-            items.append((c.row_id, ids, mask))
-        postfix("capture")
-
-        def on_batch(n_samples: int, n_tokens: int) -> None:
-            nonlocal run_tokens
-            run_tokens += n_tokens
-            bar.update(n_samples)
+    # the bar is closed (its line ended) on every exit, so an error message starts on a line of its own
+    try:
+        for convs, skips, last_row, exhausted in _chunks(cfg, int(m["watermark"]), remaining):
+            t0 = time.perf_counter()
+            stats: Counter[str] = Counter()
+            convs = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns) for c in convs]
+            if cfg.regenerate and convs:
+                convs = regenerate(target, convs, cfg, stats,
+                                   lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), postfix)
+            loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
+            items = []
+            for c in convs:
+                try:
+                    ids, mask, exact = tokenize_conversation_checked(target.tokenizer, c.messages)
+                except DataError:
+                    skips["template_error"] += 1
+                    continue
+                stats["mask_boundary_inexact"] += int(not exact)
+                stats["truncated"] += int(len(ids) > cfg.max_len)
+                stats["dropped_leading_assistant"] += int(c.dropped_turns > 0)
+                ids, mask = ids[:cfg.max_len], mask[:cfg.max_len]
+                if not mask.any():
+                    skips["no_loss_tokens_after_truncation"] += 1
+                    continue
+                items.append((c.row_id, ids, mask))
             postfix("capture")
 
-        samples = capture_samples(target, items, layout, store_dtype, cfg.capture_tokens, norms, on_batch)
-        bar.update(len(convs) - len(samples))  # conversations skipped after loading still count as processed
-        # shards hold samples in source order, split so none exceeds shard_tokens
-        entries, group, group_tokens = [], [], 0
-        for s in sorted(samples, key=lambda s: s.row_id):
-            if group and group_tokens + len(s) > cfg.shard_tokens:
+            def on_batch(n_samples: int, n_tokens: int) -> None:
+                nonlocal run_tokens
+                run_tokens += n_tokens
+                bar.update(n_samples)
+                postfix("capture")
+
+            samples = capture_samples(target, items, layout, store_dtype, cfg.capture_tokens, norms, on_batch)
+            bar.update(len(convs) - len(samples))  # conversations skipped after loading still count as processed
+            # shards hold samples in source order, split so none exceeds shard_tokens
+            entries, group, group_tokens = [], [], 0
+            for s in sorted(samples, key=lambda s: s.row_id):
+                if group and group_tokens + len(s) > cfg.shard_tokens:
+                    entries.append(write_shard(out / f"shard-{len(m['shards']) + len(entries):05d}.safetensors",
+                                               group, store_dtype))
+                    group, group_tokens = [], 0
+                group.append(s)
+                group_tokens += len(s)
+            if group:
                 entries.append(write_shard(out / f"shard-{len(m['shards']) + len(entries):05d}.safetensors",
                                            group, store_dtype))
-                group, group_tokens = [], 0
-            group.append(s)
-            group_tokens += len(s)
-        if group:
-            entries.append(write_shard(out / f"shard-{len(m['shards']) + len(entries):05d}.safetensors",
-                                       group, store_dtype))
-        # commit: every row up to last_row is now in a shard or counted as skipped
-        m["shards"].extend(entries)
-        counts.update(stats)
-        counts["rows"] += loader_rows
-        counts["conversations"] += len(convs)
-        counts["samples"] += len(samples)
-        counts["tokens"] += sum(len(s) for s in samples)
-        counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
-        counts["bytes"] += sum(e["bytes"] for e in entries)
-        counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)
-        skipped.update(skips)
-        layout.norms = norms.means()
-        m.update(watermark=last_row, counts=dict(counts), skipped=dict(skipped), norm_sums=norms.sums,
-                 norm_tokens=norms.tokens, layout=layout.to_dict(),
-                 complete=exhausted or (cfg.num is not None and counts["conversations"] >= cfg.num))
-        atomic_write_json(out / MANIFEST, m)
-    bar.close()
+            # commit: every row up to last_row is now in a shard or counted as skipped
+            m["shards"].extend(entries)
+            counts.update(stats)
+            counts["rows"] += loader_rows
+            counts["conversations"] += len(convs)
+            counts["samples"] += len(samples)
+            counts["tokens"] += sum(len(s) for s in samples)
+            counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
+            counts["bytes"] += sum(e["bytes"] for e in entries)
+            counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)
+            skipped.update(skips)
+            layout.norms = norms.means()
+            m.update(watermark=last_row, counts=dict(counts), skipped=dict(skipped), norm_sums=norms.sums,
+                     norm_tokens=norms.tokens, layout=layout.to_dict(),
+                     complete=exhausted or (cfg.num is not None and counts["conversations"] >= cfg.num))
+            atomic_write_json(out / MANIFEST, m)
+    finally:
+        bar.close()
     if not m["complete"]:  # the source ended exactly at a chunk boundary
         m["complete"] = True
         atomic_write_json(out / MANIFEST, m)

@@ -1,7 +1,9 @@
 """`eyas doctor flags`: lint an SGLang launch command, a `vllm serve` command or a vLLM
 `--speculative-config` JSON against an EAGLE-3 draft folder, and print the corrected command.
 
-Aux-layer ids never travel in flags: both engines read them from the draft folder's config.json.
+Aux-layer ids never travel in flags: both engines read them from the draft folder's config.json (SGLang only
+`eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM the top-level list; see eyas/doctor/engines.py). vLLM's
+`eagle_aux_layer_semantics` may come from either the config or --speculative-config.
 So the lint reads that file exactly as each engine does (`engine_views`) and compares what the
 engine will capture with the layout the draft was trained on (the eyas manifest). Every rule is a
 fact read in the engines' code; the file is cited at each rule. Pure parsing: no model is loaded.
@@ -69,16 +71,64 @@ def parse_serve_command(argv: list[str]) -> ServeCommand:
                          "python -m sglang.launch_server --model-path M --speculative-algorithm EAGLE3 ...`")
     if len(argv) == 1 and argv[0].lstrip().startswith("{"):
         return ServeCommand("vllm", argv, {}, {}, spec_config=_parse_json(argv[0]), json_only=True)
-    text = " ".join(argv)
-    if "sglang" in text or any(a.startswith("--speculative-algo") or a.startswith("--speculative-eagle")
-                               for a in argv):
-        return _parse_sglang(argv)
-    if "vllm" in text or any(a.startswith("--speculative-config") or a.startswith("--speculative_config")
-                             for a in argv):
-        return _parse_vllm(argv)
-    raise FlagsError(f"cannot tell which engine this command starts: {text[:200]!r}. Expected an SGLang "
-                     "launch (python -m sglang.launch_server ...), a vLLM serve command (vllm serve ...), or "
-                     "a --speculative-config JSON object")
+    engine = detect_engine(argv)
+    return _parse_sglang(argv) if engine == "sglang" else _parse_vllm(argv)
+
+
+# launchers put in front of the engine's program: they and their own options are skipped
+_WRAPPERS = {"env", "nohup", "exec", "time", "nice", "numactl", "taskset", "stdbuf"}
+
+
+def _program(argv: list[str]) -> tuple[str, list[str]]:
+    """The engine's program name and what follows it, skipping env assignments (`CUDA_VISIBLE_DEVICES=0`)
+    and wrappers with their options (`env`, `nohup`, `nice -n 5`, `uv run`). ('', []) when the command
+    starts with an option: a bare list of serve options."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name = Path(a).name
+        if "=" in a and not a.startswith("-") and a.split("=", 1)[0].isidentifier():
+            i += 1  # VAR=value
+        elif name in _WRAPPERS or (name == "uv" and argv[i + 1:i + 2] == ["run"]):
+            i += 2 if name == "uv" else 1
+            while i < len(argv) and (argv[i].startswith("-") or argv[i].isdigit()):
+                i += 1  # the wrapper's own options (nice -n 5)
+        elif a.startswith("-"):
+            return "", []
+        else:
+            return name, argv[i + 1:]
+    return "", []
+
+
+def detect_engine(argv: list[str]) -> str:
+    """'sglang' or 'vllm', from the command's structure: the program it runs (`vllm serve`, `sglang serve`),
+    the module after `python -m` (sglang.launch_server, vllm.entrypoints.openai.api_server), or, for a bare
+    list of options, which engine's speculative flags it uses. Never from a substring anywhere in the command:
+    a path such as /models/exp_sglang inside a vLLM --speculative-config must not make it an SGLang launch."""
+    prog, rest = _program(argv)
+    if prog.startswith("python") or prog == "py":
+        mod = rest[rest.index("-m") + 1] if "-m" in rest and rest.index("-m") + 1 < len(rest) else ""
+        root = mod.split(".")[0]
+        if root in ("sglang", "vllm"):
+            return root
+        raise FlagsError(f"`{prog} {' '.join(rest[:3])}` does not start SGLang or vLLM: expected `python -m "
+                         "sglang.launch_server ...` or `python -m vllm.entrypoints.openai.api_server ...`")
+    if prog in ("sglang", "vllm"):
+        return prog
+    if prog:
+        raise FlagsError(f"cannot tell which engine `{prog}` starts. Expected an SGLang launch (python -m "
+                         "sglang.launch_server ...), a vLLM serve command (vllm serve ...), or a "
+                         "--speculative-config JSON object")
+    # options only (no program): the speculative flags say which engine they belong to
+    names = {a.partition("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+    sg = any(n.startswith(("--speculative-algo", "--speculative-eagle", "--speculative-draft",
+                           "--speculative-num-")) or n == "--model-path" for n in names)
+    vl = any(n.startswith("--speculative-config") for n in names)
+    if sg != vl:
+        return "sglang" if sg else "vllm"
+    what = "both SGLang's and vLLM's speculative options" if sg else "no speculative option"
+    raise FlagsError(f"cannot tell which engine these options are for ({what}): {' '.join(argv)[:200]!r}. Give "
+                     "the whole command: python -m sglang.launch_server ... or vllm serve ...")
 
 
 def _parse_json(s: str) -> dict[str, Any]:
@@ -210,14 +260,15 @@ def _set_opt(argv: list[str], spellings: list[str], canonical: str, value: str) 
     return out + [canonical, value]
 
 
-def _ids_check(info: DraftInfo, engine: str) -> tuple[Check, str | None]:
-    """Compare what `engine` will capture (from config.json) with the trained layout."""
+def _ids_check(info: DraftInfo, engine: str, semantics: str | None = None) -> tuple[Check, str | None]:
+    """Compare what `engine` will capture (from config.json) with the trained layout. semantics: vLLM's
+    eagle_aux_layer_semantics from --speculative-config (it overrides the draft config's)."""
     L = info.num_layers
     if L is None:
         return Check("aux_ids", "warn", f"cannot tell which layers {engine} captures: the target's layer count "
                      "is unknown (no eyas manifest in the draft folder)",
                      fix="pass --num-layers L (the target's num_hidden_layers)"), None
-    views = engine_views(info.config, engine, L)
+    views = engine_views(info.config, engine, L, semantics)
     nums: dict[str, Any] = {"views": [asdict(v) for v in views], "trained": info.layout, "num_layers": L}
     lines = [f"{v.when or 'all versions'}: {v.source} -> "
              f"{'final state only' if v.indices is None else f'stream {v.indices}'}" for v in views]
@@ -326,10 +377,42 @@ def _lint_sglang(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
                             numbers=nums))
     # 3. draft path vs the folder linted
     _path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
-    # 4. aux ids, read from the draft config.json as SGLang does
+    # 4. can SGLang load this folder at all
+    checks.append(_sglang_loadable(info))
+    # 5. aux ids, read from the draft config.json as SGLang does
     ids_check, edit = _ids_check(info, "sglang")
     checks.append(ids_check)
     return FlagLint("sglang", checks, argv, [edit] if edit else [])
+
+
+def _sglang_loadable(info: DraftInfo) -> Check:
+    """SGLang serves EAGLE-3 drafts through LlamaForCausalLMEagle3 (python/sglang/srt/models/llama_eagle3.py),
+    whose load_weights keeps a tensor only when `name` or `model.<name>` is one of its parameters and drops every
+    other name without a word: a folder with `layers.0.*` names (a speculators checkpoint, or a vLLM-format
+    export written by older eyas) starts, and drafts with a randomly initialised layer — acceptance near zero,
+    no error anywhere."""
+    if str(info.config.get("speculators_model_type", "")):
+        return Check("weights", "fail", f"{info.path} is a speculators-format draft (speculators_model_type "
+                     f"{info.config['speculators_model_type']!r}): SGLang has no loader for it (it reads "
+                     "LlamaForCausalLMEagle3 folders)", fix="export the draft with `eyas export --format sglang` "
+                     "(or serve this folder with vLLM)")
+    names = info.weight_names
+    if names is None:
+        return Check("weights", "skip", "no *.safetensors in the draft folder: weight names not checked")
+    bare = [n[len("model."):] if n.startswith("model.") else n for n in names]
+    mid = [n for n in bare if n.startswith("midlayer.")]
+    lay = [n for n in bare if n.startswith("layers.")]
+    if lay and not mid:
+        return Check("weights", "fail", f"the draft layer's weights are named layers.0.* ({len(lay)} tensors, e.g. "
+                     f"{lay[0]}): SGLang's LlamaForCausalLMEagle3.load_weights silently skips them, so the server "
+                     "would draft with a randomly initialised layer", numbers={"layers_0": len(lay), "midlayer": 0},
+                     fix="re-export with `eyas export --format sglang` (or --format vllm: both write midlayer.*, "
+                         "which vLLM renames itself), or rename layers.0. -> midlayer. in the safetensors")
+    if not mid:
+        return Check("weights", "fail", f"no midlayer.* weights among {len(names)} tensors (e.g. {bare[:3]}): not "
+                     "an EAGLE-3 draft SGLang can load", fix="point --speculative-draft-model-path at an EAGLE-3 "
+                     "draft folder (eyas export --format sglang)")
+    return Check("weights", "pass", f"weights named midlayer.* ({len(mid)} tensors), as SGLang loads them")
 
 
 def _path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: str) -> None:
@@ -381,7 +464,7 @@ def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
     _path_check(checks, model or None, info, '"model" in --speculative-config')
     if not model:
         spec["model"] = str(info.path)
-    ids_check, edit = _ids_check(info, "vllm")
+    ids_check, edit = _ids_check(info, "vllm", spec.get("eagle_aux_layer_semantics"))
     checks.append(ids_check)
     new_json = json.dumps(spec)
     if cmd.json_only:

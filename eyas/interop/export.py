@@ -134,9 +134,12 @@ class ExportResult:
 
 def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path, dtype: str = "fp32",
                  target: str | None = None, launch: LaunchParams | None = None,
-                 embeddings: torch.Tensor | None = None, command: str | None = None) -> ExportResult:
+                 embeddings: torch.Tensor | None = None, command: str | None = None,
+                 verifier: str | None = None) -> ExportResult:
     """eyas draft -> `out` in `fmt` (sglang | vllm | speculators). `target`: the model path engines should
     load (default: the draft's recorded target, its converted HF folder for a bundled GGUF).
+    `verifier`: speculators' verifier.name_or_path, the identity the checkpoint names its target by; it travels
+    with the folder, so it defaults to a portable name (default_verifier), never this machine's cache path.
     `embeddings` [V, H]: the target's token embeddings, required for speculators: its loader
     (speculators 0.9.0 + transformers 5.19) leaves a missing embed_tokens.weight uninitialised instead of
     filling it from the verifier, and its own checkpoints always carry the table (SGLang and vLLM share the
@@ -180,7 +183,8 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     elif fmt == "vllm":
         config = vllm_config(cfg, layout, dtype)
     else:
-        config = speculators_config(cfg, layout, dtype, verifier=serve_as, verifier_architecture=layout.target.
+        verifier = verifier or default_verifier(target, recorded_target(ckpt), layout.target.name)
+        config = speculators_config(cfg, layout, dtype, verifier=verifier, verifier_architecture=layout.target.
                                     architecture, speculative_tokens=launch.steps)
     sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
     if order != list(range(len(aux))):
@@ -213,6 +217,10 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         "target_source": recorded_target(ckpt),
         "source_layout_order": aux if order != list(range(len(aux))) else None,  # fc blocks permuted from this
         "serving_target": serve_as,
+        # the name the config gives the target, next to the exact weights the draft was trained on (the
+        # public name of a bundled GGUF is the model it was quantized from, not these weights)
+        "verifier": {"name_or_path": verifier, "fingerprint": layout.target.fingerprint,
+                     "target_source": recorded_target(ckpt)} if fmt == "speculators" else None,
         "launch": {"command": launch_cmd, "steps": launch.steps, "topk": launch.topk,
                    "draft_tokens": launch.draft_tokens},
         "eyas_version": __version__,
@@ -226,6 +234,18 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
 
     atomic_folder(out, write)
     return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
+
+
+def default_verifier(target: str | None, recorded: str | None, name: str | None) -> str:
+    """speculators' verifier.name_or_path when --verifier is not given: the public model id of a bundled target
+    (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), else the target as the user named it (--target / --serve-model,
+    then the draft's record). A bundled target's converted cache folder is never used: it exists only here."""
+    from ..target import public_name
+
+    for spec in (target, recorded, name):
+        if public_name(spec):
+            return str(public_name(spec))
+    return str(target or recorded or name or "TARGET")
 
 
 def recorded_target(ckpt: DraftCheckpoint) -> str | None:

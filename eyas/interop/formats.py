@@ -6,14 +6,17 @@ the engines' own code (stored public copies, read for facts only; no code copied
 eyas        stream index k in 0..L (eyas/layout.py): 0 = embedding output, i = output of layer i-1 =
             input of layer i, L = last layer output before the final norm.
 SGLang      draft config `eagle_config.eagle_aux_hidden_state_layer_ids` only; a top-level list is never
-            read (python/sglang/srt/model_executor/model_runner.py: `eagle_config["eagle_aux_hidden_
-            state_layer_ids"]`, None when absent). The target then does `layers_to_capture = [x + 1 for x
-            in ids]` and captures the residual stream entering layer i inside its layer loop
-            (python/sglang/srt/models/llama.py, qwen2.py, ... `set_eagle3_layers_to_capture`): id x =
-            output of layer x = stream x+1, expressible stream 1..L-1; no ids -> stream [2, L//2, L-3].
+            read (python/sglang/srt/model_executor/model_runner.py ModelRunner.__init__: `eagle_config[
+            "eagle_aux_hidden_state_layer_ids"]`, None when eagle_config or the key is absent; every eyas file
+            that reads or writes ids says the same: eyas/draft.py, eyas/doctor/engines.py). The target then
+            does `layers_to_capture = [x + 1 for x in ids]` and captures the residual stream entering
+            layer i inside its layer loop (python/sglang/srt/models/llama.py, qwen2.py, ...
+            `set_eagle3_layers_to_capture`): id x = output of layer x = stream x+1, expressible stream
+            1..L-1; no ids -> stream [2, L//2, L-3].
             Draft (python/sglang/srt/models/llama_eagle3.py): `fc` = Linear(3 * target_hidden_size
             (falls back to hidden_size)), so exactly 3 aux states; weights `fc.`, `midlayer.`, `norm.`,
-            `lm_head.`, `d2t` (hot_token_id = d2t + arange), `t2d` ignored; `tie_word_embeddings: true`
+            `lm_head.`, `d2t` (hot_token_id = d2t + arange), `t2d` ignored; any other name (`layers.0.*`)
+            is skipped without a word by LlamaForCausalLMEagle3.load_weights; `tie_word_embeddings: true`
             would make lm_head the embedding table, so exports write false.
             SGLang's newer deepseek path shifts only when ids[0] == 1 (model-specific); exports target the
             llama-family path above, which is what LlamaForCausalLMEagle3 drafts run with.
@@ -25,9 +28,14 @@ vLLM        top-level `eagle_aux_hidden_state_layer_ids` first; if absent it fal
             top level only). The target captures before running layer idx
             (vllm/model_executor/models/interfaces.py `EagleModelMixin._maybe_add_hidden_state`, which
             takes the bare hidden state when there is no residual yet): id x = input of layer x =
-            stream x, 0 = embedding. Draft (vllm/model_executor/models/llama_eagle3.py): renames
-            `midlayer.` to `layers.0.`, fc input = target_hidden_size * 3, `d2t` -> draft_id_to_target_id,
-            `t2d` skipped, `eagle_config.use_aux_hidden_state`, `norm_before_residual` flag.
+            stream x, 0 = embedding. Newer vLLM also reads `eagle_aux_layer_semantics`
+            (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py resolve_eagle3_aux_layer_semantics: the
+            --speculative-config value first, then the draft config's key, default "vllm" = as-is; "sglang"
+            adds 1 to every id, method eagle3 only); exports write "vllm" explicitly.
+            Draft (vllm/model_executor/models/llama_eagle3.py): renames `midlayer.` to `layers.0.` itself
+            (LlamaModel.load_weights), so the SGLang names load in vLLM; fc input = target_hidden_size * 3,
+            `d2t` -> draft_id_to_target_id, `t2d` skipped, `eagle_config.use_aux_hidden_state`,
+            `norm_before_residual` flag; its lm_head is always its own ParallelLMHead (never tied).
 speculators (0.9.0: speculators/models/eagle3/config.py `Eagle3SpeculatorConfig`, core.py
             `Eagle3DraftModel`, models/utils.py `resolve_target_layer_ids`): top-level
             `eagle_aux_hidden_state_layer_ids`, input-of like vLLM, valid 0..L (L = final state);
@@ -73,10 +81,14 @@ class FormatError(EyasError):
 # ---- weight names --------------------------------------------------------------------------------
 
 def to_format_names(sd: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """eyas names (already SGLang's) -> the format's names. vLLM and speculators call the layer layers.0."""
-    if fmt == "sglang":
+    """eyas names (already SGLang's) -> the format's names. SGLang and vLLM exports keep `midlayer.*`: SGLang
+    loads only those (python/sglang/srt/models/llama_eagle3.py LlamaForCausalLMEagle3.load_weights skips, without
+    a word, every name it has no parameter for, so `layers.0.*` would leave the draft layer at its random init),
+    and vLLM renames `midlayer.` to `layers.0.` itself (vllm/model_executor/models/llama_eagle3.py
+    LlamaModel.load_weights). One layout then serves both engines. speculators' own loader wants `layers.0.*`."""
+    if fmt in ("sglang", "vllm"):
         return dict(sd)
-    if fmt in ("vllm", "speculators"):
+    if fmt == "speculators":
         return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
     raise FormatError(f"unknown export format {fmt!r}; expected one of {EXPORT_FORMATS}")
 
@@ -136,6 +148,7 @@ def sglang_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any
     out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": to_engine_ids(layout.aux_indices, "sglang", L),
                            "use_aux_hidden_state": True}
     out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm", L)
+    out["eagle_aux_layer_semantics"] = "vllm"  # the top-level ids are input-of: newer vLLM must not add 1
     out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
     return out
 
@@ -147,6 +160,8 @@ def vllm_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any]:
     out = cfg.hf_config(None)
     out.update(_rope(cfg))
     out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm", L)
+    # explicit, so a vLLM whose default ever changes (or a copied "sglang" value) cannot shift the ids by one
+    out["eagle_aux_layer_semantics"] = "vllm"
     out["norm_before_residual"] = False  # vLLM's draft layer reads this flag; eyas's residual is the raw h
     eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
     try:
@@ -219,10 +234,14 @@ def _layers(layout: Layout) -> int:
 class IdsFound:
     top: list[int] | None  # top-level eagle_aux_hidden_state_layer_ids
     eagle_config: list[int] | None  # eagle_config.eagle_aux_hidden_state_layer_ids
+    semantics: str | None = None  # vLLM's eagle_aux_layer_semantics for the top-level ids (None: absent = "vllm")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"eagle_aux_hidden_state_layer_ids": self.top,
-                "eagle_config.eagle_aux_hidden_state_layer_ids": self.eagle_config}
+        d: dict[str, Any] = {"eagle_aux_hidden_state_layer_ids": self.top,
+                             "eagle_config.eagle_aux_hidden_state_layer_ids": self.eagle_config}
+        if self.semantics is not None:
+            d["eagle_aux_layer_semantics"] = self.semantics
+        return d
 
 
 def _int_list(v: Any, where: str) -> list[int] | None:
@@ -237,9 +256,14 @@ def read_ids(config: dict[str, Any]) -> IdsFound:
     ec = config.get("eagle_config")
     if ec is not None and not isinstance(ec, dict):
         raise FormatError(f"eagle_config must be an object, found {type(ec).__name__}: {str(ec)[:120]}")
+    sem = config.get("eagle_aux_layer_semantics")
+    if sem is not None and sem not in ("vllm", "sglang"):
+        raise FormatError(f"eagle_aux_layer_semantics is {sem!r}; vLLM knows only 'vllm' (ids as-is, input-of) and "
+                          "'sglang' (ids output-of, vLLM adds 1) — fix the config")
     return IdsFound(top=_int_list(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"),
                     eagle_config=_int_list((ec or {}).get("eagle_aux_hidden_state_layer_ids"),
-                                           "eagle_config.eagle_aux_hidden_state_layer_ids"))
+                                           "eagle_config.eagle_aux_hidden_state_layer_ids"),
+                    semantics=sem)
 
 
 def detect_format(config: dict[str, Any]) -> tuple[str, str]:
@@ -345,6 +369,15 @@ def id_readings(found: IdsFound, fmt: str, L: int, explicit_format: bool) -> Rea
             return Readings(cands, "vllm fallback (eagle_config used as-is, input-of)", not explicit_format,
                             [f"--format vllm with only eagle_config ids {found.eagle_config}: vLLM uses them as-is "
                              f"(stream {v}), an off-by-one if they were written for SGLang (stream {s})"])
+        if found.semantics == "sglang":
+            # newer vLLM adds 1 to these (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+            # apply_eagle3_aux_layer_semantics): the config itself says they are output-of ids
+            s, s_err = _try(found.top, "sglang", L)
+            if s is None:
+                raise FormatError(f"top-level ids {found.top} with eagle_aux_layer_semantics 'sglang': {s_err}")
+            name = "vllm (top level, eagle_aux_layer_semantics sglang: id + 1)"
+            return Readings({name: s}, name, False, [f"top-level ids {found.top} marked eagle_aux_layer_semantics "
+                                                     f"'sglang' (output-of) = stream {s}"])
         v, v_err = _try(found.top, "vllm", L)
         s_alt, _ = _try(found.top, "sglang", L)
         if v is None:
@@ -450,7 +483,11 @@ def draft_config_from(config: dict[str, Any], sd: dict[str, torch.Tensor], n_aux
         raise FormatError(f"draft_vocab_size {cfg_vd} in the config but lm_head.weight has {vd} rows")
     if "vocab_size" not in c:
         raise FormatError("config has no vocab_size (the target vocabulary)")
-    if c.get("tie_word_embeddings"):
+    # only the draft's own config can tie: SGLang's LlamaForCausalLMEagle3 then makes lm_head the embedding table.
+    # A speculators transformer_layer_config is the verifier's config copied over (SmolLM2's says true); neither
+    # speculators' Eagle3 draft nor vLLM's Eagle3LlamaForCausalLM (its own ParallelLMHead, always loaded from
+    # lm_head.weight) ties, and SGLang does not load that format, so the flag says nothing about this draft.
+    if "speculators_model_type" not in config and config.get("tie_word_embeddings"):
         notes.append("tie_word_embeddings is true: SGLang would serve this draft with lm_head = the embedding table "
                      "(llama_eagle3.py), ignoring the trained lm_head.weight that eyas imports")
     if fc_out != H:
