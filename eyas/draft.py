@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .errors import EyasError
-from .files import atomic_folder
+from .files import atomic_folder, read_json
 from .layout import Layout, LayoutError, check_layouts, to_engine_ids
 from .target import Target
 
@@ -318,10 +318,7 @@ def load_draft(path: str | Path, device: str | torch.device = "cpu",
         raise DraftError(
             f"{p} has no {MANIFEST}: it is not an eyas draft, so its layer ids' convention is unknown. "
             f"Convert it with `eyas import {p} --target T --out DIR`, which translates or infers the layout.")
-    try:
-        manifest = json.loads(man_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftError(f"{man_path} is not valid JSON ({e}); the checkpoint is corrupt — re-export it") from e
+    manifest = read_json(man_path, DraftError, "the checkpoint is corrupt — re-export it")
     if manifest.get("kind") != "eyas-draft":
         raise DraftError(f"{man_path}: kind is {manifest.get('kind')!r}, expected 'eyas-draft'")
     layout = Layout.from_dict(manifest["layout"])

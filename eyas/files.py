@@ -1,7 +1,8 @@
 """Atomic writes: the one place that writes a temporary file (or folder) and renames it into place.
 
 A reader (or a resumed run) sees either the old content or the new one, never a torn file: a kill
-mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write replaces.
+mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write replaces. `read_json` is the
+matching reader: a file that is not JSON is one error line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .errors import EyasError
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -65,3 +68,12 @@ def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
         raise
     return swap_folder(tmp, out)
+
+
+def read_json(path: str | Path, error: type[EyasError], fix: str) -> Any:
+    """The JSON in `path`; a file that is not UTF-8 JSON raises `error` with the parser's reason and `fix`."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON ({e}); {fix}") from e

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EyasError
+from .files import read_json
 from .layout import engine_ids_table
 from .target import load_target
 
@@ -57,11 +58,7 @@ def inspect_path(path: Path) -> dict[str, Any] | None:
     for name in ("manifest.json", "eyas_manifest.json"):
         m = path / name
         if m.exists():
-            try:
-                data = json.loads(m.read_text())
-            except json.JSONDecodeError as e:
-                raise EyasError(f"{m} is not valid JSON ({e}); the folder is corrupt (an interrupted write?) — "
-                                "regenerate it") from e
+            data = read_json(m, EyasError, "the folder is corrupt (an interrupted write?) — regenerate it")
             if str(data.get("kind", "")).startswith("eyas"):
                 return data
     return None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EyasError
+from ..files import read_json
 from ..layout import LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
 
 # the values vLLM's eagle_aux_layer_semantics takes: "vllm" = ids are input-of (as-is), "sglang" = ids are
@@ -38,19 +39,12 @@ def read_draft_dir(path: str | Path, num_layers: int | None = None) -> DraftInfo
     if not cfg_path.is_file():
         raise FlagsError(f"--draft {p}: no config.json there. Expected a draft folder (an eyas draft, or an "
                          "SGLang/vLLM EAGLE-3 checkpoint) — the engines read their aux ids from that file.")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise FlagsError(f"{cfg_path} is not valid JSON ({e})") from e
+    cfg = read_json(cfg_path, FlagsError, "the draft folder is corrupt — re-export or re-save it")
     layout = None
     target_hidden = None
     man = p / "eyas_manifest.json"
     if man.is_file():
-        try:
-            m = json.loads(man.read_text())
-        except json.JSONDecodeError as e:
-            raise FlagsError(f"{man} is not valid JSON ({e}); the draft folder is corrupt — re-export or "
-                             "re-save it") from e
+        m = read_json(man, FlagsError, "the draft folder is corrupt — re-export or re-save it")
         lay = m.get("layout") or {}
         layout = [int(k) for k in lay.get("aux_indices", [])] or None
         t = lay.get("target") or {}

@@ -8,7 +8,6 @@ how the layout was decided. When the ids are missing or ambiguous it runs the do
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from .. import __version__
 from ..doctor.inference import infer_layout, layout_candidates
 from ..draft import MANIFEST, DraftCheckpoint, Eagle3Draft, load_draft, save_draft
+from ..files import read_json
 from ..layout import Layout, LayoutError, from_engine_ids
 from .export import ExportError, check_out, sha256_of
 from .formats import (
@@ -54,18 +54,12 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
     cfg_path = p / "config.json"
     if not cfg_path.exists():
         raise ExportError(f"{p} has no config.json; an EAGLE-3 draft folder holds config.json plus weights")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    config = read_json(cfg_path, ExportError, "the checkpoint is corrupt")
     if not isinstance(config, dict):
         raise ExportError(f"{cfg_path} holds a {type(config).__name__}, expected a JSON object")
     man = None
     if (p / MANIFEST).exists():
-        try:
-            man = json.loads((p / MANIFEST).read_text())
-        except json.JSONDecodeError as e:
-            raise ExportError(f"{p / MANIFEST} is not valid JSON ({e}); delete it to import by config alone") from e
+        man = read_json(p / MANIFEST, ExportError, "delete it to import by config alone")
         if man.get("kind") == "eyas-draft":
             raise ExportError(f"{p} is already an eyas draft (kind eyas-draft); use it directly, no import needed")
         if man.get("kind") != "eyas-export":
