@@ -139,10 +139,10 @@ class TargetModel:
         cfg = _check_family(model)
         self.hf = model
         self.native = native
-        # eyas's C attention (always with native weights; with fp32 weights for masked forwards when asked): it
-        # skips masked keys without reading them, which pays when rows of one batch hold sequences of very
-        # different lengths (datagen's regeneration)
-        self.kernel_attention = native is not None or kernel_attention
+        # eyas's C attention for masked fp32 forwards (native weights always use it): it skips masked keys
+        # without reading them, which pays when rows of one batch hold sequences of very different lengths
+        # (datagen's regeneration)
+        self.kernel_attention = kernel_attention
         if kernel_attention and (model.dtype != torch.float32 or model.device.type != "cpu"):
             raise ModelError(f"eyas's attention kernel runs fp32 on the CPU; this target is {model.dtype} on "
                              f"{model.device}")
@@ -387,9 +387,8 @@ class TargetModel:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""
-        if self.native is not None:
-            return self.native.head(_rms(x, self.norm_weight, self.eps))
-        logits = F.linear(self._norm(x, self.norm_weight, self.eps), self.lm_weight, self.lm_bias)
+        h = self._norm(x, self.norm_weight, self.eps)
+        logits = self.native.head(h) if self.native is not None else F.linear(h, self.lm_weight, self.lm_bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

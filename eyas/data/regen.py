@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -74,15 +75,17 @@ class _Pool:
     own cache row, so a row that finishes takes the next job at once (its prompt prefilled alone, its K/V
     copied in). Once the queue is empty, finished rows are compacted out."""
 
-    def __init__(self, model: TargetModel, prompts: list[list[int]], caps: list[int], width: int, sample):
+    def __init__(self, model: TargetModel, prompts: list[list[int]], caps: list[int], width: int, sample,
+                 repetition_limit: int):
         self.model, self.prompts, self.caps, self.sample = model, prompts, caps, sample
+        self.repetition_limit = repetition_limit
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes the next job in order
         slots = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
         self.cache = model.new_cache(min(width, len(prompts)), slots)
         self.rows: list[_Row | None] = [None] * self.cache.k.shape[1]
         self.next: list[int] = [0] * len(self.rows)  # the token each row feeds at the next step
 
-    def admit(self, r: int, repetition_limit: int) -> int | None:
+    def admit(self, r: int) -> int | None:
         """Prefill the next job into row r; -> its first token (None when the queue is empty)."""
         if not self.queue:
             self.rows[r] = None
@@ -94,7 +97,7 @@ class _Pool:
         logits = self.model.forward(torch.tensor([p], device=self.model.device), pos, one).logits[:, -1]
         self.cache.k[:, r, :, :len(p)] = one.k[:, 0]
         self.cache.v[:, r, :, :len(p)] = one.v[:, 0]
-        self.rows[r] = _Row(j, len(p), [], _LoopWatch(repetition_limit), self.caps[j])
+        self.rows[r] = _Row(j, len(p), [], _LoopWatch(self.repetition_limit), self.caps[j])
         return int(self.sample(logits)[0])
 
     def compact(self) -> None:
@@ -126,7 +129,7 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
 
     stops = set(stop_ids)
     done: list[Reply | None] = [None] * len(prompts)
-    pool = _Pool(model, prompts, max_new, width, sample)
+    pool = _Pool(model, prompts, max_new, width, sample, repetition_limit)
 
     def take(r: int, t: int | None) -> None:
         """Row r produced token t: record it, or finish the row's job and refill the row."""
@@ -143,10 +146,10 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
                 else:
                     pool.next[r] = t
                     return
-            t = pool.admit(r, repetition_limit)
+            t = pool.admit(r)
 
     for r in range(len(pool.rows)):
-        take(r, pool.admit(r, repetition_limit))
+        take(r, pool.admit(r))
     step = 0
     while any(row is not None for row in pool.rows):
         step += 1
@@ -243,20 +246,19 @@ def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, s
     if engine is not None:
         # one pool per width class: a long prompt narrows only the pool of the prompts as long as it
         # (widths fall as lengths rise, so sorting by length makes each class one run of jobs)
+        width_of = [max(1, min(cfg.gen_batch, cfg.gen_tokens // (len(p) + c)))
+                    for p, c in zip(prompts, caps, strict=True)]
         order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]) + caps[j])
         out: list[Reply | None] = [None] * len(prompts)
-        while order:
-            width = max(1, min(cfg.gen_batch, cfg.gen_tokens // (len(prompts[order[0]]) + caps[order[0]])))
-            group = [j for j in order if max(1, min(cfg.gen_batch, cfg.gen_tokens // (len(prompts[j]) + caps[j])))
-                     == width]
-            order = order[len(group):]
-            prev = [r for r in out if r is not None]
-            base_n, base_tok = len(prev), sum(len(r) for r, _ in prev)
+        base_n = base_tok = 0  # replies and tokens of the classes already done, for progress
+        for width, run in groupby(order, key=lambda j: width_of[j]):
+            group = list(run)
             report = None if progress is None else lambda n, t, a=base_n, b=base_tok: progress(a + n, b + t)
             replies = engine_generate(engine, [prompts[j] for j in group], [caps[j] for j in group], stop_ids,
                                       width=width, progress=report, **opts)
             for j, rep in zip(group, replies, strict=True):
                 out[j] = rep
+            base_n, base_tok = base_n + len(group), base_tok + sum(len(r) for r, _ in replies)
         return [r for r in out if r is not None]
     return hf_generate(target, prompts, max(caps), stop_ids, **opts)
 
