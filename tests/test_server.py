@@ -59,6 +59,19 @@ def tiny(smollm2, tmp_path_factory):
     return target, root / "draft"
 
 
+def serve_in_thread(server: uvicorn.Server) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Run `server` on a free localhost port in a daemon thread; return once it accepts connections."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
 class Served:
     def __init__(self, target, draft_path):
         self.target = target
@@ -68,16 +81,8 @@ class Served:
         cfg = ServeConfig(model_name=MODEL, api_key=KEY, max_prompt_tokens=300, max_new_tokens=MAX_NEW,
                           context_length=target.config.max_position_embeddings)
         self.app = create_app(self.engine, target.tokenizer, cfg)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
-            time.sleep(0.05)
+        self.url, self.server, self.thread = serve_in_thread(
+            uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on")))
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
 
@@ -515,16 +520,8 @@ class EndlessServer:
 
         token = tokenizer("hello", add_special_tokens=False)["input_ids"][0]
         self.app = create_app(EndlessEngine(token), tokenizer, ServeConfig(model_name=MODEL, max_prompt_tokens=50))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=20)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
+        self.url, self.server, self.thread = serve_in_thread(
+            make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=20))
 
     def close(self):
         self.server.should_exit = True
