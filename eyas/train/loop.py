@@ -298,9 +298,11 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
             target = _load_target(cfg, None)
         if len(cfg.data) != 1:
             raise TrainError(f"--online takes one conversation source in --data, got {cfg.data}")
+        if cfg.data_tokens is not None:
+            raise TrainError("--data-tokens caps captured shard folders; with --online use --num-samples")
         source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices)
     else:
-        source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len)
+        source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len, cfg.data_tokens)
         if target is None:
             target = _load_target(cfg, source.describe())
         check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards",
