@@ -19,7 +19,8 @@ DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
 DraftWeightsOpt = typer.Option("auto", "--draft-weights", help="draft matrices: q8 (8-bit blocks, CPU) | fp32 | "
                                "auto (q8 with native target weights)")
-WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, CPU) | "
+WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, "
+                          "8-bit activations, CPU) | native-bf16 (the same weights, bf16 activations) | "
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 MinProbOpt = typer.Option(0.0, "--min-prob", help="chain/tree: verify only candidates whose cumulative draft "
                           "probability reaches this (0 = all selected; an unsure round verifies fewer rows)")

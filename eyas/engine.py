@@ -306,7 +306,9 @@ class Engine:
         self.target = target
         self.spec = spec or SpecParams()
         self.model = engine_model(target, self.spec.weights)
-        self.weights = "native" if self.model.native is not None else "fp32"  # the mode auto resolved to
+        native = self.model.native
+        # the mode auto resolved to
+        self.weights = "fp32" if native is None else "native" if native.act == "q8" else "native-bf16"
         self.device = self.model.device
         self.draft = None
         self.draft_weights: str | None = None  # what auto resolved to, with a draft
@@ -320,7 +322,7 @@ class Engine:
             d.set_embeddings(target.embed_tokens().weight)
             dw = self.spec.draft_weights
             if dw == "auto":
-                dw = "q8" if self.weights == "native" else "fp32"
+                dw = "fp32" if self.weights == "fp32" else "q8"
             if dw == "q8":
                 if self.device.type != "cpu" or self.model.dtype != torch.float32:
                     raise EngineError("--draft-weights q8 runs on the CPU in fp32; use --draft-weights fp32")
