@@ -251,6 +251,7 @@ class Engine:
         self.weights = "native" if self.model.native is not None else "fp32"  # the mode auto resolved to
         self.device = self.model.device
         self.draft = None
+        self.draft_manifest: dict | None = draft.manifest if draft is not None else None  # its training record
         self.draft_weights: str | None = None  # what auto resolved to, with a draft
         self.spec.validate(draft.model.config.draft_vocab_size if draft is not None else None)
         if draft is not None:
