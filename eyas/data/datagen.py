@@ -464,7 +464,8 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
                 convs_chat: list[Conversation] = []
             else:
                 convs_chat = [c for c in convs if c.text is None]
-                skips["text_row_needs_raw"] += len(convs) - len(convs_chat)
+                if len(convs_chat) < len(convs):  # {"text"} document rows have no chat to render
+                    skips["text_row_needs_raw"] += len(convs) - len(convs_chat)
                 convs_chat = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns)
                               for c in convs_chat]
                 items = []
