@@ -120,11 +120,26 @@ def resolve_template(spec: str | None, raw: bool = False) -> ChatTemplate:
     return ChatTemplate("file", str(p.resolve()), text)
 
 
-def missing_template_message(what: str) -> str:
-    """The one 'no chat template' message: what to pass instead."""
+def missing_template_message(what: str, suggest: str = "chatml") -> str:
+    """The one 'no chat template' message: what to pass instead (`suggest`: the built-in that fits the family)."""
     names = ", ".join(BUILTIN_TEMPLATES)
-    return (f"{what} has no chat template (a base model?): pass --chat-template chatml (or another built-in: "
+    return (f"{what} has no chat template (a base model?): pass --chat-template {suggest} (or another built-in: "
             f"{names}; or a Jinja file) to render chats, or --raw to use plain text without a template")
+
+
+def _family(spec: str) -> str:
+    """The model family a target spec names in its files ('' when unknown): GGUF general.architecture or
+    config.json model_type; picks the built-in a refusal suggests."""
+    from .gguf_file import read_gguf_metadata
+    from .target import BUNDLED, bundled_gguf
+
+    try:
+        if spec in BUNDLED or spec.endswith(".gguf"):
+            path = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
+            return str(read_gguf_metadata(path, {"general.architecture"}).get("general.architecture", ""))
+        return str(json.loads((Path(spec) / "config.json").read_text()).get("model_type", ""))
+    except (EyasError, OSError, ValueError, AttributeError):
+        return ""
 
 
 _UNKNOWN = object()
@@ -161,7 +176,9 @@ def require_template(target_spec: str, choice: ChatTemplate) -> None:
     """Before the target loads: a command that renders with the tokenizer's own template refuses a target
     that has none, saying what to pass."""
     if choice.source == "tokenizer" and peek_template(target_spec) is None:
-        raise TemplateError(missing_template_message(f"the target {target_spec}"))
+        # Gemma vocabularies hold <start_of_turn>/<end_of_turn>: its own format beats ChatML text markers
+        suggest = "gemma" if _family(target_spec).startswith("gemma") else "chatml"
+        raise TemplateError(missing_template_message(f"the target {target_spec}", suggest))
 
 
 def apply_template(tokenizer: Any, choice: ChatTemplate, what: str = "the target") -> ChatTemplate:

@@ -110,6 +110,14 @@ def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_p
     monkeypatch.setattr(dg, "load_target", no_load)
     with pytest.raises(tpl.TemplateError, match=r"--chat-template chatml .* or --raw"):
         _datagen(root, target, "refused", docs)
+    # a Gemma base model is pointed at Gemma's own turn format (its vocabulary holds those tokens)
+    g = tmp_path / "gemma-base"
+    g.mkdir()
+    (g / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    (g / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(tpl.TemplateError, match="pass --chat-template gemma "):
+        tpl.require_template(str(g), tpl.resolve_template(None))
+    tpl.require_template(str(g), tpl.resolve_template(None, raw=True))  # raw needs no template
     # the bundled GGUF carries its template in the file's metadata, read without loading anything
     assert "<|im_start|>" in tpl.peek_template("smollm2-135m")
 
