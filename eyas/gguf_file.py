@@ -110,3 +110,55 @@ def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
                             "is truncated, fetch it again")
         out[name] = GGUFTensor(name, tname, dims, buf[a:a + rows * width].reshape(rows, width))
     return out
+
+
+def read_gguf_metadata(path: Path, keys: set[str]) -> dict[str, object]:
+    """The string/scalar values of `keys` from a GGUF file's metadata, without reading the tensor directory or
+    any tensor (eyas.template peeks at `tokenizer.chat_template` this way before a target loads). A key the file
+    lacks is absent from the result; a truncated or foreign header raises GGUFError like read_gguf_tensors."""
+    import struct
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFError(f"{path} is not a GGUF file (no GGUF magic); pass a .gguf file or a HF folder")
+
+        def take(fmt: str):
+            size = struct.calcsize(fmt)
+            b = f.read(size)
+            if len(b) < size:
+                raise GGUFError(f"{path}: the GGUF header ends early (a truncated download?); fetch the file again")
+            return struct.unpack(fmt, b)[0]
+
+        def value(vt: int, keep: bool) -> object:
+            if vt == 8:
+                n = take("<Q")
+                if not keep:  # vocabularies hold 100k+ strings: seek past them
+                    f.seek(n, 1)
+                    return None
+                b = f.read(n)
+                if len(b) < n:
+                    raise GGUFError(f"{path}: the GGUF header ends early; fetch the file again")
+                return b.decode("utf-8", "replace")
+            if vt == 9:
+                et, n = take("<I"), take("<Q")
+                if et in _SCALAR:
+                    f.seek(struct.calcsize(_SCALAR[et]) * n, 1)
+                else:
+                    for _ in range(n):
+                        value(et, False)
+                return None
+            if vt not in _SCALAR:
+                raise GGUFError(f"{path}: unknown GGUF value type {vt}; not a GGUF file eyas can read")
+            return take(_SCALAR[vt])
+
+        if take("<I") not in (2, 3):
+            raise GGUFError(f"{path}: a GGUF version eyas does not read (2 and 3 only)")
+        take("<Q")  # tensor count
+        out: dict[str, object] = {}
+        for _ in range(take("<Q")):
+            n = take("<Q")
+            key = f.read(n).decode("utf-8", "replace")
+            v = value(take("<I"), key in keys)
+            if key in keys:
+                out[key] = v
+        return out
