@@ -424,3 +424,98 @@ void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, c
     }
     free(h); free(qkv); free(o); free(ob); free(gu); free(act); free(pend); free(qbuf); free(obuf);
 }
+
+/* ---- 8-bit weights x 8-bit activations (llama.cpp's Q8_0 x Q8_0 dot) --------------------------------------
+ * qw int8 [N, K] with d [N, K/32] (w = d * q); x fp32 [M, K] quantized per row and 32-block as above. A block's
+ * dot is (d * dx) * P_j over 8 lanes, P_j the exact integer sum of q * xq over elements 4j..4j+3 (AVX2 takes
+ * |q| as unsigned bytes and moves q's sign onto xq). Two accumulators (even and odd blocks) per row, folded in
+ * a fixed order: a row's bits never depend on the other rows. */
+static void quantize_q8_rows_f32(const float *x, int M, int K, int8_t *xq, float *dx) {
+    const int nb = K / 32;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (int64_t)r * K + b * 32;
+            float amax = 0.0f;
+            for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(xb[t]));
+            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            int8_t *qb = xq + (int64_t)r * K + b * 32;
+            for (int t = 0; t < 32; t++) qb[t] = (int8_t)(int)nearbyintf(xb[t] * id);
+            dx[(int64_t)r * nb + b] = dd;
+        }
+}
+
+#ifdef EYAS_Q4_AVX2
+#define Q8_STEP(acc, xb, scale) do { \
+    const __m256i y_ = _mm256_loadu_si256((const __m256i *)(xb)); \
+    const __m256i p_ = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y_, w)), ones); \
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p_), acc); } while (0)
+#endif
+
+void eyas_q8q8_matmul(const float *x, const int8_t *qw, const float *d, float *out, int M, int N, int K,
+                      int nthreads) {
+    const int nb = K / 32;
+    int8_t *xq = malloc((size_t)M * K);
+    float *dx = malloc(sizeof(float) * (size_t)M * nb);
+    quantize_q8_rows_f32(x, M, K, xq, dx);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int n = 0; n < N; n++) {
+        const int8_t *wn = qw + (int64_t)n * K;
+        const float *dn = d + (int64_t)n * nb;
+        float a[4][8];
+        int r = 0;
+#ifdef EYAS_Q4_AVX2
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (; r + 4 <= M; r += 4) {
+            __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+            const int8_t *x0 = xq + (int64_t)r * K;
+            const float *d0 = dx + (int64_t)r * nb;
+            for (int b = 0; b < nb; b++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * 32));
+                const __m256i aw = _mm256_sign_epi8(w, w);
+                const int8_t *xb = x0 + b * 32;
+                if (b & 1) {
+                    Q8_STEP(o0, xb, dn[b] * d0[b]); Q8_STEP(o1, xb + K, dn[b] * d0[nb + b]);
+                    Q8_STEP(o2, xb + 2 * K, dn[b] * d0[2 * nb + b]); Q8_STEP(o3, xb + 3 * K, dn[b] * d0[3 * nb + b]);
+                } else {
+                    Q8_STEP(e0, xb, dn[b] * d0[b]); Q8_STEP(e1, xb + K, dn[b] * d0[nb + b]);
+                    Q8_STEP(e2, xb + 2 * K, dn[b] * d0[2 * nb + b]); Q8_STEP(e3, xb + 3 * K, dn[b] * d0[3 * nb + b]);
+                }
+            }
+            _mm256_storeu_ps(a[0], _mm256_add_ps(e0, o0)); _mm256_storeu_ps(a[1], _mm256_add_ps(e1, o1));
+            _mm256_storeu_ps(a[2], _mm256_add_ps(e2, o2)); _mm256_storeu_ps(a[3], _mm256_add_ps(e3, o3));
+            for (int i = 0; i < 4; i++) out[(int64_t)(r + i) * N + n] = fold8(a[i]);
+        }
+        for (; r < M; r++) {
+            __m256 e = _mm256_setzero_ps(), o = e;
+            const int8_t *x0 = xq + (int64_t)r * K;
+            const float *d0 = dx + (int64_t)r * nb;
+            for (int b = 0; b < nb; b++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * 32));
+                const __m256i aw = _mm256_sign_epi8(w, w);
+                if (b & 1) Q8_STEP(o, x0 + b * 32, dn[b] * d0[b]);
+                else Q8_STEP(e, x0 + b * 32, dn[b] * d0[b]);
+            }
+            _mm256_storeu_ps(a[0], _mm256_add_ps(e, o));
+            out[(int64_t)r * N + n] = fold8(a[0]);
+        }
+#else
+        for (; r < M; r++) {
+            float ev[8] = {0}, ov[8] = {0};
+            for (int b = 0; b < nb; b++) {
+                float *acc = (b & 1) ? ov : ev;
+                const float scale = dn[b] * dx[(int64_t)r * nb + b];
+                const int8_t *xb = xq + (int64_t)r * K + b * 32;
+                for (int j = 0; j < 8; j++) {
+                    int p = 0;
+                    for (int t = 4 * j; t < 4 * j + 4; t++) p += wn[b * 32 + t] * xb[t];
+                    acc[j] = fmaf(scale, (float)p, acc[j]);
+                }
+            }
+            for (int j = 0; j < 8; j++) a[0][j] = ev[j] + ov[j];
+            out[(int64_t)r * N + n] = fold8(a[0]);
+        }
+#endif
+    }
+    free(xq);
+    free(dx);
+}

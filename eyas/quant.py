@@ -53,6 +53,7 @@ class QLinear:
     # q8: int8 [N, K]
     scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
     bias: torch.Tensor | None = None
+    act: str = "f32"  # q8 kind: activations in fp32 or quantized to 8 bits (kernels.q8_matmul)
 
     def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """4-bit kinds only: x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
@@ -72,7 +73,7 @@ class QLinear:
         if self.kind in ("q4", "int4"):
             y = self.mm_bf16(x2.to(torch.bfloat16)).float()
         elif self.kind == "q8":
-            y = kernels.q8_matmul(x2, self.w, self.scales)
+            y = kernels.q8_matmul(x2, self.w, self.scales, self.act)
         else:
             y = kernels.f32_matmul(x2, self.w)
         if self.bias is not None:
@@ -149,7 +150,7 @@ def _pack(act: str, kind: str, q, d, m, bias) -> QLinear:
 
     n, k = q.shape
     if kind == "Q8_0":
-        return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias)
+        return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias, "q8" if act == "q8" else "f32")
     if act == "q8":  # the file's exact d and m, in fp32
         return QLinear("q4", n, k, kernels.pack_q4(q, d, m), torch.empty(0), bias)
     w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
@@ -166,8 +167,9 @@ class NativeWeights:
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.types.items()))
-        how = "4-bit x 8-bit-activation kernel" if self.act == "q8" else "int4 kernel with bf16 activations"
-        return f"native GGUF weights ({kinds}); {how}, Q8_0 in fp32"
+        if self.act == "q8":
+            return f"native GGUF weights ({kinds}); 4- and 8-bit matrices with 8-bit activations"
+        return f"native GGUF weights ({kinds}); int4 kernel with bf16 activations, Q8_0 in fp32"
 
 
 ACTS = ("q8", "bf16")
@@ -236,7 +238,8 @@ def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads
 
 class Q8Linear(torch.nn.Module):
     """An nn.Linear whose weight is stored as int8 blocks of 32 with one fp32 scale each (d = max|w| / 127,
-    Q8_0's rule), multiplied in fp32 by eyas's q8 kernel: a quarter of the bytes of an fp32 draft per step.
+    Q8_0's rule), multiplied by eyas's q8 kernel with 8-bit activations: a quarter of the bytes of an fp32
+    draft per step, and integer dot products.
     The draft only proposes tokens, so this cannot change what the target accepts, only how often."""
 
     def __init__(self, lin: torch.nn.Linear):
@@ -256,7 +259,7 @@ class Q8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from . import kernels
 
-        y = kernels.q8_matmul(x, self.q, self.d)
+        y = kernels.q8_matmul(x, self.q, self.d, "q8")
         return y if self.bias is None else y + self.bias
 
 
