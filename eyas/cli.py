@@ -24,6 +24,8 @@ WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a G
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
                                "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
+TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
+                              "probability reaches this (default 0.35 on the CPU, 0 on CUDA)")
 MinProbOpt = typer.Option(0.0, "--min-prob", help="chain/tree: verify only candidates whose cumulative draft "
                           "probability reaches this (0 = all selected; an unsure round verifies fewer rows)")
 
@@ -252,11 +254,13 @@ def serve(
                               "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
     method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
     steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
-    depth: int = typer.Option(None, "--depth", help="tree: depth"),
-    topk: int = typer.Option(None, "--topk", help="tree: children per node"),
-    tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included"),
-    lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round (0 = off)"),
-    min_prob: float = MinProbOpt,
+    depth: int = typer.Option(None, "--depth", help="tree: depth (default 2 on the CPU, 4 on CUDA)"),
+    topk: int = typer.Option(None, "--topk", help="tree: children per node (default 2 on the CPU, 4 on CUDA)"),
+    tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included "
+                               "(default 3 on the CPU, 16 on CUDA)"),
+    lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
+                               "(0 = off; default 4 on the CPU, 0 on CUDA)"),
+    min_prob: float = TreeMinProbOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
@@ -520,11 +524,14 @@ def generate(
     chat_template: str = ChatTemplateOpt,
     method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
-    depth: int = typer.Option(4, "--depth", help="tree: draft depth"),
-    topk: int = typer.Option(4, "--topk", help="tree: children per expanded node and frontier width"),
-    tokens: int = typer.Option(16, "--tokens", help="tree: tokens verified per round, root included"),
-    lookup: int = typer.Option(0, "--lookup", help="lookup candidates merged into the tree per round (0 = off)"),
-    min_prob: float = MinProbOpt,
+    depth: int = typer.Option(None, "--depth", help="tree: draft depth (default 2 on the CPU, 4 on CUDA)"),
+    topk: int = typer.Option(None, "--topk", help="tree: children per expanded node and frontier width "
+                             "(default 2 on the CPU, 4 on CUDA)"),
+    tokens: int = typer.Option(None, "--tokens", help="tree: tokens verified per round, root included "
+                               "(default 3 on the CPU, 16 on CUDA)"),
+    lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
+                               "(0 = off; default 4 on the CPU, 0 on CUDA)"),
+    min_prob: float = TreeMinProbOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
@@ -564,8 +571,10 @@ def generate(
             except json.JSONDecodeError as e:
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
             eng.check_messages(msgs)
-        spec = eng.SpecParams(method=method, steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
-                              weights=weights, draft_weights=draft_weights, min_prob=min_prob)
+        tree = eng.tree_defaults(device, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
+        if method == "plain":
+            tree.update(lookup=lookup or 0, min_prob=min_prob or 0.0)
+        spec = eng.SpecParams(method=method, steps=steps, weights=weights, draft_weights=draft_weights, **tree)
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()

@@ -83,6 +83,19 @@ class SamplingParams:
             raise EngineError("stop strings must be non-empty")
 
 
+# The tree generate and serve draft when none is given, per device (measured: docs/RESULTS.md, session 6). On a
+# 2-core CPU each verified row costs ~40% of a decode step, so only a small pruned tree plus lookup comes near
+# plain decoding with today's draft; a GPU verifies dozens of rows for about the price of one.
+TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
+                 "cuda": {"depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}}
+
+
+def tree_defaults(device: str, **given) -> dict:
+    """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`."""
+    base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
+    return {k: base[k] if given.get(k) is None else given[k] for k in base}
+
+
 @dataclass
 class SpecParams:
     method: str = "tree"  # tree | chain | plain

@@ -374,18 +374,19 @@ def resolve_method(method: str | None, draft: str) -> str:
 def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
                  depth: int | None = None, topk: int | None = None, tokens: int | None = None,
                  dtype: str = "fp32", device: str = "cpu", lookup: int | None = None, weights: str = "auto",
-                 min_prob: float = 0.0, chat_template: ChatTemplate | None = None):
+                 min_prob: float | None = None, chat_template: ChatTemplate | None = None):
     """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method).
     `chat_template` (--chat-template) is installed before the engine reads the end-of-turn tokens; without it,
     or when the tokenizer has none, the server still starts: completions need no template (template_warnings)."""
     from ..draft import check_default_draft, resolve_draft
-    from ..engine import Engine, SpecParams
+    from ..engine import Engine, SpecParams, tree_defaults
     from ..target import load_target
 
     method = resolve_method(method, draft)
-    spec_kw = {k: v for k, v in dict(steps=steps, depth=depth, topk=topk, tokens=tokens, lookup=lookup).items()
-               if v is not None}
-    spec = SpecParams(method=method, weights=weights, min_prob=min_prob, **spec_kw)
+    tree = tree_defaults(device, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
+    if method == "plain":
+        tree.update(lookup=lookup or 0, min_prob=min_prob or 0.0)
+    spec = SpecParams(method=method, weights=weights, **({"steps": steps} if steps is not None else {}), **tree)
     if method not in ("tree", "chain", "plain"):
         spec.validate(None)  # raises EngineError naming the choices
     if method != "plain":
