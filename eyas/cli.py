@@ -443,9 +443,12 @@ def doctor_trace(
     from .doctor.trace import render_trace, trace
     from .draft import load_draft
     from .engine import SpecParams, chat_input_ids
+    from .model import check_engine_family
     from .target import load_target
 
     with user_errors():
+        check_engine_family(target, "eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) "
+                            "measures the draft on this target through HF hooks")
         tgt = load_target(target, dtype=dtype, device=device)
         ck = load_draft(draft, device=device)
         tok = tgt.tokenizer
@@ -490,6 +493,7 @@ def generate(
 
     from . import engine as eng
     from .draft import check_default_draft, resolve_draft
+    from .model import check_engine_family
     from .target import load_target
     from .text import TextStream
 
@@ -517,6 +521,8 @@ def generate(
         spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
         if method != "plain":
             check_default_draft(draft)
+        check_engine_family(target, "eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench "
+                            f"--target {target} --methods hf-greedy --bench PROMPTS.jsonl`")
         tgt = load_target(target, dtype=dtype, device=device)
         ckpt = None if method == "plain" else resolve_draft(draft, tgt)
         engine = eng.Engine(tgt, ckpt, spec)

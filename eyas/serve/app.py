@@ -377,6 +377,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
     from ..draft import check_default_draft, resolve_draft
     from ..engine import Engine, SpecParams
+    from ..model import check_engine_family
     from ..target import load_target
 
     method = resolve_method(method, draft)
@@ -387,6 +388,8 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
         spec.validate(None)  # raises EngineError naming the choices
     if method != "plain":
         check_default_draft(draft, "--draft none for plain decoding")
+    check_engine_family(target_spec, "eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it "
+                        "for an engine that serves this family")
     target = load_target(target_spec, dtype=dtype, device=device)
     ckpt = None if method == "plain" else resolve_draft(draft, target)
     return Engine(target, ckpt, spec), target, method
