@@ -131,10 +131,12 @@ def engine_covers(family: str | None) -> bool:
     return family in SUPPORTED
 
 
-def family_refusal(family: str | None, what: str, needed_for: str, instead: str = "") -> ModelError:
+def family_refusal(family: str | None, what: str, needed_for: str, instead: str = "",
+                   loaded: bool = False) -> ModelError:
     """The one refusal for a family the engine forward does not cover: what works instead, by name."""
-    return ModelError(f"{needed_for} runs on eyas's engine forward, which covers the {', '.join(SUPPORTED)} "
-                      f"families; {what} is {family!r}. " + (f"{instead}; " if instead else "") + HF_PATHS)
+    return ModelError(f"{needed_for}: eyas's engine forward covers the {', '.join(SUPPORTED)} families, and "
+                      f"{what} is {family!r}" + ("" if loaded else "; nothing was loaded") + ". Instead: "
+                      + (f"{instead}; " if instead else "") + HF_PATHS)
 
 
 def check_engine_family(spec: str, needed_for: str, instead: str = "") -> None:
@@ -144,14 +146,14 @@ def check_engine_family(spec: str, needed_for: str, instead: str = "") -> None:
     (TargetModel refuses after the load)."""
     family, where = target_family(spec)
     if family is not None and not engine_covers(family):
-        raise family_refusal(family, f"--target {spec} (by {where})", needed_for, instead)
+        raise family_refusal(family, f"--target {spec} (from {where})", needed_for, instead)
 
 
 def _check_family(model: nn.Module):
     cfg = getattr(model.config, "text_config", None) or model.config
     mt = getattr(cfg, "model_type", "?")
     if not engine_covers(mt):
-        raise family_refusal(mt, f"this target ({type(model).__name__})", "decoding")
+        raise family_refusal(mt, f"this target ({type(model).__name__})", "eyas's decoding", loaded=True)
     return cfg
 
 

@@ -198,7 +198,7 @@ def target_family(spec: str) -> tuple[str | None, str]:
         arch = read_gguf_metadata(gguf).get("general.architecture")
         if not isinstance(arch, str):
             return None, f"{gguf.name}'s metadata"
-        return _GGUF_FAMILIES.get(arch, arch), f"{gguf.name}'s general.architecture {arch!r}"
+        return _GGUF_FAMILIES.get(arch, arch), f"general.architecture {arch!r} in {gguf.name}"
     folder = _hf_folder(spec)
     return config_family(read_config(folder)), f"{folder / 'config.json'}"
 
