@@ -123,6 +123,8 @@ def train(
     target: str = typer.Option(None, "--target", help="default: the shards' target_source (online: smollm2-135m)"),
     online: bool = typer.Option(False, "--online", help="capture features on the fly from conversations"),
     num_samples: int = typer.Option(None, "--num-samples", help="online: conversations to read"),
+    data_tokens: str = typer.Option(None, "--data-tokens", help="per --data folder, at most N training tokens "
+                                    "(a fixed random subset; 0 = all), e.g. 120000,65000: mixes data at a ratio"),
     aux_indices: str = typer.Option(None, "--aux-indices", help="online: stream indices, e.g. 2,15,27"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="draft vocabulary size (clamped to the target's)"),
     ttt_steps: int = typer.Option(7, "--ttt-steps"),
@@ -161,9 +163,11 @@ def train(
         target = "smollm2-135m"
     with user_errors():
         aux = parse_int_list(aux_indices, "--aux-indices")
+        caps = parse_int_list(data_tokens, "--data-tokens")
     if aux is not None and not online:
         fail("--aux-indices applies to --online only: shards carry their own layout")
-    cfg = TrainConfig(data=data, out=out, target=target, online=online, num_samples=num_samples, aux_indices=aux,
+    cfg = TrainConfig(data=data, out=out, target=target, online=online, num_samples=num_samples, data_tokens=caps,
+                      aux_indices=aux,
                       draft_vocab=draft_vocab, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                       warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
                       batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,

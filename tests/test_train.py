@@ -20,7 +20,7 @@ from eyas.layout import LayoutError
 from eyas.target import capture, load_target, stream_norms
 from eyas.train.config import TrainConfig, TrainError
 from eyas.train.loop import lr_at, train
-from eyas.train.sources import Item, plan_epoch
+from eyas.train.sources import Item, ShardSource, plan_epoch
 from eyas.vocab import VocabError, count_tokens, select_draft_vocab, vocab_hash
 from tests.tiny import tiny_model
 
@@ -243,6 +243,26 @@ def test_refresh_vocab_keeps_the_rows_of_shared_tokens(world, tmp_path):
         train(_cfg(root, "x", max_steps=1, data=[str(more)], refresh_vocab=True), target=target)
 
 
+def test_data_tokens_caps_each_folder_with_a_fixed_random_subset(world, tmp_path):
+    root, target = world
+    make_shards(target, tmp_path / "second", n=30, seed=7)
+    folders = [str(root / "shards"), str(tmp_path / "second")]
+    full = ShardSource(folders, 20, 64)
+    per_folder = [sum(it.length for it in full.train if it.key[0] < 2),
+                  sum(it.length for it in full.train if it.key[0] >= 2)]
+    capped = ShardSource(folders, 20, 64, data_tokens=[per_folder[0] // 3, 0])
+    again = ShardSource(folders, 20, 64, data_tokens=[per_folder[0] // 3, 0])
+    assert [it.key for it in capped.train] == [it.key for it in again.train]  # the same subset every time
+    assert capped.kept_tokens[0] <= per_folder[0] // 3 and capped.kept_tokens[0] > per_folder[0] // 4
+    assert capped.kept_tokens[1] == per_folder[1]  # 0 = all of that folder
+    assert [it.key for it in capped.heldout] == [it.key for it in full.heldout]  # held-out never capped
+    kept_rows = {it.row_id for it in capped.train if it.key[0] < 2}
+    assert 0 < len(kept_rows) and max(kept_rows) > len(kept_rows)  # spread over the rows, not the first ones
+    assert capped.hash() != full.hash() and capped.describe()["data_tokens"] == [per_folder[0] // 3, 0]
+    with pytest.raises(TrainError, match="one count >= 0 per folder"):
+        ShardSource(folders, 20, 64, data_tokens=[100])
+
+
 def test_refusals(world, tmp_path):
     root, target = world
     # another target (same shape, other weights): the fingerprint differs
@@ -278,7 +298,9 @@ def test_no_training_samples_says_why(world):
                                          "no_loss_rows_within_max_len: no assistant token falls within train's "
                                          "--max-len: raise --max-len\\)"):
         train(_cfg(root, "short", max_steps=1, max_len=1), target=target)
-    assert not (root / "allheld").exists() and not (root / "short").exists()
+    with pytest.raises(TrainError, match=r"--data-tokens 1 keeps none of its \d+ training samples"):
+        train(_cfg(root, "capped", max_steps=1, data_tokens=[1]), target=target)
+    assert not any((root / o).exists() for o in ("allheld", "short", "capped"))
 
 
 def test_cli_reports_bad_input_cleanly(tmp_path):

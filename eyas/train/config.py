@@ -27,6 +27,7 @@ class TrainConfig:
     target: str | None = None  # default: the shards manifest's target_source
     online: bool = False
     num_samples: int | None = None  # online: conversations to read
+    data_tokens: list[int] | None = None  # shards: per --data folder, at most this many training tokens (0 = all)
     aux_indices: list[int] | None = None  # online: stream indices (default EAGLE-3)
     draft_vocab: int = 8192
     ttt_steps: int = 7
@@ -59,7 +60,7 @@ class TrainConfig:
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
                   "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
-                  "online", "num_samples", "aux_indices", "buffer_mb", "init_from", "refresh_vocab")
+                  "online", "num_samples", "data_tokens", "aux_indices", "buffer_mb", "init_from", "refresh_vocab")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -293,6 +293,12 @@ def _no_samples(cfg: TrainConfig, source: ShardSource | OnlineSource) -> TrainEr
             for k, v in (m.get("skipped") or {}).items():
                 skipped[k] = skipped.get(k, 0) + int(v)
     where = f"no training samples in {', '.join(cfg.data)}"
+    if isinstance(source, ShardSource) and cfg.data_tokens and any(cfg.data_tokens):
+        capped = source.set.num_samples - sum(source.skipped.values()) - len(source.heldout)
+        if capped > 0:  # training samples existed: the caps dropped every one
+            return TrainError(f"{where}: --data-tokens {','.join(map(str, cfg.data_tokens))} keeps none of its "
+                              f"{capped} training samples (a cap smaller than a sample drops it); raise the caps "
+                              "(0 = all)")
     if source.heldout:
         return TrainError(f"{where}: all {len(source.heldout)} usable samples fall in the {cfg.heldout_pct}% "
                           "held-out split (split by source row id); add data or lower --heldout-pct")
@@ -315,9 +321,11 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
             target = _load_target(cfg, None)
         if len(cfg.data) != 1:
             raise TrainError(f"--online takes one conversation source in --data, got {cfg.data}")
+        if cfg.data_tokens is not None:
+            raise TrainError("--data-tokens caps captured shard folders; with --online use --num-samples")
         source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices)
     else:
-        source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len)
+        source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len, cfg.data_tokens)
         if not source.train:  # before the target loads: nothing it could be used for
             raise _no_samples(cfg, source)
         if target is None:

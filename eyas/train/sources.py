@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..data.shards import ShardSet, is_heldout
+from .config import TrainError
 
 # ---- data -----------------------------------------------------------------------------------------
 
@@ -48,8 +50,13 @@ class ShardSource:
     """Captured shards. Token ids and masks are indexed up front (small); aux/final are read per shard
     on demand and held up to `buffer_mb` (the planner keeps each shuffling window inside that budget)."""
 
-    def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30):
+    def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30,
+                 data_tokens: list[int] | None = None):
         self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
+        if data_tokens is not None and (len(data_tokens) != len(folders) or min(data_tokens) < 0):
+            raise TrainError(f"--data-tokens has {len(data_tokens)} values for {len(folders)} --data folders; "
+                             "give one count >= 0 per folder, in --data order (0 = all of it)")
+        self.data_tokens = data_tokens
         self.layout = self.set.layout
         self.paths = self.set.shard_paths()
         self.bytes = [p.stat().st_size for p in self.paths]
@@ -71,14 +78,44 @@ class ShardSource:
                 self.tokens[(si, i)] = (ids[a:b], mask[a:b])
                 it = Item(key=(si, i), length=b - a, row_id=int(row))
                 (self.heldout if is_heldout(int(row), heldout_pct) else self.train).append(it)
+        self.kept_tokens: list[int] | None = None
+        if data_tokens is not None:
+            self._cap(data_tokens)
         self._cache: dict[int, dict[str, torch.Tensor]] = {}
         self._cache_order: list[int] = []
 
+    def _cap(self, caps: list[int]) -> None:
+        """Keep at most caps[f] training tokens of folder f (0 = all): whole samples in an order fixed by a hash
+        of the row id, so a capped folder is a random subset that is the same in every run and process, and a
+        row's other copy in another folder (original vs regenerated reply) is kept or dropped independently of
+        the cap there only through its own folder's budget. The held-out split is never capped."""
+        folder_of = [f for f, m in enumerate(self.set.manifests) for _ in m["shards"]]  # shard index -> folder
+
+        def order(it: Item) -> bytes:
+            return hashlib.sha256(f"cap:{it.row_id}:{it.key[1]}".encode()).digest()
+
+        kept: list[Item] = []
+        self.kept_tokens = []
+        for f, cap in enumerate(caps):
+            mine = sorted((it for it in self.train if folder_of[it.key[0]] == f), key=order)
+            total = 0
+            for it in mine:
+                if cap and total + it.length > cap:
+                    continue  # a smaller sample later may still fit
+                kept.append(it)
+                total += it.length
+            self.kept_tokens.append(total)
+        self.train = sorted(kept, key=lambda it: it.key)
+
     def hash(self) -> str:
-        return self.set.hash()
+        if self.data_tokens is None:
+            return self.set.hash()
+        caps = ",".join(map(str, self.data_tokens))
+        return "sha256:" + hashlib.sha256(f"{self.set.hash()}|tokens={caps}".encode()).hexdigest()[:24]
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "shards", "folders": [str(f) for f in self.set.folders], "hash": self.hash(),
+                "data_tokens": self.data_tokens, "kept_tokens": self.kept_tokens,
                 "skipped": self.skipped,
                 "target_source": self.set.manifests[0].get("target_source"),
                 "config": self.set.manifests[0].get("config")}
