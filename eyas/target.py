@@ -345,8 +345,13 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         fp = meta["fingerprint"]
         if gguf is None and Path(meta.get("gguf", "")).is_file() and file_fingerprint([Path(meta["gguf"])]) == fp:
             gguf = Path(meta["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from (no model_type, an
+        # unknown architecture, wrong field types, weights of other shapes): the user's folder, not a bug in eyas
+        raise TargetError(f"transformers could not load a causal LM from {folder} ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); {fix}") from e
     model.to(dev).eval()
     model.requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)

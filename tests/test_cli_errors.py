@@ -43,6 +43,8 @@ def files(tmp_path_factory, smollm2):
     # a HF folder whose config.json is garbage, one whose weights were cut short
     shutil.copytree(root / "llama", root / "badconfig")
     (root / "badconfig" / "config.json").write_text('{"model_type": "lla')
+    shutil.copytree(root / "llama", root / "nomodel")
+    (root / "nomodel" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # JSON, no model
     shutil.copytree(root / "llama", root / "cutweights")
     w = (root / "cutweights" / "model.safetensors").read_bytes()
     (root / "cutweights" / "model.safetensors").write_bytes(w[: len(w) // 2])
@@ -96,6 +98,7 @@ def _cases(r: Path) -> dict[str, tuple[list[str], str]]:
         "inspect: garbage config.json": (["inspect", str(r / "badconfig")], "not valid JSON"),
         "generate: garbage config.json": (["generate", "--target", str(r / "badconfig"), "--draft", "none",
                                            "--prompt", "hi"], "config.json is not valid JSON"),
+        "inspect: config.json that names no model": (["inspect", str(r / "nomodel")], "transformers could not load"),
         "datagen: truncated target weights": (["datagen", "--data", str(r / "late.jsonl"), "--target",
                                                str(r / "cutweights"), "--out", str(r / "d3"), "--no-regenerate"],
                                               "not a readable safetensors file"),
