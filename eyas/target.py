@@ -203,6 +203,12 @@ def target_family(spec: str) -> tuple[str | None, str]:
     return config_family(read_config(folder)), f"{folder / 'config.json'}"
 
 
+def _first_line(e: BaseException) -> str:
+    """A library exception's first line: the error line stays one line (transformers' messages run to many)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _check_weight_files(paths: list[Path], fix: str) -> None:
     """Open each safetensors header (cheap: the header only) so a truncated or foreign weights file is one error
     line here rather than a SafetensorError traceback inside transformers."""
@@ -345,16 +351,21 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         fp = meta["fingerprint"]
         if gguf is None and Path(meta.get("gguf", "")).is_file() and file_fingerprint([Path(meta["gguf"])]) == fp:
             gguf = Path(meta["gguf"])
+    try:  # before the weights: a missing tokenizer fails in a second, not after a long load
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot build: the user's folder
+        raise TargetError(f"transformers could not load the tokenizer of {folder} ({type(e).__name__}: "
+                          f"{_first_line(e)}); the folder needs the model's tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json: save the tokenizer into it with save_pretrained)") from e
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                                      use_safetensors=True)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from (no model_type, an
         # unknown architecture, wrong field types, weights of other shapes): the user's folder, not a bug in eyas
         raise TargetError(f"transformers could not load a causal LM from {folder} ({type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); {fix}") from e
+                          f"{_first_line(e)}); {fix}") from e
     model.to(dev).eval()
     model.requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     ident = identity_of(model, fp, name)
     return Target(model=model, tokenizer=tok, identity=ident, source=spec, path=folder,
                   load_seconds=time.perf_counter() - t0, gguf=gguf)

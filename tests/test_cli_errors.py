@@ -45,6 +45,7 @@ def files(tmp_path_factory, smollm2):
     (root / "badconfig" / "config.json").write_text('{"model_type": "lla')
     shutil.copytree(root / "llama", root / "nomodel")
     (root / "nomodel" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # JSON, no model
+    shutil.copytree(root / "llama", root / "notokenizer", ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
     shutil.copytree(root / "llama", root / "cutweights")
     w = (root / "cutweights" / "model.safetensors").read_bytes()
     (root / "cutweights" / "model.safetensors").write_bytes(w[: len(w) // 2])
@@ -99,6 +100,7 @@ def _cases(r: Path) -> dict[str, tuple[list[str], str]]:
         "generate: garbage config.json": (["generate", "--target", str(r / "badconfig"), "--draft", "none",
                                            "--prompt", "hi"], "config.json is not valid JSON"),
         "inspect: config.json that names no model": (["inspect", str(r / "nomodel")], "transformers could not load"),
+        "inspect: folder without a tokenizer": (["inspect", str(r / "notokenizer")], "tokenizer files"),
         "datagen: truncated target weights": (["datagen", "--data", str(r / "late.jsonl"), "--target",
                                                str(r / "cutweights"), "--out", str(r / "d3"), "--no-regenerate"],
                                               "not a readable safetensors file"),
