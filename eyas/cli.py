@@ -19,8 +19,11 @@ DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
 DraftWeightsOpt = typer.Option("auto", "--draft-weights", help="draft matrices: q8 (8-bit blocks, CPU) | fp32 | "
                                "auto (q8 with native target weights)")
-WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, CPU) | "
+WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, "
+                          "8-bit activations, CPU) | native-bf16 (the same weights, bf16 activations) | "
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
+ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
+                               "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
 MinProbOpt = typer.Option(0.0, "--min-prob", help="chain/tree: verify only candidates whose cumulative draft "
                           "probability reaches this (0 = all selected; an unsure round verifies fewer rows)")
 
@@ -33,6 +36,10 @@ def _root() -> None:
 def fail(msg: str, code: int = 2) -> None:
     typer.secho(f"error: {msg}", fg="red", err=True)
     raise typer.Exit(code)
+
+
+def warn(msg: str) -> None:
+    typer.secho(f"warning: {msg}", fg="yellow", err=True)
 
 
 @contextmanager
@@ -51,6 +58,9 @@ def inspect(
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    chat_template: str = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="measure stream norms on plain-text prompts (no template; base "
+                             "models)"),
 ) -> None:
     """Describe a target (layout in every engine's convention, stream norms), a shard folder or a draft."""
     from .inspect import inspect_path, inspect_target, render
@@ -58,7 +68,7 @@ def inspect(
     with user_errors():
         info = inspect_path(Path(what)) if Path(what).is_dir() else None
         if info is None:
-            info = inspect_target(what, dtype=dtype, device=device)
+            info = inspect_target(what, dtype=dtype, device=device, chat_template=chat_template, raw=raw)
     if json_out:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
@@ -96,6 +106,9 @@ def bench(
     weights: str = WeightsOpt,
     draft_weights: str = DraftWeightsOpt,
     quiet: bool = typer.Option(False, "--quiet", help="no progress (per prompt and method, on stderr)"),
+    chat_template: str = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="send each prompt's text as is, without a chat template (base "
+                             "models; single-turn prompts only)"),
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
@@ -112,7 +125,7 @@ def bench(
                           steps=steps, depth=depth, topk=topk, tokens=tokens, lookup_tokens=lookup_tokens,
                           lookup=lookup, min_prob=min_prob,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
-                          grid=grid)
+                          grid=grid, chat_template=chat_template, raw=raw)
         (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
 
 
@@ -153,6 +166,8 @@ def train(
     dtype: str = typer.Option("fp32", "--dtype", help="online: target dtype for capture"),
     quiet: bool = typer.Option(False, "--quiet"),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = torch default; 1 is faster on a busy CPU)"),
+    chat_template: str = typer.Option(None, "--chat-template", help="--online: Jinja FILE or built-in NAME (chatml "
+                                      "| gemma | llama3); shards record the template they were rendered with"),
 ) -> None:
     """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
     from .text import parse_int_list
@@ -174,7 +189,7 @@ def train(
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
                       intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
                       refresh_vocab=refresh_vocab, device=device,
-                      target_dtype=dtype, quiet=quiet, threads=threads)
+                      target_dtype=dtype, quiet=quiet, threads=threads, chat_template=chat_template)
     with user_errors():
         run_train(cfg)
 
@@ -204,6 +219,10 @@ def datagen(
     capture_tokens: int = typer.Option(8192, "--capture-tokens", help="padded tokens per capture forward"),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = default; 1 on a busy machine)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    chat_template: str = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="base models: rows as plain text without a template ({'text'} "
+                             "documents, or a conversation's texts joined); loss on every token, or with "
+                             "regeneration on the target's continuation"),
 ) -> None:
     """Capture the target's hidden states on conversations (optionally regenerated by the target) into
     resumable safetensors shards with the layout recorded."""
@@ -218,7 +237,8 @@ def datagen(
                         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
                         device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
-                        gen_batch=gen_batch, capture_tokens=capture_tokens, threads=threads)
+                        gen_batch=gen_batch, capture_tokens=capture_tokens, threads=threads,
+                        chat_template=chat_template, raw=raw)
     with user_errors():
         m = run_datagen(cfg, command=" ".join(["eyas", *sys.argv[1:]]), log=typer.echo, progress=not quiet)
     for line in summary(m):
@@ -247,6 +267,7 @@ def serve(
     device: str = DeviceOpt,
     weights: str = WeightsOpt,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+    chat_template: str = ChatTemplateOpt,
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
     from .serve import app as srv
@@ -259,8 +280,13 @@ def serve(
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
+        from .template import resolve_template
+
+        choice = resolve_template(chat_template)  # a bad flag fails before the model loads
         engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
-                                             lookup, weights, min_prob)
+                                             lookup, weights, min_prob, chat_template=choice)
+        for w in srv.template_warnings(engine, tgt):
+            warn(w)
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
@@ -387,6 +413,7 @@ def doctor(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     weights: str = WeightsOpt,
+    chat_template: str = ChatTemplateOpt,
 ) -> None:
     """Check the target, data, draft and config.json from measurements; exit 0 only when every check passes.
     Subcommands: `flags` (lint a serve command), `trace` (one prompt through the serving path)."""
@@ -399,8 +426,18 @@ def doctor(
     if draft is None:
         fail("--draft is required: the eyas draft folder to check (or 'default'); see `eyas doctor --help`")
     with user_errors():
+        from .template import TemplateError, draft_template_warning, resolve_template, use_template
+
+        choice = resolve_template(chat_template)  # a bad flag fails before the target loads
         tgt = load_target(target, dtype=dtype, device=device)
         ck = load_draft(draft, device=device)
+        try:  # the serving-path samples render with it
+            use_template(tgt, choice)
+        except TemplateError:
+            pass  # no template at all: the checks that render chats report it themselves
+        mismatch = draft_template_warning(ck.manifest, tgt.chat_template)
+        if mismatch:
+            warn(mismatch)
         rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples, max_len=max_len,
                          steps=steps, heldout_pct=heldout_pct, quick=quick, weights=weights)
     if json_out:
@@ -442,6 +479,8 @@ def doctor_trace(
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    chat_template: str = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template"),
 ) -> None:
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
     from .doctor.trace import render_trace, trace
@@ -449,15 +488,21 @@ def doctor_trace(
     from .engine import SpecParams, chat_input_ids
     from .model import check_engine_family
     from .target import load_target
+    from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
 
     with user_errors():
+        choice = resolve_template(chat_template, raw)
         check_engine_family(target, "eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) "
                             "measures the draft on this target through HF hooks")
+        require_template(target, choice)
         tgt = load_target(target, dtype=dtype, device=device)
+        use_template(tgt, choice)
         ck = load_draft(draft, device=device)
+        mismatch = draft_template_warning(ck.manifest, tgt.chat_template)
+        if mismatch:
+            warn(mismatch)
         tok = tgt.tokenizer
-        ids = chat_input_ids(tok, [{"role": "user", "content": prompt}]) if getattr(tok, "chat_template", None) \
-            else tok(prompt, add_special_tokens=True)["input_ids"]
+        ids = raw_ids(tok, prompt) if raw else chat_input_ids(tok, [{"role": "user", "content": prompt}])
         rep = trace(tgt, ck, ids, SpecParams(method=method), max_new_tokens=max_new_tokens, max_rounds=rounds)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2))
@@ -473,7 +518,9 @@ def generate(
     prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
     messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
                                  "or a path to such a file"),
-    raw: bool = typer.Option(False, "--raw", help="send --prompt as raw text, without the chat template"),
+    raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template (base "
+                             "models; the tokenizer's own BOS rule applies)"),
+    chat_template: str = ChatTemplateOpt,
     method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
     depth: int = typer.Option(4, "--depth", help="tree: draft depth"),
@@ -499,10 +546,14 @@ def generate(
     from .draft import check_default_draft, resolve_draft
     from .model import check_engine_family
     from .target import load_target
+    from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
     from .text import TextStream
 
     if (prompt is None) == (messages is None):
         fail("pass exactly one of --prompt TEXT or --messages JSON")
+    if raw and messages is not None:
+        fail("--raw sends --prompt as plain text; --messages is a chat, which needs a template: drop --raw (and "
+             "pass --chat-template NAME if the target has none)")
     if method is None:
         method = "plain" if draft == "none" else "tree"
     if method in ("tree", "chain") and draft == "none":
@@ -525,16 +576,22 @@ def generate(
         spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
         if method != "plain":
             check_default_draft(draft)
+        choice = resolve_template(chat_template, raw)
         check_engine_family(target, "eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench "
                             f"--target {target} --methods hf-greedy --bench PROMPTS.jsonl`")
+        require_template(target, choice)  # a base model without a template: say what to pass, before loading
         tgt = load_target(target, dtype=dtype, device=device)
+        use_template(tgt, choice)  # before the engine reads the end-of-turn tokens
         ckpt = None if method == "plain" else resolve_draft(draft, tgt)
+        mismatch = draft_template_warning(ckpt.manifest, tgt.chat_template) if ckpt is not None else None
+        if mismatch:
+            warn(mismatch)
         engine = eng.Engine(tgt, ckpt, spec)
         tok = tgt.tokenizer
         if msgs is not None:
             ids = eng.chat_input_ids(tok, msgs)
         elif raw:
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            ids = raw_ids(tok, prompt)
         else:
             ids = eng.chat_input_ids(tok, [{"role": "user", "content": prompt}])
         shown = TextStream(tok, params.stop, params.max_new_tokens)  # what is safe to print so far

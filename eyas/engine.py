@@ -27,7 +27,6 @@ norm(max(p-q, 0)) — the classic scheme, which gains when the draft spreads mas
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ from .quant import quantize_draft_q8
 from .sampling import rejection_step, sample, warp
 from .target import Target, end_token_ids
 from .target import sync_device as _sync
+from .template import chat_ids, missing_template_message
 from .text import stop_cut
 
 DRAFT_WEIGHTS = ("auto", "q8", "fp32")
@@ -213,71 +213,13 @@ def check_messages(messages) -> None:
                           f"found {str(messages)[:120]}")
 
 
-# Private-use characters that wrap control-token strings found in message text while the template renders,
-# so that they can be told apart from the control tokens the template writes itself.
-_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
-
-
-def control_tokens(tokenizer) -> list[str]:
-    """The token strings a chat message must not be able to produce as token ids: every special added token
-    (turn delimiters, BOS/EOS) plus the non-special added tokens the chat template writes (some families
-    mark their role tokens non-special). Whitespace tokens are left out: templates write them as text."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    template = template if isinstance(template, str) else str(template)
-    out = {t.content for t in tokenizer.added_tokens_decoder.values()
-           if t.content and (t.special or (t.content in template and not t.content.isspace()))}
-    return sorted(out, key=len, reverse=True)  # longest first: a token wins over the tokens it contains
-
-
-def _encode_text(tokenizer, text: str, as_text: bool, controls: set[int]) -> list[int]:
-    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])
-    if as_text and controls.intersection(ids):
-        # a non-special added token is matched even with split_special_tokens; one character at a time
-        # cannot spell a multi-character token
-        ids = [i for ch in text
-               for i in tokenizer(ch, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
-    return ids
-
-
-def _encode_piece(tokenizer, piece: str, as_text: bool, controls: set[int], newline: list[int]) -> list[int]:
-    # encoded after a newline that is then dropped: SentencePiece-style tokenizers add a prefix space at the
-    # start of a string, which a piece from the middle of the chat must not get
-    ids = _encode_text(tokenizer, "\n" + piece, as_text, controls)
-    return ids[len(newline):] if ids[:len(newline)] == newline else _encode_text(tokenizer, piece, as_text, controls)
-
-
 def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat template with the generation prompt -> token ids. Message text is text: a control-token string
-    inside a message ("<|im_end|>") is tokenized as the characters it is made of, never as the control
-    token, so a message cannot forge a turn boundary or a system turn (OpenAI's API behaves the same).
-    The template's own control tokens stay exact."""
+    """Chat template with the generation prompt -> token ids (eyas.template.chat_ids: message text is text, a
+    control-token string inside a message is never the control token; the template's own stay exact)."""
     check_messages(messages)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise EngineError("this target's tokenizer has no chat template; pass a plain prompt instead")
-    controls = control_tokens(tokenizer)
-    pattern = re.compile("|".join(map(re.escape, controls)) or "(?!)")
-    if not any(pattern.search(m["content"]) for m in messages):
-        # nothing to neutralise: exactly the template's own tokenization
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys") and "input_ids" in out:
-            out = out["input_ids"]
-        return [int(t) for t in out]
-    # the marker characters themselves are wrapped too, so message text cannot forge a marked span and
-    # keeps every character it had
-    wrap = re.compile(f"{pattern.pattern}|[{_MARK_OPEN}{_MARK_CLOSE}]")
-    marked = [{**m, "content": wrap.sub(lambda x: _MARK_OPEN + x.group(0) + _MARK_CLOSE, m["content"])}
-              for m in messages]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
-    # split -> [text, marked, text, ...]; a lone marker (a template that cut a marked span) still separates
-    # the text on its sides, so they cannot join into a control token
-    pieces = re.split(f"{_MARK_OPEN}({wrap.pattern}){_MARK_CLOSE}|[{_MARK_OPEN}{_MARK_CLOSE}]", rendered)
-    control_ids = {int(i) for i in tokenizer.convert_tokens_to_ids(controls)} if controls else set()
-    newline = list(tokenizer("\n", add_special_tokens=False)["input_ids"])
-    ids = _encode_text(tokenizer, pieces[0], False, control_ids)
-    for i, piece in enumerate(pieces[1:], start=1):
-        if piece:
-            ids += _encode_piece(tokenizer, piece, i % 2 == 1, control_ids, newline)
-    return [int(t) for t in ids]
+    if not getattr(tokenizer, "chat_template", None):
+        raise EngineError(missing_template_message("this target's tokenizer"))
+    return chat_ids(tokenizer, messages)
 
 
 @dataclass
@@ -306,9 +248,12 @@ class Engine:
         self.target = target
         self.spec = spec or SpecParams()
         self.model = engine_model(target, self.spec.weights)
-        self.weights = "native" if self.model.native is not None else "fp32"  # the mode auto resolved to
+        native = self.model.native
+        # the mode auto resolved to
+        self.weights = "fp32" if native is None else "native" if native.act == "q8" else "native-bf16"
         self.device = self.model.device
         self.draft = None
+        self.draft_manifest: dict | None = draft.manifest if draft is not None else None  # its training record
         self.draft_weights: str | None = None  # what auto resolved to, with a draft
         self.spec.validate(draft.model.config.draft_vocab_size if draft is not None else None)
         if draft is not None:
@@ -320,7 +265,7 @@ class Engine:
             d.set_embeddings(target.embed_tokens().weight)
             dw = self.spec.draft_weights
             if dw == "auto":
-                dw = "q8" if self.weights == "native" else "fp32"
+                dw = "fp32" if self.weights == "fp32" else "q8"
             if dw == "q8":
                 if self.device.type != "cpu" or self.model.dtype != torch.float32:
                     raise EngineError("--draft-weights q8 runs on the CPU in fp32; use --draft-weights fp32")

@@ -4,6 +4,7 @@ that runs before transformers converts a file: a truncated or foreign file gets 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +49,13 @@ def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
     return _read(path, tensors=True)[1]
 
 
-def read_gguf_metadata(path: Path) -> dict[str, object]:
-    """The scalar and string metadata of a GGUF v2/v3 file (arrays such as the vocabulary are skipped), e.g.
-    `general.architecture`; read without the tensor directory, for checks that must run before any load."""
-    return _read(path, tensors=False)[0]
+def read_gguf_metadata(path: Path, keys: Collection[str] | None = None) -> dict[str, object]:
+    """The scalar and string metadata of a GGUF v2/v3 file (arrays such as the vocabulary are skipped), all of it
+    or only `keys` (a key the file lacks is absent), read without the tensor directory: what checks that run
+    before any load read (`general.architecture` for eyas.target.target_family, `tokenizer.chat_template` for
+    eyas.template). A truncated or foreign header raises GGUFError like read_gguf_tensors."""
+    meta = _read(path, tensors=False)[0]
+    return meta if keys is None else {k: v for k, v in meta.items() if k in keys}
 
 
 def _read(path: Path, tensors: bool) -> tuple[dict[str, object], dict[str, GGUFTensor]]:

@@ -10,6 +10,7 @@ from .errors import EyasError
 from .files import read_json
 from .layout import engine_ids_table
 from .target import load_target
+from .template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
 
 INSPECT_PROMPTS = [
     "What is the capital of France?",
@@ -18,13 +19,22 @@ INSPECT_PROMPTS = [
 ]
 
 
-def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu") -> dict[str, Any]:
+def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_template: str | None = None,
+                   raw: bool = False) -> dict[str, Any]:
+    """The norms are measured on INSPECT_PROMPTS rendered as chats (the template in use) or, with `raw`, as plain
+    text (base models)."""
+    import torch
+
+    choice = resolve_template(chat_template, raw)
+    require_template(spec, choice)  # a base model without a template: say what to pass, before loading
     t = load_target(spec, dtype=dtype, device=device)
+    use_template(t, choice)
     cfg = getattr(t.config, "text_config", None) or t.config
     layout = t.default_layout()
     L = t.num_layers
-    ids = [t.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)["input_ids"].to(t.device)
+    ids = [torch.tensor([raw_ids(t.tokenizer, p) if choice.raw else chat_ids(t.tokenizer, [{"role": "user",
+                                                                                            "content": p}])],
+                        device=t.device)
            for p in INSPECT_PROMPTS]
     from .target import stream_norms
 
@@ -41,6 +51,7 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu") -> dict[
         "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)),
         "vocab_size": t.identity.vocab_size,
         "fingerprint": t.identity.fingerprint,
+        "chat_template": describe_record(t.chat_template.record()),
         "dtype": str(t.dtype).replace("torch.", ""),
         "load_seconds": round(t.load_seconds, 2),
         "layout": layout.to_dict(),
@@ -74,7 +85,7 @@ def render(info: dict[str, Any]) -> None:
         return
     t = Table(title=f"target {info['source']}", show_header=False)
     for k in ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "fingerprint", "dtype", "load_seconds", "path"):
+              "vocab_size", "fingerprint", "chat_template", "dtype", "load_seconds", "path"):
         t.add_row(k, str(info[k]))
     con.print(t)
     lt = Table(title="default EAGLE-3 layout, one layout in each engine's convention")
@@ -87,7 +98,7 @@ def render(info: dict[str, Any]) -> None:
     for eng, ids in info["engine_ids"].items():
         lt.add_row(eng, str(ids), meaning[eng])
     con.print(lt)
-    nt = Table(title="mean L2 norm per captured stream index (chat prompts)")
+    nt = Table(title=f"mean L2 norm per captured stream index (prompts rendered with {info['chat_template']})")
     nt.add_column("stream index")
     nt.add_column("mean L2 norm", justify="right")
     for k, v in info["mean_l2_norm"].items():

@@ -233,3 +233,194 @@ void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, f
     const int64_t n = (int64_t)B * S * nh * hd;
     for (int64_t i = 0; i < n; i++) out[i] = to_bf16(obuf[i]);
 }
+
+/* ---- 4-bit weights x 8-bit activations (llama.cpp's Q4_1 x Q8_1 dot) ------------------------------------
+ * A weight block is 24 bytes: float d, float m, then 16 bytes whose byte t holds element t in its low nibble
+ * and element t + 16 in its high nibble (GGUF's order); w = d * q + m (Q4_0 comes as m = -8d).
+ * Each row of x is quantized per 32-block to int8 (dx = max|x| / 127, xq = nearest(x / dx)), so a block's dot
+ * is sum_j [(d * dx) * P_j + m * (dx * S_j)] over 8 lanes, where lane j holds the exact integer sums
+ * P_j = sum q * xq and S_j = sum xq over elements 4j..4j+3. Every (row, output) runs this same sequence —
+ * blocks alternate between two accumulators, then the lanes fold in a fixed order — whatever the number of
+ * rows in the call: row-invariant. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EYAS_Q4_AVX2 1
+#endif
+
+typedef struct { float d, m; uint8_t qs[16]; } q4_block;
+
+/* per row and block: xq int8 [32], dx, and sxl[8] = dx * (sum of xq over elements 4j..4j+3) */
+static void quantize_q8_rows(const uint16_t *x, int M, int K, int8_t *xq, float *dx, float *sxl) {
+    const int nb = K / 32;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const uint16_t *xb = x + (int64_t)r * K + b * 32;
+            float v[32], amax = 0.0f;
+            for (int t = 0; t < 32; t++) {
+                v[t] = from_bf16(xb[t]);
+                amax = fmaxf(amax, fabsf(v[t]));
+            }
+            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            int8_t *qb = xq + (int64_t)r * K + b * 32;
+            int lane[8] = {0};
+            for (int t = 0; t < 32; t++) {
+                const int q = (int)nearbyintf(v[t] * id);
+                qb[t] = (int8_t)q;
+                lane[t / 4] += q;
+            }
+            dx[(int64_t)r * nb + b] = dd;
+            for (int j = 0; j < 8; j++) sxl[((int64_t)r * nb + b) * 8 + j] = dd * (float)lane[j];
+        }
+}
+
+static inline float fold8(const float *a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+#ifdef EYAS_Q4_AVX2
+/* one row's share of block blk: acc += (d * dx) * P + m * (dx * S), lane by lane */
+#define Q4_STEP(acc, xb, dxb, sxb) do { \
+    const __m256i p_ = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(xb))), ones); \
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(blk->d * (dxb)), _mm256_cvtepi32_ps(p_), acc); \
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(blk->m), _mm256_loadu_ps(sxb), acc); } while (0)
+#define Q4_UNPACK(blk) _mm256_set_m128i( \
+    _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(blk)->qs), 4), low4), \
+    _mm_and_si128(_mm_loadu_si128((const __m128i *)(blk)->qs), low4))
+#else
+/* the same arithmetic lane by lane, for machines without AVX2/FMA */
+static void q4_step_scalar(const q4_block *blk, const int8_t *xb, float dxb, const float *sxb, float *acc) {
+    const float scale = blk->d * dxb;
+    for (int j = 0; j < 8; j++) {
+        int p = 0;
+        for (int t = 4 * j; t < 4 * j + 4; t++)
+            p += (t < 16 ? (blk->qs[t] & 15) : (blk->qs[t - 16] >> 4)) * xb[t];
+        acc[j] = fmaf(scale, (float)p, acc[j]);
+        acc[j] = fmaf(blk->m, sxb[j], acc[j]);
+    }
+}
+#endif
+
+void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *blocks, uint16_t *out, int M, int N, int K,
+                         int nthreads) {
+    const int nb = K / 32;
+    int8_t *xq = malloc((size_t)M * K);
+    float *dx = malloc(sizeof(float) * (size_t)M * nb), *sxl = malloc(sizeof(float) * (size_t)M * nb * 8);
+    quantize_q8_rows(x, M, K, xq, dx, sxl);
+    const q4_block *W = (const q4_block *)blocks;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int n = 0; n < N; n++) {
+        const q4_block *wn = W + (int64_t)n * nb;
+        float ae[4][8];
+        int r = 0;
+#ifdef EYAS_Q4_AVX2
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (; r + 4 <= M; r += 4) {  /* four rows share each unpacked block */
+            __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+            const int8_t *x0 = xq + (int64_t)r * K;
+            const float *d0 = dx + (int64_t)r * nb, *s0 = sxl + (int64_t)r * nb * 8;
+            const int64_t XK = K, DN = nb, SN = (int64_t)nb * 8;
+            for (int b = 0; b < nb; b++) {
+                const q4_block *blk = wn + b;
+                const __m256i w = Q4_UNPACK(blk);
+                const int8_t *xb = x0 + b * 32;
+                const float *sb = s0 + b * 8;
+                if (b & 1) {
+                    Q4_STEP(o0, xb, d0[b], sb); Q4_STEP(o1, xb + XK, d0[DN + b], sb + SN);
+                    Q4_STEP(o2, xb + 2 * XK, d0[2 * DN + b], sb + 2 * SN);
+                    Q4_STEP(o3, xb + 3 * XK, d0[3 * DN + b], sb + 3 * SN);
+                } else {
+                    Q4_STEP(e0, xb, d0[b], sb); Q4_STEP(e1, xb + XK, d0[DN + b], sb + SN);
+                    Q4_STEP(e2, xb + 2 * XK, d0[2 * DN + b], sb + 2 * SN);
+                    Q4_STEP(e3, xb + 3 * XK, d0[3 * DN + b], sb + 3 * SN);
+                }
+            }
+            _mm256_storeu_ps(ae[0], _mm256_add_ps(e0, o0)); _mm256_storeu_ps(ae[1], _mm256_add_ps(e1, o1));
+            _mm256_storeu_ps(ae[2], _mm256_add_ps(e2, o2)); _mm256_storeu_ps(ae[3], _mm256_add_ps(e3, o3));
+            for (int i = 0; i < 4; i++) out[(int64_t)(r + i) * N + n] = to_bf16(fold8(ae[i]));
+        }
+        for (; r + 2 <= M; r += 2) {  /* then two rows */
+            __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+            const int8_t *x0 = xq + (int64_t)r * K;
+            const float *d0 = dx + (int64_t)r * nb, *s0 = sxl + (int64_t)r * nb * 8;
+            const int64_t XK = K, DN = nb, SN = (int64_t)nb * 8;
+            for (int b = 0; b < nb; b++) {
+                const q4_block *blk = wn + b;
+                const __m256i w = Q4_UNPACK(blk);
+                const int8_t *xb = x0 + b * 32;
+                const float *sb = s0 + b * 8;
+                if (b & 1) {
+                    Q4_STEP(o0, xb, d0[b], sb); Q4_STEP(o1, xb + XK, d0[DN + b], sb + SN);
+                } else {
+                    Q4_STEP(e0, xb, d0[b], sb); Q4_STEP(e1, xb + XK, d0[DN + b], sb + SN);
+                }
+            }
+            _mm256_storeu_ps(ae[0], _mm256_add_ps(e0, o0)); _mm256_storeu_ps(ae[1], _mm256_add_ps(e1, o1));
+            for (int i = 0; i < 2; i++) out[(int64_t)(r + i) * N + n] = to_bf16(fold8(ae[i]));
+        }
+        for (; r < M; r++) {  /* the last row alone: the same operations per row */
+            __m256 e = _mm256_setzero_ps(), o = e;
+            const int8_t *x0 = xq + (int64_t)r * K;
+            const float *d0 = dx + (int64_t)r * nb, *s0 = sxl + (int64_t)r * nb * 8;
+            for (int b = 0; b < nb; b++) {
+                const q4_block *blk = wn + b;
+                const __m256i w = Q4_UNPACK(blk);
+                if (b & 1) Q4_STEP(o, x0 + b * 32, d0[b], s0 + b * 8);
+                else Q4_STEP(e, x0 + b * 32, d0[b], s0 + b * 8);
+            }
+            _mm256_storeu_ps(ae[0], _mm256_add_ps(e, o));
+            out[(int64_t)r * N + n] = to_bf16(fold8(ae[0]));
+        }
+#else
+        float ao[8];
+        for (; r < M; r++) {
+            for (int j = 0; j < 8; j++) ae[0][j] = ao[j] = 0.0f;
+            for (int b = 0; b < nb; b++)
+                q4_step_scalar(wn + b, xq + (int64_t)r * K + b * 32, dx[(int64_t)r * nb + b],
+                               sxl + ((int64_t)r * nb + b) * 8, (b & 1) ? ao : ae[0]);
+            for (int j = 0; j < 8; j++) ae[0][j] += ao[j];
+            out[(int64_t)r * N + n] = to_bf16(fold8(ae[0]));
+        }
+#endif
+    }
+    free(xq);
+    free(dx);
+    free(sxl);
+}
+
+/* The native decoder stack in one call (every matrix 4-bit, plain llama layer): per layer
+ *   h = rms(x += pending) ; [store x] ; qkv = h.Wqkv ; o = attend(rope(qkv)) ; h = rms(x += o.Wo)
+ *   pending = silu_mul(h.Wgu).Wd
+ * and finally x += pending: the same kernels, in the same order, as the per-layer Python loop it replaces
+ * (eyas/model.py: _fused_layers), without ~200 Python-level calls per forward. x [R, H] fp32 is updated in
+ * place; store[i] (or NULL) receives x at stream i. */
+void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, const uint8_t *const *wo,
+                    const uint8_t *const *wgu, const uint8_t *const *wd, const float *const *ln1,
+                    const float *const *ln2, float eps, const float *cos, const float *sin, float *const *kc,
+                    float *const *vc, int64_t maxlen, int B, int S, int nh, int kvh, int hd, int I, int start,
+                    const uint8_t *const *masks, const int64_t *mask_bstrides, float scale, float *const *store,
+                    int nthreads) {
+    const int nqkv = (nh + 2 * kvh) * hd, no = nh * hd;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)R * H), *qkv = malloc(sizeof(uint16_t) * (size_t)R * nqkv);
+    uint16_t *o = malloc(sizeof(uint16_t) * (size_t)R * no), *ob = malloc(sizeof(uint16_t) * (size_t)R * H);
+    uint16_t *gu = malloc(sizeof(uint16_t) * (size_t)R * 2 * I), *act = malloc(sizeof(uint16_t) * (size_t)R * I);
+    uint16_t *pend = malloc(sizeof(uint16_t) * (size_t)R * H);
+    float *qbuf = malloc(sizeof(float) * (size_t)R * no), *obuf = malloc(sizeof(float) * (size_t)R * no);
+    for (int i = 0; i < L; i++) {
+        eyas_add_rms_bf16(x, i ? pend : NULL, ln1[i], h, R, H, eps, nthreads);
+        if (store[i]) memcpy(store[i], x, sizeof(float) * (size_t)R * H);
+        eyas_q4_matmul_bf16(h, wqkv[i], qkv, R, nqkv, H, nthreads);
+        eyas_rope_attend(qkv, cos, sin, kc[i], vc[i], maxlen, B, S, nh, kvh, hd, start, masks[i],
+                         mask_bstrides[i], scale, qbuf, obuf, o, nthreads);
+        eyas_q4_matmul_bf16(o, wo[i], ob, R, H, no, nthreads);
+        eyas_add_rms_bf16(x, ob, ln2[i], h, R, H, eps, nthreads);
+        eyas_q4_matmul_bf16(h, wgu[i], gu, R, 2 * I, H, nthreads);
+        eyas_silu_mul_bf16(gu, act, R, I, nthreads);
+        eyas_q4_matmul_bf16(act, wd[i], pend, R, H, I, nthreads);
+    }
+    if (L) {
+        const int64_t n = (int64_t)R * H;
+        for (int64_t j = 0; j < n; j++) x[j] = x[j] + from_bf16(pend[j]);
+    }
+    free(h); free(qkv); free(o); free(ob); free(gu); free(act); free(pend); free(qbuf); free(obuf);
+}

@@ -68,6 +68,11 @@ def lib() -> ctypes.CDLL:
     so.eyas_silu_mul_bf16.restype = None
     so.eyas_rope_attend.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32, p, i64, f32, p, p, p, i32]
     so.eyas_rope_attend.restype = None
+    so.eyas_q4_matmul_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
+    so.eyas_q4_matmul_bf16.restype = None
+    so.eyas_q4_layers.argtypes = [p, i32, i32, i32, p, p, p, p, p, p, f32, p, p, p, p, i64, i32, i32, i32, i32, i32,
+                                  i32, i32, p, p, f32, p, i32]
+    so.eyas_q4_layers.restype = None
     return so
 
 
@@ -112,6 +117,70 @@ def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
     lib().eyas_q8_matmul(_ptr(x2), _ptr(qw), _ptr(d), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
     return out.view(*x.shape[:-1], N)
+
+
+Q4_BLOCK_BYTES = 24  # float d, float m, 16 bytes of nibbles (eyas/kernels.c: q4_block)
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q int [N, K] (0..15, GGUF element order), d, m fp32 [N, K/32] (w = d*q + m) -> uint8 [N, K/32, 24]."""
+    n, k = q.shape
+    nb = k // 32
+    qb = q.to(torch.uint8).view(n, nb, 32)
+    nibbles = qb[..., :16] | (qb[..., 16:] << 4)  # byte t: element t low, element t + 16 high
+    scales = torch.stack([d.float(), m.float()], dim=-1).contiguous().view(torch.uint8).view(n, nb, 8)
+    return torch.cat([scales, nibbles], dim=-1).contiguous()
+
+
+def q4_matmul_bf16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T for 4-bit blocks from pack_q4 [N, K/32, 24], activations quantized to 8 bits per
+    row and 32-block inside the kernel -> [..., N] bf16; a row's bits never depend on the other rows."""
+    K = x.shape[-1]
+    N = blocks.shape[0]
+    if blocks.shape[1] * 32 != K or blocks.shape[2] != Q4_BLOCK_BYTES:
+        raise KernelError(f"4-bit blocks {tuple(blocks.shape)} do not fit activations with {K} features")
+    x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
+    out = torch.empty(x2.shape[0], N, dtype=torch.bfloat16)
+    lib().eyas_q4_matmul_bf16(_ptr(x2), _ptr(blocks), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
+
+
+def _ptrs(ts) -> ctypes.Array:
+    return (ctypes.c_void_p * len(ts))(*[None if t is None else t.data_ptr() for t in ts])
+
+
+class Q4Stack:
+    """One model's 4-bit decoder stack for eyas_q4_layers: the whole stack in one C call per forward, with
+    the kernels (and their order) of the per-layer loop it replaces. Pointer tables are built once."""
+
+    def __init__(self, layers: list[dict], ln1: list[torch.Tensor], ln2: list[torch.Tensor], eps: float,
+                 nh: int, kvh: int, hd: int):
+        self._keep = [ln1, ln2, layers]  # the tensors behind the pointers live as long as this object
+        self.L, self.H, self.I = len(layers), layers[0]["o"].n, layers[0]["d"].k
+        self.nh, self.kvh, self.hd, self.eps = nh, kvh, hd, float(eps)
+        self.w = [_ptrs([m[k].w for m in layers]) for k in ("qkv", "o", "gu", "d")]
+        self.ln1, self.ln2 = _ptrs(ln1), _ptrs(ln2)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 start: int, masks: list[torch.Tensor | None], scale: float, want: set[int],
+                 store: dict[int, torch.Tensor]) -> torch.Tensor:
+        """x [B, S, H] fp32 (updated in place); cos/sin [B, S, hd]; k, v caches [L, B, kvh, max_len, hd];
+        per-layer masks. -> the final stream [B, S, H]; store[i] gets stream i for i in want."""
+        B, S, H = x.shape
+        T = start + S
+        uniq: dict[int, tuple[torch.Tensor | None, int]] = {}
+        for m in masks:
+            if id(m) not in uniq:
+                uniq[id(m)] = _mask_bytes(m, S, T)
+        mk = [uniq[id(m)] for m in masks]
+        for i in want:
+            store[i] = torch.empty_like(x)
+        lib().eyas_q4_layers(_ptr(x), B * S, H, self.L, *self.w, self.ln1, self.ln2, self.eps, _ptr(cos), _ptr(sin),
+                             _ptrs([k[i] for i in range(self.L)]), _ptrs([v[i] for i in range(self.L)]), k.shape[3],
+                             B, S, self.nh, self.kvh, self.hd, self.I, start, _ptrs([m for m, _ in mk]),
+                             (ctypes.c_int64 * self.L)(*[st for _, st in mk]), float(scale),
+                             _ptrs([store.get(i) for i in range(self.L)]), torch.get_num_threads())
+        return x
 
 
 def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

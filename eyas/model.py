@@ -228,9 +228,15 @@ class TargetModel:
         # the fused native layer (eyas/kernels.c glue) covers the plain llama layer: int4 matrices, no biases,
         # no q/k norms, SiLU; anything else runs the same native matrices through torch ops
         self.fused = native is not None and all(
-            {"qkv", "o", "gu", "d"} <= set(m) and all(q.kind == "int4" and q.bias is None for q in m.values())
+            {"qkv", "o", "gu", "d"} <= set(m) and all(q.kind in ("q4", "int4") and q.bias is None for q in m.values())
             for m in native.layers) and all(L.qn is None and L.act is None and L.ln_post_attn is None
                                             for L in self.layers) and self.embed_scale is None
+        # every matrix in eyas's 4-bit kernel: the whole stack runs as one C call
+        self.q4_stack = kernels.Q4Stack(
+            native.layers, [L.ln1.float().contiguous() for L in self.layers],
+            [L.ln2.float().contiguous() for L in self.layers], self.eps, self.num_heads, self.num_kv_heads,
+            self.head_dim) if self.fused and all(q.kind == "q4" for m in native.layers for q in m.values()) \
+            else None
 
     @property
     def device(self) -> torch.device:
@@ -401,6 +407,8 @@ class TargetModel:
         nat = self.native.layers
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = x.float().contiguous()  # updated in place by the kernels
+        if self.q4_stack is not None:
+            return self.q4_stack(x, cos, sin, cache.k, cache.v, start, masks, self.scale, want, store)
         pending = None  # the previous layer's MLP output, added by the next norm
         for i, L in enumerate(self.layers):
             h = kernels.add_rms_bf16(x, pending, L.ln1, self.eps)  # [B, S, H] bf16; x is now stream i
@@ -435,14 +443,17 @@ class TargetModel:
         return Capture(aux=out.aux, final_prenorm=out.final, final_postnorm=post, logits=out.logits)
 
 
-WEIGHTS = ("auto", "native", "fp32")
+WEIGHTS = ("auto", "native", "native-bf16", "fp32")
+NATIVE_ACT = {"native": "q8", "native-bf16": "bf16"}  # weights mode -> 4-bit matrices' activations
 
 
 def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     """The engine forward for `target` in the requested weights mode.
 
     auto: native for a GGUF target on the CPU in fp32 whose matrices the native kernels cover, else fp32.
-    native: the GGUF's quantized weights (eyas/quant.py); an error when that is not possible.
+    native: the GGUF's quantized weights (eyas/quant.py), 4-bit matrices with 8-bit activations (llama.cpp's
+    numerics); an error when that is not possible.
+    native-bf16: the same weights through torch's int4 kernel with bf16 activations.
     fp32: the HF weights as loaded (a GGUF is dequantized), in the target's --dtype, torch's own kernels."""
     if weights not in WEIGHTS:
         raise ModelError(f"--weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
@@ -455,29 +466,30 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     elif model.dtype != torch.float32 or model.device.type != "cpu":
         why = f"native GGUF weights run on the CPU with fp32 activations; this target is {model.dtype} on " \
               f"{model.device}"
+    act = NATIVE_ACT.get(weights, "q8")
     if why is None:
         try:
-            native = native_weights(target)
+            native = native_weights(target, act)
         except EyasError as e:  # a type the native kernels do not cover, a foreign layout, no C compiler
             why = str(e)
     if why is not None:
-        if weights == "native":
-            raise ModelError(f"--weights native: {why}; use --weights fp32")
+        if weights != "auto":
+            raise ModelError(f"--weights {weights}: {why}; use --weights fp32")
         return TargetModel(model)
     return TargetModel(model, native)
 
 
-def native_weights(target: Target) -> NativeWeights:
-    """Load (once per target) the GGUF's quantized matrices; see eyas/quant.py."""
+def native_weights(target: Target, act: str = "q8") -> NativeWeights:
+    """Load (once per target and activation kind) the GGUF's quantized matrices; see eyas/quant.py."""
     from .quant import load_native
 
-    cached = target.native_cache
+    cached = target.native_cache if target.native_cache is not None and target.native_cache.act == act else None
     if cached is None:
         _check_family(target.model)
         cfg = getattr(target.model.config, "text_config", None) or target.model.config
         heads = int(cfg.num_attention_heads)
         kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        cached = load_native(target.gguf, target.model, heads, kv)
+        cached = load_native(target.gguf, target.model, heads, kv, act)
         kernels.lib()  # build the C kernel now, so a missing compiler is reported before decoding starts
         target.native_cache = cached
     return cached

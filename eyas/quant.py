@@ -46,15 +46,20 @@ class NativeError(TargetError):
 @dataclass
 class QLinear:
     """One quantized matrix [N, K] in the form its kernel reads."""
-    kind: str  # "int4" (torch int4 kernel), "q8" (eyas q8 kernel) or "f32" (eyas fp32 kernel)
+    kind: str  # "q4" (eyas 4-bit x 8-bit kernel), "int4" (torch int4 kernel), "q8" (eyas q8) or "f32"
     n: int
     k: int
-    w: torch.Tensor  # int4: packed uint8 from _convert_weight_to_int4pack_for_cpu; q8: int8 [N, K]
+    w: torch.Tensor  # q4: uint8 [N, K/32, 24] (kernels.pack_q4); int4: from _convert_weight_to_int4pack_for_cpu;
+    # q8: int8 [N, K]
     scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
     bias: torch.Tensor | None = None
 
     def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """int4 kind only: x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
+        """4-bit kinds only: x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
+        from . import kernels
+
+        if self.kind == "q4":
+            return kernels.q4_matmul_bf16(x, self.w)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.k), self.w, GROUP, self.scales)
         return y.view(*x.shape[:-1], self.n)
 
@@ -64,9 +69,8 @@ class QLinear:
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
-        if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.w, GROUP, self.scales)
-            y = y.float()
+        if self.kind in ("q4", "int4"):
+            y = self.mm_bf16(x2.to(torch.bfloat16)).float()
         elif self.kind == "q8":
             y = kernels.q8_matmul(x2, self.w, self.scales)
         else:
@@ -140,10 +144,14 @@ def _cat_bias(parts: list[tuple]) -> torch.Tensor | None:
     return torch.cat([p[4] if p[4] is not None else torch.zeros(p[1].shape[0]) for p in parts])
 
 
-def _pack(kind: str, q, d, m, bias) -> QLinear:
+def _pack(act: str, kind: str, q, d, m, bias) -> QLinear:
+    from . import kernels
+
     n, k = q.shape
     if kind == "Q8_0":
         return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias)
+    if act == "q8":  # the file's exact d and m, in fp32
+        return QLinear("q4", n, k, kernels.pack_q4(q, d, m), torch.empty(0), bias)
     w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
     sz = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
     return QLinear("int4", n, k, w, sz, bias)
@@ -154,14 +162,24 @@ class NativeWeights:
     layers: list[dict[str, QLinear]]  # per decoder layer: qkv (or q, k, v), o, gu (or g, u), d(own)
     head: QLinear  # Q8_0 through the q8 kernel, else the fp32 weight through the invariant fp32 kernel
     types: dict[str, int]  # GGUF tensor type -> count, for reports
+    act: str = "q8"  # 4-bit matrices' activations: q8 (eyas kernel) | bf16 (torch's int4 kernel)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.types.items()))
-        return f"native GGUF weights ({kinds}); int4 kernel with bf16 activations, Q8_0 in fp32"
+        how = "4-bit x 8-bit-activation kernel" if self.act == "q8" else "int4 kernel with bf16 activations"
+        return f"native GGUF weights ({kinds}); {how}, Q8_0 in fp32"
 
 
-def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads: int) -> NativeWeights:
-    """Read `gguf`'s quantized matrices for `model` (the HF model transformers loaded from that file)."""
+ACTS = ("q8", "bf16")
+
+
+def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads: int,
+                act: str = "q8") -> NativeWeights:
+    """Read `gguf`'s quantized matrices for `model` (the HF model transformers loaded from that file).
+    act: the 4-bit matrices' activations: q8 (eyas/kernels.c, llama.cpp's Q8_1 per-block quantization, the
+    file's exact scales) or bf16 (torch's int4 kernel, scales rounded to bf16)."""
+    if act not in ACTS:
+        raise NativeError(f"native activations {act!r}: expected one of {', '.join(ACTS)}")
     from .target import decoder_parts
 
     tensors = read_gguf_tensors(gguf)
@@ -187,15 +205,15 @@ def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads
                 q, d, m = q[order], d[order], m[order]
             bias = None if lin.bias is None else lin.bias.detach().float()
             parts[short[g]] = (kind, q, d, m, bias)
-        mats: dict[str, QLinear] = {"o": _pack(*parts["o"]), "d": _pack(*parts["d"])}
+        mats: dict[str, QLinear] = {"o": _pack(act, *parts["o"]), "d": _pack(act, *parts["d"])}
         # one kernel call for q|k|v and one for gate|up: fewer calls, one bf16 cast of the shared input
         for fused, names in (("qkv", "qkv"), ("gu", "gu")):
             kinds = {parts[c][0] for c in names}
             if len(kinds) == 1:
-                mats[fused] = _pack(kinds.pop(), *(torch.cat([parts[c][j] for c in names]) for j in (1, 2, 3)),
+                mats[fused] = _pack(act, kinds.pop(), *(torch.cat([parts[c][j] for c in names]) for j in (1, 2, 3)),
                                     _cat_bias([parts[c] for c in names]))
             else:
-                mats.update({c: _pack(*parts[c]) for c in names})
+                mats.update({c: _pack(act, *parts[c]) for c in names})
         out.append(mats)
     head_module = model.get_output_embeddings()
     hname = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -204,14 +222,14 @@ def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads
     if t is not None and t.type_name == "Q8_0":
         kind, q, d, m = _quantized(t, hname)
         _match(hname, q, d, m, head_module.weight, [])
-        head = _pack(kind, q, d, m, None)
+        head = _pack(act, kind, q, d, m, None)
         types["Q8_0"] = types.get("Q8_0", 0) + 1
     if head is None:  # other head types keep the loader's exact fp32 values
         w = head_module.weight.detach().float().contiguous()
         head = QLinear("f32", w.shape[0], w.shape[1], w, torch.empty(0), None)
     if head_module.bias is not None:
         head.bias = head_module.bias.detach().float()
-    return NativeWeights(out, head, types)
+    return NativeWeights(out, head, types, act)
 
 
 # ---- the draft in 8 bits -------------------------------------------------------------------------

@@ -62,6 +62,7 @@ def files(tmp_path_factory, smollm2):
     (root / "not-json.jsonl").write_text('{"prompt": "hi"}\n{oops\n')
     (root / "foreign.gguf").write_text("not a gguf")
     (root / "a-file").write_text("x")
+    (root / "unclosed.jinja").write_text("{% for m in messages %}{{ m['content'] }}")  # no endfor
     # an eyas draft whose weights were cut short, one whose manifest was, and a foreign folder
     for name in ("trunc", "badman"):
         shutil.copytree(DEFAULT_DRAFT, root / name)
@@ -156,6 +157,16 @@ def _cases(r: Path) -> dict[str, tuple[list[str], str]]:
         "datagen: malformed rows": (["datagen", "--data", str(r / "rows.jsonl"), "--target", ll, "--out",
                                      str(r / "d1"), "--num", "1"], "conversation"),
         "train: missing shards": (["train", "--data", str(r / "nope"), "--out", str(r / "t1")], "manifest"),
+        # --chat-template (eyas/template.py): checked before anything loads
+        "generate: unknown template name": (["generate", "--target", ll, "--draft", "none", "--prompt", "hi",
+                                             "--chat-template", "chatml3"], "neither a built-in template"),
+        "bench: unreadable template file": (["bench", "--target", ll, "--chat-template", str(r), *quick],
+                                            "cannot read it"),
+        "datagen: template and --raw": (["datagen", "--target", ll, "--out", str(r / "d2"), "--raw",
+                                         "--chat-template", "chatml"], "contradict"),
+        "inspect: broken template file": (["inspect", ll, "--chat-template", str(r / "unclosed.jinja")],
+                                          "not a valid Jinja template"),
+        "serve: unknown template name": (["serve", "--target", ll, "--chat-template", "vicuna"], "chatml, gemma"),
     }
 
 

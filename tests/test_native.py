@@ -92,9 +92,10 @@ def _q4_1_tensor(w: torch.Tensor):
     return SimpleNamespace(type_name="Q4_1", data=raw), deq
 
 
-def test_q4_1_blocks_round_trip_find_the_llama_row_order_and_run_the_int4_kernel():
+@pytest.mark.parametrize("act", ["q8", "bf16"])
+def test_q4_1_blocks_round_trip_find_the_llama_row_order_and_run_the_4bit_kernels(act):
     torch.manual_seed(3)
-    heads, N, K = 4, 32, 64
+    heads, N, K = 4, 32, 96  # K = 3 blocks: the kernel's odd-block tail runs too
     t, deq = _q4_1_tensor(torch.randn(N, K))
     kind, q, d, m = _quantized(t, "blk.0.attn_q.weight")
     assert kind == "Q4_1" and q.shape == (N, K)
@@ -105,12 +106,16 @@ def test_q4_1_blocks_round_trip_find_the_llama_row_order_and_run_the_int4_kernel
     assert torch.equal(got, order)
     with pytest.raises(NativeError, match="does not equal"):
         _match("x", q, d, m, hf + 1e-3, [heads])
-    lin = _pack(kind, q[got], d[got], m[got], None)
-    x = torch.randn(5, K)
+    lin = _pack(act, kind, q[got], d[got], m[got], None)
+    assert lin.kind == {"q8": "q4", "bf16": "int4"}[act]
+    x = torch.randn(11, K)  # 11 rows = 4 + 4 + 2 + 1: every row-group path of the q4 kernel
     y = lin(x)
-    assert (y - x @ hf.t()).abs().max() < 0.05 * (x @ hf.t()).abs().max()  # bf16 activations
-    for r in range(5):
+    ref = x @ hf.t()
+    assert (y - ref).abs().max() < 0.05 * ref.abs().max()  # 8-bit or bf16 activations
+    for r in range(11):  # a row's bits never depend on the rows beside it
         assert torch.equal(lin(x[r:r + 1])[0], y[r])
+    for M in (2, 3, 5, 7):
+        assert torch.equal(lin(x[:M]), y[:M])
 
 
 def test_unsupported_quant_type_is_refused_with_the_fix():

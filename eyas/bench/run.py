@@ -34,6 +34,7 @@ from ..errors import EyasError
 from ..files import atomic_write, atomic_write_json
 from ..model import check_engine_family
 from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_device
+from ..template import ChatTemplate, draft_template_warning, raw_ids, require_template, resolve_template, use_template
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 
@@ -110,6 +111,8 @@ class BenchConfig:
     sweep: bool = False
     sweep_limit: int = 3
     grid: SweepGrid = field(default_factory=SweepGrid)
+    chat_template: str | None = None  # --chat-template FILE|NAME (None: the tokenizer's own)
+    raw: bool = False  # prompts as plain text, no template (base models; single-turn prompts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,9 +121,9 @@ class BenchConfig:
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                "draft_weights", "methods",
-               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "min_prob")
+               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "min_prob", "chat_template", "raw")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
-                     "sweep_limit", "grid")
+                     "sweep_limit", "grid", "chat_template", "raw")
 
 
 # ---- draft ---------------------------------------------------------------------------------------
@@ -508,10 +511,44 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
     return runners
 
 
+def bench_template(cfg: BenchConfig, prompts: list[BenchPrompt] | None) -> ChatTemplate:
+    """--chat-template / --raw, checked before anything loads: raw sends single-turn prompts only."""
+    choice = resolve_template(cfg.chat_template, cfg.raw)
+    if choice.raw:
+        if cfg.turn != 1:
+            raise BenchError("--raw sends one plain-text prompt, but MT-bench --turn 2 is a chat (it holds the first "
+                             "answer): use --turn 1, or drop --raw and pass --chat-template NAME")
+        multi = [p.id for p in prompts or [] if len(p.messages) != 1]
+        if multi:
+            raise BenchError(f"--raw sends each prompt's text as is, but prompts {multi[:3]} are multi-message chats; "
+                             "give single-turn rows ({\"prompt\": ...}), or drop --raw and pass --chat-template NAME")
+    return choice
+
+
+def bench_target(cfg: BenchConfig, choice: ChatTemplate, target: Target | None) -> Target:
+    """The target with the template installed (before the engines read its end-of-turn tokens)."""
+    if target is None:
+        require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
+        target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    use_template(target, choice)
+    return target
+
+
 def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
+    """Each prompt's token ids: through the installed chat template, or as plain text under --raw."""
     from ..engine import chat_input_ids
 
+    if target.chat_template is not None and target.chat_template.raw:
+        return [raw_ids(target.tokenizer, p.messages[0]["content"]) for p in prompts]
     return [list(chat_input_ids(target.tokenizer, p.messages)) for p in prompts]
+
+
+def template_warning(draft: DraftCheckpoint | None, target: Target, progress: bool) -> str | None:
+    """A draft trained under another template than this run's: said on stderr and kept in results.json."""
+    w = draft_template_warning(draft.manifest, target.chat_template) if draft is not None else None
+    if w:
+        progress_console().print(f"warning: {w}", markup=False, highlight=False, style="yellow")
+    return w
 
 
 def greedy_answer(target: Target, end_ids: list[int], max_new_tokens: int) -> Callable[[list[dict]], str]:
@@ -631,13 +668,15 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     if cfg.max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
+    choice = bench_template(cfg, prompts)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         check_default_draft(cfg.draft, SKIP_SPEC)
     if target is None and any(m in ENGINE_METHODS for m in cfg.methods):
         check_engine_family(cfg.target, f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY)
-    target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    target = bench_target(cfg, choice, target)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)
+    mismatch = template_warning(draft, target, progress)
     end_ids = stop_ids(target)
     if prompts is None:
         prompts = load_prompts(cfg.bench, cfg.limit, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
@@ -662,6 +701,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         "config": cfg.to_dict(),
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
         "draft": draft_summary(draft, cfg.draft), "stop_ids": end_ids, "reference": reference,
+        "chat_template": target.chat_template.record(), "template_warning": mismatch,
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
         "summary": summarize(rows, cfg.methods), "rows": rows,
     }

@@ -13,7 +13,7 @@ import torch
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
 from ..files import atomic_write, atomic_write_json
 from ..model import check_engine_family
-from ..target import Target, load_target
+from ..target import Target
 from .prompts import load_prompts
 from .run import (
     HF_ONLY,
@@ -24,6 +24,8 @@ from .run import (
     Output,
     SweepGrid,
     _prepare_out,
+    bench_target,
+    bench_template,
     check_threads,
     default_out,
     draft_summary,
@@ -36,6 +38,7 @@ from .run import (
     say,
     stop_ids,
     summarize,
+    template_warning,
     wide_console,
 )
 
@@ -133,12 +136,14 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         torch.set_num_threads(cfg.threads)
     n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
     prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
+    choice = bench_template(cfg, prompts)
     if draft is None:
         check_default_draft(cfg.draft, SKIP_SPEC)
     if target is None:
         check_engine_family(cfg.target, "bench --sweep", f"without --sweep, {HF_ONLY}")
-    target = target or load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    target = bench_target(cfg, choice, target)
     draft = draft or resolve_draft(cfg.draft, target)
+    template_warning(draft, target, progress)
     end_ids = stop_ids(target)
     if prompts is None:
         prompts = load_prompts(cfg.bench, n, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))

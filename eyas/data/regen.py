@@ -24,7 +24,8 @@ import torch
 from ..model import ModelError, TargetModel
 from ..sampling import warp
 from ..target import Target, end_token_ids
-from .conversations import Conversation, loop_end, render
+from ..template import chat_ids
+from .conversations import Conversation, loop_end
 
 Reply = tuple[list[int], str]  # reply tokens without the end token; why it ended: eos | repetition | length
 
@@ -281,7 +282,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
             if r >= len(t) or t[r] >= cut[ci]:
                 continue
             i = t[r]
-            prompt = tok(render(tok, msgs[ci][:i], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            prompt = chat_ids(tok, msgs[ci][:i])  # message text as text, like serving
             if len(prompt) >= cfg.max_len:
                 cut[ci] = i
                 stats["turns_dropped_context_full"] += len(t) - r

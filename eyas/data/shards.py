@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from ..errors import EyasError
 from ..files import atomic_write
 from ..layout import Layout, check_layouts
+from ..template import describe_record, same_template
 
 MANIFEST = "manifest.json"
 KIND = "eyas-shards"
@@ -126,6 +127,16 @@ class ShardSet:
         self.layout = Layout.from_dict(self.manifests[0]["layout"])
         for f, m in zip(self.folders[1:], self.manifests[1:], strict=True):
             check_layouts(self.layout, Layout.from_dict(m["layout"]), str(self.folders[0]), str(f))
+        # one template per dataset: a draft trained on chats rendered two ways serves neither well
+        self.chat_template: dict[str, Any] | None = self.manifests[0].get("chat_template")
+        mixed = [(f, m.get("chat_template")) for f, m in zip(self.folders, self.manifests, strict=True)
+                 if not same_template(self.chat_template, m.get("chat_template"))]
+        if mixed:
+            raise ShardError("the shard folders were rendered with different chat templates: "
+                             + "; ".join(f"{f}: {describe_record(m.get('chat_template'))}"
+                                         for f, m in zip(self.folders, self.manifests, strict=True))
+                             + ". Train on folders captured with one template (regenerate the odd ones with the "
+                             "same --chat-template/--raw), or train them separately")
 
     @property
     def num_samples(self) -> int:

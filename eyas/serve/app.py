@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import EngineError, SamplingParams, chat_input_ids
 from ..errors import EyasError
+from ..template import ChatTemplate, TemplateError, draft_template_warning, raw_ids, use_template
 from . import openai_schema as oai
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
@@ -124,7 +125,7 @@ def tokenize(req: GenRequest, tokenizer: Any, lock: threading.Lock) -> list[int]
                 return list(chat_input_ids(tokenizer, req.messages))
             except EngineError as e:
                 raise APIError(400, str(e), param="messages", code="invalid_value") from None
-        return list(tokenizer.encode(req.prompt))
+        return raw_ids(tokenizer, req.prompt)
 
 
 async def prepare(req: GenRequest, cfg: ServeConfig, encode: Callable[[GenRequest], list[int]],
@@ -373,8 +374,10 @@ def resolve_method(method: str | None, draft: str) -> str:
 def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
                  depth: int | None = None, topk: int | None = None, tokens: int | None = None,
                  dtype: str = "fp32", device: str = "cpu", lookup: int | None = None, weights: str = "auto",
-                 min_prob: float = 0.0):
-    """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method)."""
+                 min_prob: float = 0.0, chat_template: ChatTemplate | None = None):
+    """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method).
+    `chat_template` (--chat-template) is installed before the engine reads the end-of-turn tokens; without it,
+    or when the tokenizer has none, the server still starts: completions need no template (template_warnings)."""
     from ..draft import check_default_draft, resolve_draft
     from ..engine import Engine, SpecParams
     from ..model import check_engine_family
@@ -391,8 +394,24 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     check_engine_family(target_spec, "eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it "
                         "for an engine that serves this family")
     target = load_target(target_spec, dtype=dtype, device=device)
+    try:
+        use_template(target, chat_template or ChatTemplate("tokenizer"))
+    except TemplateError:
+        pass  # no template: chat requests get a 400 naming the fix; completions work
     ckpt = None if method == "plain" else resolve_draft(draft, target)
     return Engine(target, ckpt, spec), target, method
+
+
+def template_warnings(engine: Any, target: Any) -> list[str]:
+    """Startup warnings: no chat template (chat requests will be refused), or a draft trained under another
+    template than the one chat requests render with."""
+    if target.chat_template is None:
+        return ["the target has no chat template, so /v1/chat/completions requests will get a 400 (/v1/completions "
+                "works on raw text); restart with --chat-template chatml (or gemma, llama3, a Jinja file) to serve "
+                "chats"]
+    manifest = getattr(engine, "draft_manifest", None)
+    w = draft_template_warning(manifest, target.chat_template) if manifest is not None else None
+    return [w] if w else []
 
 
 def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:

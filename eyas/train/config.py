@@ -56,11 +56,13 @@ class TrainConfig:
     buffer_mb: int = 2048  # shard bytes held in memory at once (shuffling window)
     quiet: bool = False
     threads: int = 0  # torch CPU threads (0 = torch's default); on a busy CPU 1 can be several times faster
+    chat_template: str | None = None  # online: --chat-template FILE|NAME (shards record their own)
 
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
                   "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
-                  "online", "num_samples", "data_tokens", "aux_indices", "buffer_mb", "init_from", "refresh_vocab")
+                  "online", "num_samples", "data_tokens", "aux_indices", "buffer_mb", "init_from", "refresh_vocab",
+                  "chat_template")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,6 +31,7 @@ from ..draft import DraftConfig, Eagle3Draft, save_draft
 from ..files import atomic_write
 from ..layout import check_layouts
 from ..target import end_token_ids
+from ..template import require_template, resolve_template, use_template
 from ..vocab import DraftVocab, count_tokens, select_draft_vocab
 from .checkpoint import (
     check_resume,
@@ -317,17 +318,25 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
 
     # data + target (each rank reads the same data and derives the same plan and vocab)
     if cfg.online:
+        choice = resolve_template(cfg.chat_template)
         if target is None:
+            if cfg.target:
+                require_template(cfg.target, choice)  # a base model without a template: before it loads
             target = _load_target(cfg, None)
         if len(cfg.data) != 1:
             raise TrainError(f"--online takes one conversation source in --data, got {cfg.data}")
         if cfg.data_tokens is not None:
             raise TrainError("--data-tokens caps captured shard folders; with --online use --num-samples")
+        template_record = use_template(target, choice).record()
         source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices)
     else:
+        if cfg.chat_template is not None:
+            raise TrainError(f"--chat-template {cfg.chat_template} applies to --online only: shards were rendered "
+                             "when they were captured and record their template (`eyas datagen --chat-template`)")
         source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len, cfg.data_tokens)
         if not source.train:  # before the target loads: nothing it could be used for
             raise _no_samples(cfg, source)
+        template_record = source.set.chat_template  # one template across the folders (ShardSet checks)
         if target is None:
             target = _load_target(cfg, source.describe())
         check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards",
@@ -425,7 +434,7 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
     win = Window.empty(steps)
 
     def manifest_extra(metrics: dict[str, Any] | None) -> dict[str, Any]:
-        return {"target": {**target.identity.to_dict(), "source": target.source},
+        return {"target": {**target.identity.to_dict(), "source": target.source}, "chat_template": template_record,
                 "draft_vocab": vocab.to_manifest(), "training": {**cfg.to_dict(), "feature_norm": fnorm},
                 "data": {**source.describe(), "train_samples": len(source.train), "heldout_samples": len(heldout)},
                 "metrics": metrics, "step": step, "total_steps": total, "tokens_seen": tokens_seen,
