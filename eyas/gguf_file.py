@@ -46,19 +46,20 @@ class GGUFTensor:
 
 def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
     """The tensor directory of a GGUF v2/v3 file; a truncated or foreign file raises GGUFError."""
-    return _read(path, tensors=True)[1]
+    return _read(path)[1]
 
 
 def read_gguf_metadata(path: Path, keys: Collection[str] | None = None) -> dict[str, object]:
     """The scalar and string metadata of a GGUF v2/v3 file (arrays such as the vocabulary are skipped), all of it
-    or only `keys` (a key the file lacks is absent), read without the tensor directory: what checks that run
-    before any load read (`general.architecture` for eyas.target.target_family, `tokenizer.chat_template` for
-    eyas.template). A truncated or foreign header raises GGUFError like read_gguf_tensors."""
-    meta = _read(path, tensors=False)[0]
+    or only `keys` (a key the file lacks is absent): what the checks that run before any load read
+    (`general.architecture` for eyas.target.target_family, `tokenizer.chat_template` for eyas.template). The
+    tensor directory is checked too (every tensor's extent against the file size; no tensor data is read, ~0.1 s),
+    so a truncated or foreign file raises GGUFError here, before any verdict drawn from its metadata."""
+    meta = _read(path)[0]
     return meta if keys is None else {k: v for k, v in meta.items() if k in keys}
 
 
-def _read(path: Path, tensors: bool) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
+def _read(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
     import struct
 
     buf = np.memmap(path, dtype=np.uint8, mode="r") if Path(path).stat().st_size else np.zeros(0, np.uint8)
@@ -115,8 +116,6 @@ def _read(path: Path, tensors: bool) -> tuple[dict[str, object], dict[str, GGUFT
         v = skip_value(vt)
         if v is not None:
             meta[key] = v
-    if not tensors:
-        return meta, {}
     align = meta.get("general.alignment", 32)
     align = align if isinstance(align, int) and align > 0 else 32
     infos = []

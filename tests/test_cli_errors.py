@@ -202,8 +202,12 @@ def _one_error(r) -> str:
 def test_failed_gguf_targets_leave_nothing_in_the_cache(tmp_path, monkeypatch):
     """A truncated file, a bad magic, a family refusal and a file transformers cannot convert: one error line
     each, and the cache holds nothing afterwards (not even the temporary folder of a conversion killed earlier)."""
+    import transformers
+
     from eyas.target import file_fingerprint
 
+    # transformers' log handler binds sys.stderr when first used: the real one, not a CliRunner's closed stream
+    transformers.logging.get_verbosity()
     cache = tmp_path / "cache"
     monkeypatch.setenv("EYAS_CACHE", str(cache))
     bad = {"cut.gguf": gguf_bytes("llama", [("blk.0.attn_q.weight", (256, 4), 14, 4 * 210)])[:-100],  # Q6_K
@@ -222,7 +226,7 @@ def test_failed_gguf_targets_leave_nothing_in_the_cache(tmp_path, monkeypatch):
     assert "no GGUF magic" in _one_error(runner.invoke(app, ["inspect", str(tmp_path / "magic.gguf")]))
     assert "'phi3'" in _one_error(runner.invoke(app, ["generate", "--target", str(tmp_path / "phi3.gguf"),
                                                       "--draft", "none", "--prompt", "hi"]))
-    line = _one_error(runner.invoke(app, ["inspect", str(hollow)]))
+    line = _one_error(runner.invoke(app, ["inspect", str(hollow), "--raw"]))  # --raw: it carries no template
     assert "transformers could not read" in line and "hollow.gguf" in line, line
     assert not any((cache / "targets").iterdir()), list((cache / "targets").iterdir())
 
