@@ -490,11 +490,14 @@ def doctor_trace(
     from .doctor.trace import render_trace, trace
     from .draft import load_draft
     from .engine import SpecParams, chat_input_ids
+    from .model import check_engine_family
     from .target import load_target
     from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
 
     with user_errors():
         choice = resolve_template(chat_template, raw)
+        check_engine_family(target, "eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) "
+                            "measures the draft on this target through HF hooks")
         require_template(target, choice)
         tgt = load_target(target, dtype=dtype, device=device)
         use_template(tgt, choice)
@@ -548,6 +551,7 @@ def generate(
 
     from . import engine as eng
     from .draft import check_default_draft, resolve_draft
+    from .model import check_engine_family
     from .target import load_target
     from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
     from .text import TextStream
@@ -582,6 +586,8 @@ def generate(
         if method != "plain":
             check_default_draft(draft)
         choice = resolve_template(chat_template, raw)
+        check_engine_family(target, "eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench "
+                            f"--target {target} --methods hf-greedy --bench PROMPTS.jsonl`")
         require_template(target, choice)  # a base model without a template: say what to pass, before loading
         tgt = load_target(target, dtype=dtype, device=device)
         use_template(tgt, choice)  # before the engine reads the end-of-turn tokens

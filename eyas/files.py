@@ -1,7 +1,8 @@
 """Atomic writes: the one place that writes a temporary file (or folder) and renames it into place.
 
 A reader (or a resumed run) sees either the old content or the new one, never a torn file: a kill
-mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write replaces. `read_json` is the
+mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write from that pid replaces and
+`remove_stale_temps` clears once the pid is gone. `read_json` is the
 matching reader: a file that is not JSON is one error line naming the file and the fix.
 """
 
@@ -68,6 +69,36 @@ def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
         raise
     return swap_folder(tmp, out)
+
+
+def remove_stale_temps(out: str | Path) -> list[Path]:
+    """Delete the `<out>.tmp-<pid>` siblings that a killed writer left (its pid no longer runs on this machine);
+    a live writer's temporary is kept. Returns what was removed. For outputs that are rebuilt on demand (the
+    target cache), where a kill mid-write would otherwise leave a large folder behind for good."""
+    out = Path(out)
+    removed = []
+    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 def read_json(path: str | Path, error: type[EyasError], fix: str) -> Any:

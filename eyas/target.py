@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from .errors import EyasError  # noqa: E402
-from .files import atomic_folder  # noqa: E402
+from .files import atomic_folder, read_json, remove_stale_temps  # noqa: E402
 from .layout import Layout, TargetIdentity  # noqa: E402
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -117,11 +117,19 @@ def tensor_fingerprint(model: nn.Module) -> str:
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename)."""
+    """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename): a failure or a
+    kill leaves no folder at `out`, and the next conversion clears a killed one's temporary folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    remove_stale_temps(out)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types on a file it cannot read
+        # (struct.error, KeyError, ValueError "architecture ... not supported"); all are about the user's file
+        raise TargetError(f"transformers could not read {gguf} ({type(e).__name__}: {e}); the file is damaged or "
+                          "of an architecture transformers cannot load from GGUF: fetch it again, or pass a Hugging "
+                          "Face model folder") from e
     # the quantizer would otherwise be saved into config.json and demand the GGUF again at load
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -134,6 +142,84 @@ def convert_gguf(gguf: Path, out: Path) -> None:
             {"gguf": str(gguf), "fingerprint": file_fingerprint([gguf]), "converted_at": time.time()}, indent=2))
 
     atomic_folder(out, write)
+
+
+# llama.cpp's `general.architecture` -> transformers' model_type, where the two differ (transformers'
+# modeling_gguf_pytorch_utils does the same renames when it loads the file; a Mistral GGUF says "llama")
+_GGUF_FAMILIES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": "qwen2_moe",
+                  "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+
+
+def _gguf_of(spec: str) -> Path | None:
+    """The .gguf file a bundled name or a .gguf path names; None for any other spec (a HF folder)."""
+    if spec not in BUNDLED and not spec.endswith(".gguf"):
+        return None
+    gguf = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
+    if not gguf.is_file():
+        raise TargetError(f"--target {spec}: no such GGUF file")
+    return gguf
+
+
+def _hf_folder(spec: str) -> Path:
+    folder = Path(spec)
+    if not folder.is_dir() or not (folder / "config.json").exists():
+        raise TargetError(
+            f"--target {spec!r} is not a bundled name ({', '.join(BUNDLED)}), a .gguf file, or a Hugging "
+            "Face model folder with config.json (hub ids are not fetched: eyas runs offline)")
+    return folder
+
+
+def read_config(folder: Path, fix: str = "restore the folder's config.json (save_pretrained writes a valid "
+                "one)") -> dict[str, Any]:
+    """A model folder's config.json as a dict; a file that is not a JSON object is one TargetError."""
+    cfg = read_json(folder / "config.json", TargetError, fix)
+    if not isinstance(cfg, dict):
+        raise TargetError(f"{folder / 'config.json'} holds a JSON {type(cfg).__name__}, expected an object with "
+                          f"model_type, hidden_size, ...; {fix}")
+    return cfg
+
+
+def config_family(cfg: dict[str, Any]) -> str | None:
+    """The family (transformers model_type) of a config dict; a multimodal config's text model decides, as in
+    `identity_of` (the rule every family check shares)."""
+    text = cfg.get("text_config")
+    mt = (text.get("model_type") if isinstance(text, dict) else None) or cfg.get("model_type")
+    return mt if isinstance(mt, str) else None
+
+
+def target_family(spec: str) -> tuple[str | None, str]:
+    """(family, where it was read) of a target spec from its config.json or its GGUF metadata alone, without
+    loading any weights: what a command checks before it loads a target it cannot run. The family is
+    transformers' model_type (None when the file does not say); bad specs and files raise TargetError."""
+    gguf = _gguf_of(spec)
+    if gguf is not None:
+        from .gguf_file import read_gguf_metadata
+
+        arch = read_gguf_metadata(gguf).get("general.architecture")
+        if not isinstance(arch, str):
+            return None, f"{gguf.name}'s metadata"
+        return _GGUF_FAMILIES.get(arch, arch), f"general.architecture {arch!r} in {gguf.name}"
+    folder = _hf_folder(spec)
+    return config_family(read_config(folder)), f"{folder / 'config.json'}"
+
+
+def _first_line(e: BaseException) -> str:
+    """A library exception's first line: the error line stays one line (transformers' messages run to many)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _check_weight_files(paths: list[Path], fix: str) -> None:
+    """Open each safetensors header (cheap: the header only) so a truncated or foreign weights file is one error
+    line here rather than a SafetensorError traceback inside transformers."""
+    from safetensors import safe_open
+
+    for p in paths:
+        try:
+            with safe_open(str(p), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ... on a bad header
+            raise TargetError(f"{p} is not a readable safetensors file ({e}); {fix}") from e
 
 
 @dataclass
@@ -237,11 +323,8 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     t0 = time.perf_counter()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     dev = resolve_device(device)
-    gguf: Path | None = None
-    if spec in BUNDLED or spec.endswith(".gguf"):
-        gguf = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
-        if not gguf.is_file():
-            raise TargetError(f"--target {spec}: no such GGUF file")
+    gguf = _gguf_of(spec)
+    if gguf is not None:
         fp = file_fingerprint([gguf])
         folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
         if not (folder / "config.json").exists():
@@ -250,29 +333,40 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
             read_gguf_tensors(gguf)  # a truncated or foreign file: one clear error before transformers reads it
             convert_gguf(gguf, folder)
         name = spec if spec in BUNDLED else gguf.name
+        fix = f"the converted copy of {gguf.name} is damaged: delete {folder} and rerun (eyas converts it again)"
     else:
-        folder = Path(spec)
-        if not folder.is_dir() or not (folder / "config.json").exists():
-            raise TargetError(
-                f"--target {spec!r} is not a bundled name ({', '.join(BUNDLED)}), a .gguf file, or a Hugging "
-                "Face model folder with config.json (hub ids are not fetched: eyas runs offline)")
-        weights = sorted(folder.glob("*.safetensors"))
-        if not weights:
-            raise TargetError(f"{folder} holds no *.safetensors weights; eyas loads safetensors only "
-                              "(convert .bin checkpoints with transformers' save_pretrained first)")
-        fp = file_fingerprint(weights)
+        folder = _hf_folder(spec)
+        fp = ""
         name = folder.name
+        fix = "the model folder is damaged: copy or save it again"
+    read_config(folder, fix)  # a garbage config.json: one line, before transformers reads it
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise TargetError(f"{folder} holds no *.safetensors weights; eyas loads safetensors only "
+                          "(convert .bin checkpoints with transformers' save_pretrained first)")
+    _check_weight_files(weights, fix)
+    fp = fp or file_fingerprint(weights)
     src = folder / "eyas_source.json"
     if src.exists():  # a converted GGUF keeps the GGUF's identity (and its native weights, if still there)
-        meta = json.loads(src.read_text())
+        meta = read_json(src, TargetError, fix)
         fp = meta["fingerprint"]
         if gguf is None and Path(meta.get("gguf", "")).is_file() and file_fingerprint([Path(meta["gguf"])]) == fp:
             gguf = Path(meta["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True)
+    try:  # before the weights: a missing tokenizer fails in a second, not after a long load
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot build: the user's folder
+        raise TargetError(f"transformers could not load the tokenizer of {folder} ({type(e).__name__}: "
+                          f"{_first_line(e)}); the folder needs the model's tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json: save the tokenizer into it with save_pretrained)") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from (no model_type, an
+        # unknown architecture, wrong field types, weights of other shapes): the user's folder, not a bug in eyas
+        raise TargetError(f"transformers could not load a causal LM from {folder} ({type(e).__name__}: "
+                          f"{_first_line(e)}); {fix}") from e
     model.to(dev).eval()
     model.requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     ident = identity_of(model, fp, name)
     return Target(model=model, tokenizer=tok, identity=ident, source=spec, path=folder,
                   load_seconds=time.perf_counter() - t0, gguf=gguf)

@@ -128,17 +128,13 @@ def missing_template_message(what: str, suggest: str = "chatml") -> str:
 
 
 def _family(spec: str) -> str:
-    """The model family a target spec names in its files ('' when unknown): GGUF general.architecture or
-    config.json model_type; picks the built-in a refusal suggests."""
-    from .gguf_file import read_gguf_metadata
-    from .target import BUNDLED, bundled_gguf
+    """The model family a target spec names in its files ('' when unknown; eyas.target.target_family reads it);
+    picks the built-in a refusal suggests."""
+    from .target import target_family
 
     try:
-        if spec in BUNDLED or spec.endswith(".gguf"):
-            path = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
-            return str(read_gguf_metadata(path, {"general.architecture"}).get("general.architecture", ""))
-        return str(json.loads((Path(spec) / "config.json").read_text()).get("model_type", ""))
-    except (EyasError, OSError, ValueError, AttributeError):
+        return target_family(spec)[0] or ""
+    except EyasError:
         return ""
 
 

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from tests.tiny import tiny_model
+from tests.tiny import gguf_bytes, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFT = ROOT / "eyas" / "assets" / "drafts" / "default"
@@ -35,6 +35,29 @@ def files(tmp_path_factory, smollm2):
 
     target("llama")
     target("gemma2")
+    # a family the engine forward does not cover, whose weights are garbage: the refusal must come from
+    # config.json alone (a check that loaded the weights first would fail on them instead)
+    target("phi3")
+    (root / "phi3" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    (root / "phi3.gguf").write_bytes(gguf_bytes("phi3"))  # the same from GGUF metadata: no tensors at all
+    # a HF folder whose config.json is garbage, one whose weights were cut short
+    shutil.copytree(root / "llama", root / "badconfig")
+    (root / "badconfig" / "config.json").write_text('{"model_type": "lla')
+    shutil.copytree(root / "llama", root / "nomodel")
+    (root / "nomodel" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # JSON, no model
+    shutil.copytree(root / "llama", root / "notokenizer", ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+    shutil.copytree(root / "llama", root / "cutweights")
+    w = (root / "cutweights" / "model.safetensors").read_bytes()
+    (root / "cutweights" / "model.safetensors").write_bytes(w[: len(w) // 2])
+    # a GGUF cut inside a K-quant tensor (Q4_K: 144 bytes per 256 weights), one with a bad magic
+    (root / "cut.gguf").write_bytes(gguf_bytes("llama", [("blk.0.ffn_up.weight", (256, 8), 12, 8 * 144)])[:-600])
+    (root / "badmagic.gguf").write_bytes(b"GGUG" + gguf_bytes("llama")[4:])
+    # conversations every one of which datagen skips: no assistant reply, and replies past --max-len
+    (root / "unanswered.jsonl").write_text("".join(json.dumps({"conversations": [{"from": "human", "value": q}]})
+                                                   + "\n" for q in ("hi", "hello?")))
+    (root / "late.jsonl").write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": "Tell me about hawks. " * 4}, {"from": "gpt", "value": a}]}) + "\n"
+        for a in ("They hunt.", "They fly.", "Eyases are young hawks.")))
     (root / "rows.jsonl").write_text('{"prompt": "hi"}\n{"nope": 1}\n')
     (root / "not-json.jsonl").write_text('{"prompt": "hi"}\n{oops\n')
     (root / "foreign.gguf").write_text("not a gguf")
@@ -58,9 +81,39 @@ def files(tmp_path_factory, smollm2):
 
 def _cases(r: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (argv, a phrase the error line must contain)"""
-    ll, g2 = str(r / "llama"), str(r / "gemma2")
+    ll, g2, p3, p3g = str(r / "llama"), str(r / "gemma2"), str(r / "phi3"), str(r / "phi3.gguf")
     quick = ["--limit", "1", "--max-new-tokens", "2", "--methods", "plain"]
     return {
+        # a family the engine forward does not cover: refused from config.json / GGUF metadata before any load,
+        # naming what works instead
+        "bench: uncovered family (HF folder)": (["bench", "--target", p3, "--limit", "1"], "--methods hf-greedy"),
+        "bench: uncovered family (GGUF)": (["bench", "--target", p3g, *quick], "'phi3'"),
+        "bench --sweep: uncovered family": (["bench", "--target", p3, "--sweep"], "without --sweep"),
+        "generate: uncovered family": (["generate", "--target", p3, "--draft", "none", "--prompt", "hi"],
+                                       "covers the llama, mistral, qwen2, qwen3, gemma3_text families, and"),
+        "generate: uncovered family (GGUF)": (["generate", "--target", p3g, "--draft", "none", "--prompt", "hi"],
+                                              "from general.architecture 'phi3' in phi3.gguf"),
+        "serve: uncovered family": (["serve", "--target", p3, "--draft", "none"], "'phi3'"),
+        "doctor trace: uncovered family": (["doctor", "trace", "--target", p3, "--draft", "default", "--prompt",
+                                           "hi"], "without trace"),
+        # bad or truncated model files
+        "inspect: garbage config.json": (["inspect", str(r / "badconfig")], "not valid JSON"),
+        "generate: garbage config.json": (["generate", "--target", str(r / "badconfig"), "--draft", "none",
+                                           "--prompt", "hi"], "config.json is not valid JSON"),
+        "inspect: config.json that names no model": (["inspect", str(r / "nomodel")], "transformers could not load"),
+        "inspect: folder without a tokenizer": (["inspect", str(r / "notokenizer")], "tokenizer files"),
+        "datagen: truncated target weights": (["datagen", "--data", str(r / "late.jsonl"), "--target",
+                                               str(r / "cutweights"), "--out", str(r / "d3"), "--no-regenerate"],
+                                              "not a readable safetensors file"),
+        "inspect: truncated K-quant gguf": (["inspect", str(r / "cut.gguf")], "truncated"),
+        "inspect: gguf with a bad magic": (["inspect", str(r / "badmagic.gguf")], "no GGUF magic"),
+        # zero samples is a failure, naming the reasons
+        "datagen: every row unanswered": (["datagen", "--data", str(r / "unanswered.jsonl"), "--target", ll,
+                                           "--out", str(r / "d4"), "--no-regenerate", "--quiet"],
+                                          "no_assistant_turn 2"),
+        "datagen: every reply past --max-len": (["datagen", "--data", str(r / "late.jsonl"), "--target", ll,
+                                                 "--out", str(r / "d5"), "--no-regenerate", "--max-len", "8",
+                                                 "--quiet"], "no_loss_tokens_after_truncation 3; "),
         # eyas bench
         "bench: missing prompts file": (["bench", "--bench", str(r / "nope.jsonl")], "nope.jsonl"),
         "bench: malformed prompt row": (["bench", "--bench", str(r / "rows.jsonl")], "line 2"),
@@ -138,3 +191,57 @@ def test_real_process_prints_no_traceback(files, argv):
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert [line for line in p.stderr.splitlines() if line.startswith("error:")], p.stderr
+
+
+def _one_error(r) -> str:
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    return errors[0]
+
+
+def test_failed_gguf_targets_leave_nothing_in_the_cache(tmp_path, monkeypatch):
+    """A truncated file, a bad magic, a family refusal and a file transformers cannot convert: one error line
+    each, and the cache holds nothing afterwards (not even the temporary folder of a conversion killed earlier)."""
+    import transformers
+
+    from eyas.target import file_fingerprint
+
+    # transformers' log handler binds sys.stderr when first used: the real one, not a CliRunner's closed stream
+    transformers.logging.get_verbosity()
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EYAS_CACHE", str(cache))
+    bad = {"cut.gguf": gguf_bytes("llama", [("blk.0.attn_q.weight", (256, 4), 14, 4 * 210)])[:-100],  # Q6_K
+           "magic.gguf": b"GGML" + gguf_bytes("llama")[4:],
+           "phi3.gguf": gguf_bytes("phi3"),
+           # a whole, well-formed file with no tokenizer or config keys: transformers cannot convert it
+           "hollow.gguf": gguf_bytes("llama", [("token_embd.weight", (8, 4), 0, 128)])}
+    for name, data in bad.items():
+        (tmp_path / name).write_bytes(data)
+    hollow = tmp_path / "hollow.gguf"
+    killed = cache / "targets" / f"hollow-{file_fingerprint([hollow]).split(':')[1][:12]}.tmp-999999999"
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half")
+    runner = CliRunner()
+    assert "truncated" in _one_error(runner.invoke(app, ["inspect", str(tmp_path / "cut.gguf")]))
+    assert "no GGUF magic" in _one_error(runner.invoke(app, ["inspect", str(tmp_path / "magic.gguf")]))
+    assert "'phi3'" in _one_error(runner.invoke(app, ["generate", "--target", str(tmp_path / "phi3.gguf"),
+                                                      "--draft", "none", "--prompt", "hi"]))
+    line = _one_error(runner.invoke(app, ["inspect", str(hollow), "--raw"]))  # --raw: it carries no template
+    assert "transformers could not read" in line and "hollow.gguf" in line, line
+    assert not any((cache / "targets").iterdir()), list((cache / "targets").iterdir())
+
+
+def test_zero_sample_datagen_fails_and_train_names_its_reasons(files):
+    """datagen that kept nothing exits 2 naming the reasons but still commits its manifest (rows read, skipped);
+    train on that folder names the same reasons (from the manifest) instead of a bare 'no training samples'."""
+    out = files / "zero"
+    runner = CliRunner()
+    line = _one_error(runner.invoke(app, ["datagen", "--data", str(files / "late.jsonl"), "--target",
+                                          str(files / "llama"), "--out", str(out), "--no-regenerate", "--max-len",
+                                          "8", "--quiet"]))
+    assert "all 3 source rows" in line and "raise --max-len" in line, line
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["skipped"] == {"no_loss_tokens_after_truncation": 3} and m["counts"]["samples"] == 0 and m["complete"]
+    line = _one_error(runner.invoke(app, ["train", "--data", str(out), "--out", str(files / "t-zero")]))
+    assert "no training samples" in line and "no_loss_tokens_after_truncation 3" in line, line
+    assert not (files / "t-zero" / "draft").exists()

@@ -354,3 +354,25 @@ def test_smollm2_regenerates_its_own_greedy_reply(tmp_path, smollm2):
         spans = masked_spans(tok, s.input_ids, s.loss_mask)
         assert [x.text for x in spans] == [tok.decode(out) + "<|im_end|>"]
     assert Counter(m["counts"])["finish_length"] + Counter(m["counts"])["finish_eos"] == 2
+
+
+def test_zero_samples_is_an_error_but_a_resumed_run_that_has_samples_is_not(tmp_path, tiny_dir, conv_file):
+    good = conv_file.read_text().splitlines()[0]
+    unanswered = json.dumps({"conversations": [{"from": "human", "value": "hello?"}]})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join([good, unanswered, unanswered]) + "\n")
+    quiet = dict(progress=False, log=lambda s: None)
+    m = run_datagen(_cfg(tmp_path / "out", tiny_dir, data, num=1), command="a", **quiet)
+    assert m["counts"]["samples"] == 1
+    # the rest of the source is all skipped rows: this run adds nothing, the folder still holds a sample
+    m = run_datagen(_cfg(tmp_path / "out", tiny_dir, data), command="b", **quiet)
+    assert m["counts"]["samples"] == 1 and m["skipped"] == {"no_assistant_turn": 2} and m["complete"]
+    # the same rows alone: nothing to train on, named by reason; the manifest still records what was read
+    only = tmp_path / "only.jsonl"
+    only.write_text("\n".join([unanswered] * 3) + "\n")
+    with pytest.raises(DatagenError, match=r"no samples: all 3 source rows .* \(no_assistant_turn 3; "):
+        run_datagen(_cfg(tmp_path / "zero", tiny_dir, only), command="c", **quiet)
+    man = load_manifest(tmp_path / "zero")
+    assert man["complete"] and man["skipped"] == {"no_assistant_turn": 3} and man["counts"]["rows"] == 3
+    with pytest.raises(DatagenError, match="no samples"):  # a rerun of it is still the same failure
+        run_datagen(_cfg(tmp_path / "zero", tiny_dir, only), command="d", **quiet)

@@ -540,3 +540,41 @@ def test_untrained_weight_signatures():
     trained = torch.randn(576, 1728) * 1e-3 * torch.linspace(0.5, 2.0, 576)[:, None]  # rows of unequal norm
     assert _looks_init(trained) is None
     assert _looks_init(torch.zeros(64, 64)) == "all zeros"
+
+
+def test_identity_fix_points_only_at_checks_that_ran(pair, tmp_path):
+    """--quick runs no accuracy or norms check, so its fix for a changed weights file must not say 'below'."""
+    d = pair.copy(tmp_path / "otherfile")
+    edit_json(d / "eyas_manifest.json", lambda m: m["layout"]["target"].update(fingerprint="sha256:0123"))
+    quick = run_doctor(pair.target, load_draft(d), quick=True)
+    full = run_doctor(pair.target, load_draft(d), samples=pair.samples()[:2])
+    q, f = quick.check("target_identity"), full.check("target_identity")
+    assert q.status == f.status == "fail"
+    assert "without --quick" in q.fix and "below" not in q.fix and "accuracy" not in {c.name for c in quick.checks}
+    assert "checks below" in f.fix and full.check("accuracy") is not None
+
+
+def test_uncovered_family_is_measured_through_hf_hooks_and_says_so(tmp_path):
+    """A family without an engine forward (phi3) still gets the measured checks, through HF hooks; the report and
+    the accuracy table name that path instead of calling it the engine forward."""
+    from rich.console import Console
+
+    from eyas.doctor.checks import render
+
+    cfg, cls = tiny_config("phi3", vocab=V, hidden=H, layers=4)
+    torch.manual_seed(0)
+    m = cls(cfg).eval().requires_grad_(False)
+    m.config.architectures = [cls.__name__]
+    t = Target(model=m, tokenizer=None, identity=identity_of(m, tensor_fingerprint(m), "phi3"), source="phi3",
+               path=None)
+    d = Eagle3Draft(DraftConfig.from_target_config(m.config, draft_vocab_size=DRAFT_VOCAB))
+    d.set_embeddings(t.embed_tokens().weight)
+    d.set_vocab_map(torch.arange(DRAFT_VOCAB))
+    folder = save_draft(tmp_path / "draft", d, Layout(aux_indices=[1, 2, 3], target=t.identity))
+    rep = run_doctor(t, load_draft(folder), samples=[torch.randint(0, V, (S,)) for _ in range(2)], steps=1)
+    assert rep.accuracy["serving_path"] == "HF forward + hooks" and "phi3" in rep.meta["serving_path"]
+    assert rep.check("accuracy").numbers["serving_path"] == rep.meta["serving_path"]
+    con = Console(record=True, width=200)
+    render(rep, con)
+    text = con.export_text()
+    assert "serving (fresh, HF forward + hooks)" in text and "engine forward)" not in text, text

@@ -95,7 +95,8 @@ def test_capture_equals_target_capture_with_layout_order():
 
 @pytest.mark.parametrize("family", ["gemma2", "phi3"])
 def test_unsupported_family_is_refused(family):
-    with pytest.raises(ModelError, match="supports the llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ModelError, match=f"covers the llama, mistral, qwen2, qwen3, gemma3_text families, and "
+                                         f"this target .* is '{family}'"):
         TargetModel(tiny_model(family))
 
 

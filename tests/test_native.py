@@ -169,3 +169,25 @@ def test_truncated_or_foreign_gguf_is_one_clear_error(tmp_path):
     cut.write_bytes(head[:30])
     with pytest.raises(GGUFError, match="ends early"):
         read_gguf_tensors(cut)
+
+
+def test_ggml_type_table_matches_gguf_py_and_catches_k_quant_truncation(tmp_path):
+    """eyas's own copy of ggml's block sizes (read without importing gguf-py) must agree with gguf-py's, since it
+    decides where every tensor ends: a K-quant file cut short (the Gemma 3 GGUFs are Q4_K/Q5_0/Q6_K) is caught."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from eyas.gguf_file import _GGML_TYPES, GGUFError, read_gguf_tensors
+    from tests.tiny import gguf_bytes
+
+    theirs = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGML_QUANT_SIZES}
+    assert {k: theirs[k] for k in _GGML_TYPES} == _GGML_TYPES
+    whole = gguf_bytes("gemma3", [("blk.0.ffn_down.weight", (512, 3), 12, 3 * 2 * 144),  # Q4_K
+                                  ("blk.0.attn_v.weight", (64, 2), 6, 2 * 2 * 22)])  # Q5_0
+    f = tmp_path / "k.gguf"
+    f.write_bytes(whole)
+    t = read_gguf_tensors(f)
+    assert t["blk.0.ffn_down.weight"].type_name == "Q4_K" and t["blk.0.ffn_down.weight"].data.shape == (3, 288)
+    assert t["blk.0.attn_v.weight"].type_name == "Q5_0" and t["blk.0.attn_v.weight"].data.shape == (2, 44)
+    f.write_bytes(whole[:-40])  # the last tensor (Q5_0) loses its end
+    with pytest.raises(GGUFError, match="blk.0.attn_v.weight runs past the end"):
+        read_gguf_tensors(f)

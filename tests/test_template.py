@@ -165,8 +165,11 @@ def test_raw_datagen_on_documents_and_chats_without_a_template(base):
     _datagen(root, target, "raw-chats", chats, raw=True)
     c0 = next(ShardSet([root / "raw-chats"]).samples())
     assert tok.decode(c0.input_ids) == "t5 t9 t10 t20 t21 t22 t23"
-    # without --raw, document rows cannot be rendered as chats: skipped by reason
-    m = _datagen(root, target, "chat-docs", docs, chat_template="chatml")
+    # without --raw, document rows cannot be rendered as chats: skipped by reason, and a run that kept nothing
+    # is an error naming the reason and the flag (the manifest still records what was read)
+    with pytest.raises(DatagenError, match=r"no samples: .*text_row_needs_raw 6; .*pass --raw"):
+        _datagen(root, target, "chat-docs", docs, chat_template="chatml")
+    m = load_manifest(root / "chat-docs")
     assert m["skipped"] == {"text_row_needs_raw": 6} and m["counts"]["samples"] == 0
 
 

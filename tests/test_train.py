@@ -287,6 +287,22 @@ def test_refusals(world, tmp_path):
               target=target)
 
 
+def test_no_training_samples_says_why(world):
+    """Shards whose every sample is held out (or dropped): the error says which, instead of a bare 'no samples'
+    (the all-skipped case, with datagen's reasons from the manifest, is in tests/test_cli_errors.py)."""
+    root, target = world
+    with pytest.raises(TrainError, match=r"no training samples in .*: all \d+ usable samples fall in the 100.0% "
+                                         "held-out split"):
+        train(_cfg(root, "allheld", max_steps=1, heldout_pct=100.0), target=target)
+    with pytest.raises(TrainError, match="every source row was skipped \\(no_loss_rows_within_max_len 90; "
+                                         "no_loss_rows_within_max_len: no assistant token falls within train's "
+                                         "--max-len: raise --max-len\\)"):
+        train(_cfg(root, "short", max_steps=1, max_len=1), target=target)
+    with pytest.raises(TrainError, match=r"--data-tokens 1 keeps none of its \d+ training samples"):
+        train(_cfg(root, "capped", max_steps=1, data_tokens=[1]), target=target)
+    assert not any((root / o).exists() for o in ("allheld", "short", "capped"))
+
+
 def test_cli_reports_bad_input_cleanly(tmp_path):
     from typer.testing import CliRunner
 

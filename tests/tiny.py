@@ -37,3 +37,21 @@ def tiny_model(family: str = "llama", seed: int = 0, **kw):
     model = cls(cfg).eval()
     model.config.architectures = [cls.__name__]
     return model
+
+
+def gguf_bytes(arch: str, tensors: list[tuple[str, tuple[int, ...], int, int]] = ()) -> bytes:
+    """A small GGUF v3 file: `general.architecture` = arch and tensors (name, ggml dims, ggml type id, data bytes)
+    whose data are zeros; a caller cuts the result to make a truncated file."""
+    import struct
+
+    def s(x: str) -> bytes:
+        return struct.pack("<Q", len(x.encode())) + x.encode()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1) + s("general.architecture") + struct.pack("<I", 8) + s(arch)
+    off = 0
+    for name, dims, kind, nbytes in tensors:
+        out += s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", kind, off)
+        off += (nbytes + 31) // 32 * 32
+    out += bytes(-len(out) % 32)
+    return out + bytes(off)

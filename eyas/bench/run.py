@@ -32,6 +32,7 @@ import torch
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
 from ..errors import EyasError
 from ..files import atomic_write, atomic_write_json
+from ..model import check_engine_family
 from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_device
 from ..template import ChatTemplate, draft_template_warning, raw_ids, require_template, resolve_template, use_template
 from ..text import parse_int_list as parse_ints
@@ -45,6 +46,8 @@ HF_METHODS = ("hf-greedy", "hf-lookup")
 PEER_METHODS = (*HF_METHODS, "llama-cpp")  # other engines: compared for speed, not expected to be token-identical
 WARMUP_TOKENS = 16
 SKIP_SPEC = "--methods hf-greedy,plain,hf-lookup to skip the speculative methods"  # a run without a draft
+# the closest path for a target the engine forward cannot run
+HF_ONLY = "bench's HF baselines run on it alone with --methods hf-greedy,hf-lookup"
 
 
 class BenchError(EyasError):
@@ -668,6 +671,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     choice = bench_template(cfg, prompts)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         check_default_draft(cfg.draft, SKIP_SPEC)
+    if target is None and any(m in ENGINE_METHODS for m in cfg.methods):
+        check_engine_family(cfg.target, f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY)
     target = bench_target(cfg, choice, target)
     if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)

@@ -12,9 +12,11 @@ import torch
 
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
 from ..files import atomic_write, atomic_write_json
+from ..model import check_engine_family
 from ..target import Target
 from .prompts import load_prompts
 from .run import (
+    HF_ONLY,
     SKIP_SPEC,
     SWEEP_RESUME_KEYS,
     WARMUP_TOKENS,
@@ -137,6 +139,8 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     choice = bench_template(cfg, prompts)
     if draft is None:
         check_default_draft(cfg.draft, SKIP_SPEC)
+    if target is None:
+        check_engine_family(cfg.target, "bench --sweep", f"without --sweep, {HF_ONLY}")
     target = bench_target(cfg, choice, target)
     draft = draft or resolve_draft(cfg.draft, target)
     template_warning(draft, target, progress)

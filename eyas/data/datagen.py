@@ -50,6 +50,37 @@ from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_man
 
 SHARD_GLOB = "shard-*.safetensors"
 
+# why rows were skipped (the reasons of eyas.data.conversations, datagen and train's sources), and what to do
+# when one of them skipped everything
+SKIP_HINTS = {
+    "template_error": "the chat template could not render these conversations: pass another --chat-template "
+                      "(chatml, gemma, llama3 or a Jinja file), or --raw for plain text",
+    "text_row_needs_raw": "the rows are plain-text documents ({'text'}), which have no chat to render: pass --raw",
+    "prompt_fills_max_len": "the prompts alone fill --max-len, leaving no room for a reply: raise --max-len",
+    "no_loss_tokens_after_truncation": "no assistant reply starts within --max-len tokens: raise --max-len",
+    "no_loss_rows_within_max_len": "no assistant token falls within train's --max-len: raise --max-len",
+    "no_assistant_turn": "the rows hold no assistant reply to learn from: give conversations with replies",
+    "malformed": "the rows are not ShareGPT ('conversations': [{'from', 'value'}]) or OpenAI ('messages': "
+                 "[{'role', 'content'}]) conversations",
+    "unknown_role": "the rows use roles other than system/user/assistant (human/gpt in ShareGPT)",
+    "empty_message": "the rows hold empty messages",
+    "invalid_json": "the lines are not JSON",
+}
+
+
+def skip_summary(skipped: dict[str, int], top: int = 3) -> str:
+    """'template_error 12, malformed 3 (+1 more reason); template_error: <what to do>': the most frequent skip
+    reasons with their counts and the fix for the first. The datagen and train no-samples errors both use it."""
+    ranked = sorted(((k, int(v)) for k, v in skipped.items() if v), key=lambda kv: (-kv[1], kv[0]))
+    if not ranked:
+        return "no rows were skipped"
+    text = ", ".join(f"{k} {v}" for k, v in ranked[:top])
+    if len(ranked) > top:
+        more = len(ranked) - top
+        text += f" (+{more} more reason{'s' if more > 1 else ''})"
+    hint = SKIP_HINTS.get(ranked[0][0])
+    return text + (f"; {ranked[0][0]}: {hint}" if hint else "")
+
 
 class DatagenError(EyasError):
     """Bad options, a refused rerun or a numeric problem; the message says what was expected and the fix."""
@@ -423,6 +454,11 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
         m["commands"].append(command or " ".join(sys.argv))
         atomic_write_json(out / MANIFEST, m)
         _run_chunks(cfg, target, layout, m, out, log, progress)
+        if not m["counts"].get("samples"):  # the whole run so far, so a resumed run with samples passes
+            rows = m["counts"].get("rows", 0)
+            raise DatagenError(f"no samples: all {rows} source rows read from {cfg.data} were skipped "
+                               f"({skip_summary(m['skipped'])}); {out} holds nothing to train on" if rows else
+                               f"no samples: no rows of {cfg.data} were read (--num {cfg.num}); pass --num N >= 1")
         return {**m, "counts": _counts_view(m)}
     finally:
         lock.close()

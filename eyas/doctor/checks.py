@@ -8,13 +8,15 @@ Checks (each a named `Check` with status pass/warn/fail/skip, the numbers behind
   config_ids       which stream indices SGLang and vLLM capture when they read config.json (eyas.doctor.engines)
   data_layout      (--data) which stream each stored feature slice really holds, measured against the target
   accuracy         per-step held-out accuracy: stored shards (training path) vs features captured fresh
-                   through the engine's forward (serving path) vs the training-time metric; skew > 2 points
+                   through the serving path (the engine's forward; HF hooks for a family it does not cover)
+                   vs the training-time metric; skew > 2 points
   layout           layout inference: the recorded layout vs shifted/embedding/final-only/permuted candidates
   norms            per-index stream norms recorded at capture vs measured now
   head             lm_head / fc that look untrained (init statistics, near-uniform logits, accuracy ~ baseline)
 
 Every accuracy is `eyas.train.ttt.ttt_forward` on the draft (the training-time-test alignment of
-docs/CONTRACTS.md); the serving path captures with `eyas.model.TargetModel`, the forward the engine runs.
+docs/CONTRACTS.md); the serving path captures with `eyas.model.TargetModel`, the forward the engine runs (HF
+hooks for a family it does not cover; the report names which ran).
 All stream indices a sample needs are captured in ONE target forward per sample.
 
 Layout inference lives in eyas/doctor/inference.py (`eyas import` uses it too), the identity and config.json
@@ -120,7 +122,7 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
             return Check("accuracy", "fail",
                          f"training/serving skew: step-{j} held-out accuracy {_pct(train['acc'][j])} on the stored "
                          f"shard features (training path) vs {_pct(s_acc[j])} on features captured fresh through "
-                         f"the engine's forward (serving path) — {gaps[j]:+.1f} points on the same tokens",
+                         f"{serving_path} (serving path) — {gaps[j]:+.1f} points on the same tokens",
                          numbers=nums, details=lines,
                          fix="the stored features are not what the target produces now: same target file, dtype and "
                              "capture path for datagen and serving (see target_identity, norms, data_layout); "
@@ -137,12 +139,12 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
         if abs(gap) > SKEW_POINTS and abs(gap) > 2 * se:
             return Check("accuracy", "warn",
                          f"possible training/serving skew: step-0 held-out accuracy {_pct(m0)} at training vs "
-                         f"{_pct(v0)} now through the engine's forward ({gap:+.1f} points, SE {se:.1f}); other "
+                         f"{_pct(v0)} now through {serving_path} ({gap:+.1f} points, SE {se:.1f}); other "
                          "samples than the training run's held-out set, so the data distribution may differ"
                          + (f" ({caveat})" if caveat else ""),
                          numbers=nums, details=lines,
                          fix="pass --data SHARDS (the training data) for a paired test on the same tokens")
-        return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through the engine's forward vs "
+        return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through {serving_path} vs "
                      f"{_pct(m0)} at training ({gap:+.1f} points, SE {se:.1f})", numbers=nums, details=lines)
     return Check("accuracy", "skip",
                  f"serving-path held-out accuracy per step: {', '.join(_pct(a) for a in s_acc)} (no training-path "
@@ -431,7 +433,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     for the serving path (tests, tiny targets); else `num_samples` conversations of `source` (default: the
     training source, held-out rows only; else bundled ShareGPT). quick: identity and config checks only.
     weights: the engine forward's mode for the serving path (eyas.model.engine_model)."""
-    checks = check_identity(target, ckpt)
+    checks = check_identity(target, ckpt, quick)
     man = ckpt.manifest or {}
     training = man.get("training") or {}
     meta: dict[str, Any] = {"target": target.identity.to_dict(), "draft": str(ckpt.path),
@@ -499,7 +501,8 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     if shard_set is not None:
         checks.append(_check_data_layout(shard_set.layout, ckpt, evs[0], fresh[0].streams, L))
     checks.append(_check_head(draft, serve, rank))
-    acc = {"steps": K, "serving": serve, "training": train, "training_time_metric": metric}
+    acc = {"steps": K, "serving": serve, "training": train, "training_time_metric": metric,
+           "serving_path": serving.short}
     return DoctorReport(_ordered(checks), layout=rank, accuracy=acc, meta=meta)
 
 
@@ -570,7 +573,8 @@ def render(report: DoctorReport, console=None) -> None:
             at.add_column(f"step {j}", justify="right")
         if a.get("training"):
             at.add_row("training (stored shards)", *[_pct(x) for x in a["training"]["acc"]])
-        at.add_row("serving (fresh, engine forward)", *[_pct(x) for x in a["serving"]["acc"]])
+        at.add_row(f"serving (fresh, {a.get('serving_path', 'engine forward')})",
+                   *[_pct(x) for x in a["serving"]["acc"]])
         if a.get("training_time_metric"):
             m = list(a["training_time_metric"])[:a["steps"]]
             m = m + [float("nan")] * (a["steps"] - len(m))

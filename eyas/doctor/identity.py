@@ -16,13 +16,14 @@ from .report import Check
 
 # ---- 1. identity: no compute ----------------------------------------------------------------------
 
-def check_identity(target, ckpt: DraftCheckpoint) -> list[Check]:
-    """target_identity, hidden_size, vocab_map, config_hidden, config_ids."""
-    return [_check_target_identity(target, ckpt), _check_hidden(target, ckpt), _check_vocab(target, ckpt),
+def check_identity(target, ckpt: DraftCheckpoint, quick: bool = False) -> list[Check]:
+    """target_identity, hidden_size, vocab_map, config_hidden, config_ids. quick: no measured checks follow
+    (`eyas doctor --quick`), so a fix may not point at them."""
+    return [_check_target_identity(target, ckpt, quick), _check_hidden(target, ckpt), _check_vocab(target, ckpt),
             *_check_engine_config(target, ckpt)]
 
 
-def _check_target_identity(target, ckpt: DraftCheckpoint) -> Check:
+def _check_target_identity(target, ckpt: DraftCheckpoint, quick: bool = False) -> Check:
     lay, now = ckpt.layout, target.identity
     if lay.target is None:
         return Check("target_identity", "warn", "the draft records no target identity; cannot tell which target "
@@ -42,7 +43,9 @@ def _check_target_identity(target, ckpt: DraftCheckpoint) -> Check:
                      f"training, {diffs[0][2]} now; architecture, layers, hidden and vocab all match)",
                      numbers=nums, details=details,
                      fix="serve the exact target file the draft was trained on, or re-capture data on this target "
-                         "and retrain; the accuracy and norms checks below measure how much it matters")
+                         "and retrain; " + ("run `eyas doctor` without --quick: its accuracy and norms checks "
+                                            "measure how much it matters" if quick else
+                                            "the accuracy and norms checks below measure how much it matters"))
     return Check("target_identity", "fail", "the draft was made for another model: " + "; ".join(details),
                  numbers=nums, details=details, fix="use the draft's own target, or train a draft for this one")
 

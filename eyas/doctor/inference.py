@@ -194,17 +194,21 @@ class Serving:
     else the HF forward with hooks (the only path those families have)."""
 
     def __init__(self, target, weights: str = "auto"):
+        from ..model import engine_covers, engine_model
+
         self.target = target
         self.L = target.num_layers
-        try:
-            from ..model import engine_model
-
+        # only the family decides the fallback: any other refusal (a --weights mode that cannot apply) is the
+        # user's to see, not a silent switch to another forward
+        if engine_covers(target.identity.model_type):
             self.fwd = engine_model(target, weights)
             mode = "native GGUF weights" if self.fwd.native is not None else "fp32 weights"
             self.path = f"eyas.model.TargetModel (the engine's forward, {mode})"
-        except ValueError:
+            self.short = "engine forward"
+        else:
             self.fwd = None
-            self.path = "HF forward + hooks (no engine forward for this family)"
+            self.path = f"HF forward + hooks (no engine forward for the {target.identity.model_type} family)"
+            self.short = "HF forward + hooks"
 
     @torch.no_grad()
     def streams(self, input_ids: torch.Tensor, indices: Sequence[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:

@@ -380,6 +380,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     or when the tokenizer has none, the server still starts: completions need no template (template_warnings)."""
     from ..draft import check_default_draft, resolve_draft
     from ..engine import Engine, SpecParams, tree_defaults
+    from ..model import check_engine_family
     from ..target import load_target
 
     method = resolve_method(method, draft)
@@ -391,6 +392,8 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
         spec.validate(None)  # raises EngineError naming the choices
     if method != "plain":
         check_default_draft(draft, "--draft none for plain decoding")
+    check_engine_family(target_spec, "eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it "
+                        "for an engine that serves this family")
     target = load_target(target_spec, dtype=dtype, device=device)
     try:
         use_template(target, chat_template or ChatTemplate("tokenizer"))

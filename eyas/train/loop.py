@@ -283,6 +283,29 @@ def train(cfg: TrainConfig, target=None) -> TrainResult:
         torch.set_num_threads(prev)
 
 
+def _no_samples(cfg: TrainConfig, source: ShardSource | OnlineSource) -> TrainError:
+    """The no-training-samples error, naming why: the skip reasons datagen recorded in the shard manifests and
+    this run's own (samples with no loss token within --max-len), or a held-out split that took every sample."""
+    from ..data.datagen import skip_summary
+
+    skipped = dict(source.skipped)
+    if isinstance(source, ShardSource):
+        for m in source.set.manifests:
+            for k, v in (m.get("skipped") or {}).items():
+                skipped[k] = skipped.get(k, 0) + int(v)
+    where = f"no training samples in {', '.join(cfg.data)}"
+    if isinstance(source, ShardSource) and cfg.data_tokens and any(cfg.data_tokens):
+        capped = source.set.num_samples - sum(source.skipped.values()) - len(source.heldout)
+        if capped > 0:  # training samples existed: the caps dropped every one
+            return TrainError(f"{where}: --data-tokens {','.join(map(str, cfg.data_tokens))} keeps none of its "
+                              f"{capped} training samples (a cap smaller than a sample drops it); raise the caps "
+                              "(0 = all)")
+    if source.heldout:
+        return TrainError(f"{where}: all {len(source.heldout)} usable samples fall in the {cfg.heldout_pct}% "
+                          "held-out split (split by source row id); add data or lower --heldout-pct")
+    return TrainError(f"{where}: every source row was skipped ({skip_summary(skipped)})")
+
+
 def _train(cfg: TrainConfig, target) -> TrainResult:
     dd, device = init_dist(cfg.device)
     if cfg.ttt_steps < 1:
@@ -311,6 +334,8 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
             raise TrainError(f"--chat-template {cfg.chat_template} applies to --online only: shards were rendered "
                              "when they were captured and record their template (`eyas datagen --chat-template`)")
         source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len, cfg.data_tokens)
+        if not source.train:  # before the target loads: nothing it could be used for
+            raise _no_samples(cfg, source)
         template_record = source.set.chat_template  # one template across the folders (ShardSet checks)
         if target is None:
             target = _load_target(cfg, source.describe())
@@ -318,7 +343,7 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
                       f"the target {target.source!r}")
     layout = source.layout
     if not source.train:
-        raise TrainError(f"no training samples in {cfg.data} (after the {cfg.heldout_pct}% held-out split)")
+        raise _no_samples(cfg, source)
     heldout = source.heldout[:cfg.eval_samples] if cfg.eval_samples > 0 else source.heldout
     if not heldout and cfg.heldout_pct > 0:
         raise TrainError(f"the {cfg.heldout_pct}% held-out split of {len(source.train)} samples is empty; raise "
