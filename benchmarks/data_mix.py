@@ -12,9 +12,10 @@ Each is measured the same way:
     folder's held-out rows, which no arm trains on: the split is by source row id in every folder);
   - EAGLE-3-only tau on MT-bench (one question per category, greedy, a tree with no lookup), lossless checked.
 
-The budget's price list is explicit (--*-ms flags; defaults measured on the 2-core CPU, docs/RESULTS.md), so
-the allocation does not depend on what else ran while the data was made. The regenerated arm uses all of the
-regenerated folder's training rows, which fixes the budget; the others get the same CPU-seconds.
+The budget's price list is explicit (--*-tok-s flags; defaults measured on the 2-core CPU, docs/RESULTS.md),
+so the allocation does not depend on what else ran while the data was made. The regenerated arm uses the
+regenerated folder's training rows (all, or --regen-tokens of them), which fixes the budget; the others get the
+same CPU-seconds.
 
     .venv/bin/python benchmarks/data_mix.py --orig runs/mix/data-orig --regen runs/mix/data-regen \\
         --out runs/mix/exp [--arms a,b,c] [--threads 2]
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--regen", required=True, help="shard folder of regenerated replies (datagen --regenerate)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--arms", default="a,b,c")
+    ap.add_argument("--regen-tokens", type=int, default=0,
+                    help="training tokens of the regenerated arm (0 = all its training rows): sets the budget")
     ap.add_argument("--capture-tok-s", type=float, default=250.0, help="capture rate (tokens/s, quiet CPU)")
     ap.add_argument("--regen-tok-s", type=float, default=76.0, help="regeneration rate (new tokens/s, quiet CPU)")
     ap.add_argument("--train-tok-s", type=float, default=360.0, help="training rate (tokens/s, TTT-3, fp32)")
@@ -84,13 +87,15 @@ def main() -> None:
     c_regen = data_ms_per_token(args.regen, args.capture_tok_s, args.regen_tok_s)
     c_train = 1000 / args.train_tok_s
     n_regen = train_tokens(args.regen, args.max_len)
+    if args.regen_tokens:
+        n_regen = min(n_regen, args.regen_tokens)
     n_orig_all = train_tokens(args.orig, args.max_len)
     budget_ms = n_regen * (c_regen + c_train)
     n_orig = int(budget_ms / (c_orig + c_train))
     if n_orig > n_orig_all:
         raise SystemExit(f"the budget buys {n_orig} original tokens but {args.orig} holds {n_orig_all}: "
                          "capture more (datagen --num N --no-regenerate)")
-    arms = {"a": ([args.orig], [n_orig]), "b": ([args.regen], [0]),
+    arms = {"a": ([args.orig], [n_orig]), "b": ([args.regen], [args.regen_tokens]),
             "c": ([args.orig, args.regen], [n_orig // 2, n_regen // 2])}
     print(f"price list: original {c_orig:.2f} ms/token, regenerated {c_regen:.2f} ms/token (data), training "
           f"{c_train:.2f} ms/token; budget {budget_ms / 1000:.0f} CPU-s per arm = {n_regen} regenerated or "
