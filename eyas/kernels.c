@@ -300,6 +300,33 @@ static void q4_step_scalar(const q4_block *blk, const int8_t *xb, float dxb, con
 }
 #endif
 
+#ifdef EYAS_Q4_AVX2
+/* R rows (r0..r0+R-1) against one output's blocks: two accumulators per row (even and odd blocks) */
+static inline __attribute__((always_inline)) void q4_rows(const q4_block *wn, int nb, const int8_t *xq,
+                                                          const float *dx, const float *sxl, int r0, int K,
+                                                          uint16_t *out, int64_t ostride, const int R) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 e[4], o[4];
+    for (int i = 0; i < R; i++) e[i] = o[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const q4_block *blk = wn + b;
+        const __m256i w = Q4_UNPACK(blk);
+        for (int i = 0; i < R; i++) {
+            const int64_t rb = (int64_t)(r0 + i) * nb + b;
+            const int8_t *xb = xq + (int64_t)(r0 + i) * K + b * 32;
+            if (b & 1) Q4_STEP(o[i], xb, dx[rb], sxl + rb * 8);
+            else Q4_STEP(e[i], xb, dx[rb], sxl + rb * 8);
+        }
+    }
+    float a[8];
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(a, _mm256_add_ps(e[i], o[i]));
+        out[i * ostride] = to_bf16(fold8(a));
+    }
+}
+#endif
+
 void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *blocks, uint16_t *out, int M, int N, int K,
                          int nthreads) {
     const int nb = K / 32;
@@ -310,76 +337,21 @@ void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *blocks, uint16_t *out
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int n = 0; n < N; n++) {
         const q4_block *wn = W + (int64_t)n * nb;
-        float ae[4][8];
         int r = 0;
 #ifdef EYAS_Q4_AVX2
-        const __m128i low4 = _mm_set1_epi8(15);
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (; r + 4 <= M; r += 4) {  /* four rows share each unpacked block */
-            __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-            const int8_t *x0 = xq + (int64_t)r * K;
-            const float *d0 = dx + (int64_t)r * nb, *s0 = sxl + (int64_t)r * nb * 8;
-            const int64_t XK = K, DN = nb, SN = (int64_t)nb * 8;
-            for (int b = 0; b < nb; b++) {
-                const q4_block *blk = wn + b;
-                const __m256i w = Q4_UNPACK(blk);
-                const int8_t *xb = x0 + b * 32;
-                const float *sb = s0 + b * 8;
-                if (b & 1) {
-                    Q4_STEP(o0, xb, d0[b], sb); Q4_STEP(o1, xb + XK, d0[DN + b], sb + SN);
-                    Q4_STEP(o2, xb + 2 * XK, d0[2 * DN + b], sb + 2 * SN);
-                    Q4_STEP(o3, xb + 3 * XK, d0[3 * DN + b], sb + 3 * SN);
-                } else {
-                    Q4_STEP(e0, xb, d0[b], sb); Q4_STEP(e1, xb + XK, d0[DN + b], sb + SN);
-                    Q4_STEP(e2, xb + 2 * XK, d0[2 * DN + b], sb + 2 * SN);
-                    Q4_STEP(e3, xb + 3 * XK, d0[3 * DN + b], sb + 3 * SN);
-                }
-            }
-            _mm256_storeu_ps(ae[0], _mm256_add_ps(e0, o0)); _mm256_storeu_ps(ae[1], _mm256_add_ps(e1, o1));
-            _mm256_storeu_ps(ae[2], _mm256_add_ps(e2, o2)); _mm256_storeu_ps(ae[3], _mm256_add_ps(e3, o3));
-            for (int i = 0; i < 4; i++) out[(int64_t)(r + i) * N + n] = to_bf16(fold8(ae[i]));
-        }
-        for (; r + 2 <= M; r += 2) {  /* then two rows */
-            __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
-            const int8_t *x0 = xq + (int64_t)r * K;
-            const float *d0 = dx + (int64_t)r * nb, *s0 = sxl + (int64_t)r * nb * 8;
-            const int64_t XK = K, DN = nb, SN = (int64_t)nb * 8;
-            for (int b = 0; b < nb; b++) {
-                const q4_block *blk = wn + b;
-                const __m256i w = Q4_UNPACK(blk);
-                const int8_t *xb = x0 + b * 32;
-                const float *sb = s0 + b * 8;
-                if (b & 1) {
-                    Q4_STEP(o0, xb, d0[b], sb); Q4_STEP(o1, xb + XK, d0[DN + b], sb + SN);
-                } else {
-                    Q4_STEP(e0, xb, d0[b], sb); Q4_STEP(e1, xb + XK, d0[DN + b], sb + SN);
-                }
-            }
-            _mm256_storeu_ps(ae[0], _mm256_add_ps(e0, o0)); _mm256_storeu_ps(ae[1], _mm256_add_ps(e1, o1));
-            for (int i = 0; i < 2; i++) out[(int64_t)(r + i) * N + n] = to_bf16(fold8(ae[i]));
-        }
-        for (; r < M; r++) {  /* the last row alone: the same operations per row */
-            __m256 e = _mm256_setzero_ps(), o = e;
-            const int8_t *x0 = xq + (int64_t)r * K;
-            const float *d0 = dx + (int64_t)r * nb, *s0 = sxl + (int64_t)r * nb * 8;
-            for (int b = 0; b < nb; b++) {
-                const q4_block *blk = wn + b;
-                const __m256i w = Q4_UNPACK(blk);
-                if (b & 1) Q4_STEP(o, x0 + b * 32, d0[b], s0 + b * 8);
-                else Q4_STEP(e, x0 + b * 32, d0[b], s0 + b * 8);
-            }
-            _mm256_storeu_ps(ae[0], _mm256_add_ps(e, o));
-            out[(int64_t)r * N + n] = to_bf16(fold8(ae[0]));
-        }
+        /* rows in groups of 4, then 2, then 1 (each group shares the unpacked blocks); a row's own sequence
+         * is the same in every group */
+        for (; r + 4 <= M; r += 4) q4_rows(wn, nb, xq, dx, sxl, r, K, out + (int64_t)r * N + n, N, 4);
+        for (; r + 2 <= M; r += 2) q4_rows(wn, nb, xq, dx, sxl, r, K, out + (int64_t)r * N + n, N, 2);
+        for (; r < M; r++) q4_rows(wn, nb, xq, dx, sxl, r, K, out + (int64_t)r * N + n, N, 1);
 #else
-        float ao[8];
         for (; r < M; r++) {
-            for (int j = 0; j < 8; j++) ae[0][j] = ao[j] = 0.0f;
+            float ae[8] = {0}, ao[8] = {0};
             for (int b = 0; b < nb; b++)
                 q4_step_scalar(wn + b, xq + (int64_t)r * K + b * 32, dx[(int64_t)r * nb + b],
-                               sxl + ((int64_t)r * nb + b) * 8, (b & 1) ? ao : ae[0]);
-            for (int j = 0; j < 8; j++) ae[0][j] += ao[j];
-            out[(int64_t)r * N + n] = to_bf16(fold8(ae[0]));
+                               sxl + ((int64_t)r * nb + b) * 8, (b & 1) ? ao : ae);
+            for (int j = 0; j < 8; j++) ae[j] += ao[j];
+            out[(int64_t)r * N + n] = to_bf16(fold8(ae));
         }
 #endif
     }
@@ -451,6 +423,32 @@ static void quantize_q8_rows_f32(const float *x, int M, int K, int8_t *xq, float
     acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p_), acc); } while (0)
 #endif
 
+#ifdef EYAS_Q4_AVX2
+/* R rows against one Q8_0 output row: two accumulators per row (even and odd blocks) */
+static inline __attribute__((always_inline)) void q8_rows(const int8_t *wn, const float *dn, int nb,
+                                                          const int8_t *xq, const float *dx, int r0, int K,
+                                                          float *out, int64_t ostride, const int R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 e[4], o[4];
+    for (int i = 0; i < R; i++) e[i] = o[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * 32));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int i = 0; i < R; i++) {
+            const int8_t *xb = xq + (int64_t)(r0 + i) * K + b * 32;
+            const float scale = dn[b] * dx[(int64_t)(r0 + i) * nb + b];
+            if (b & 1) Q8_STEP(o[i], xb, scale);
+            else Q8_STEP(e[i], xb, scale);
+        }
+    }
+    float a[8];
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(a, _mm256_add_ps(e[i], o[i]));
+        out[i * ostride] = fold8(a);
+    }
+}
+#endif
+
 void eyas_q8q8_matmul(const float *x, const int8_t *qw, const float *d, float *out, int M, int N, int K,
                       int nthreads) {
     const int nb = K / 32;
@@ -461,43 +459,10 @@ void eyas_q8q8_matmul(const float *x, const int8_t *qw, const float *d, float *o
     for (int n = 0; n < N; n++) {
         const int8_t *wn = qw + (int64_t)n * K;
         const float *dn = d + (int64_t)n * nb;
-        float a[4][8];
         int r = 0;
 #ifdef EYAS_Q4_AVX2
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (; r + 4 <= M; r += 4) {
-            __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-            const int8_t *x0 = xq + (int64_t)r * K;
-            const float *d0 = dx + (int64_t)r * nb;
-            for (int b = 0; b < nb; b++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * 32));
-                const __m256i aw = _mm256_sign_epi8(w, w);
-                const int8_t *xb = x0 + b * 32;
-                if (b & 1) {
-                    Q8_STEP(o0, xb, dn[b] * d0[b]); Q8_STEP(o1, xb + K, dn[b] * d0[nb + b]);
-                    Q8_STEP(o2, xb + 2 * K, dn[b] * d0[2 * nb + b]); Q8_STEP(o3, xb + 3 * K, dn[b] * d0[3 * nb + b]);
-                } else {
-                    Q8_STEP(e0, xb, dn[b] * d0[b]); Q8_STEP(e1, xb + K, dn[b] * d0[nb + b]);
-                    Q8_STEP(e2, xb + 2 * K, dn[b] * d0[2 * nb + b]); Q8_STEP(e3, xb + 3 * K, dn[b] * d0[3 * nb + b]);
-                }
-            }
-            _mm256_storeu_ps(a[0], _mm256_add_ps(e0, o0)); _mm256_storeu_ps(a[1], _mm256_add_ps(e1, o1));
-            _mm256_storeu_ps(a[2], _mm256_add_ps(e2, o2)); _mm256_storeu_ps(a[3], _mm256_add_ps(e3, o3));
-            for (int i = 0; i < 4; i++) out[(int64_t)(r + i) * N + n] = fold8(a[i]);
-        }
-        for (; r < M; r++) {
-            __m256 e = _mm256_setzero_ps(), o = e;
-            const int8_t *x0 = xq + (int64_t)r * K;
-            const float *d0 = dx + (int64_t)r * nb;
-            for (int b = 0; b < nb; b++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * 32));
-                const __m256i aw = _mm256_sign_epi8(w, w);
-                if (b & 1) Q8_STEP(o, x0 + b * 32, dn[b] * d0[b]);
-                else Q8_STEP(e, x0 + b * 32, dn[b] * d0[b]);
-            }
-            _mm256_storeu_ps(a[0], _mm256_add_ps(e, o));
-            out[(int64_t)r * N + n] = fold8(a[0]);
-        }
+        for (; r + 4 <= M; r += 4) q8_rows(wn, dn, nb, xq, dx, r, K, out + (int64_t)r * N + n, N, 4);
+        for (; r < M; r++) q8_rows(wn, dn, nb, xq, dx, r, K, out + (int64_t)r * N + n, N, 1);
 #else
         for (; r < M; r++) {
             float ev[8] = {0}, ov[8] = {0};
@@ -511,8 +476,8 @@ void eyas_q8q8_matmul(const float *x, const int8_t *qw, const float *d, float *o
                     acc[j] = fmaf(scale, (float)p, acc[j]);
                 }
             }
-            for (int j = 0; j < 8; j++) a[0][j] = ev[j] + ov[j];
-            out[(int64_t)r * N + n] = fold8(a[0]);
+            for (int j = 0; j < 8; j++) ev[j] += ov[j];
+            out[(int64_t)r * N + n] = fold8(ev);
         }
 #endif
     }
