@@ -293,7 +293,11 @@ def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: st
         text = ""
     if isinstance(text, str) and sentinel in text:
         rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
-        if rest and rest[0] in tokenizer.all_special_ids:
+        # all_special_ids holds only the named specials (bos/eos/unk/pad/...); a GGUF tokenizer marks its turn
+        # delimiters (Gemma's <end_of_turn> = 106) special in added_tokens_decoder alone, so ask both
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        if rest and (rest[0] in tokenizer.all_special_ids
+                     or (rest[0] in added and getattr(added[rest[0]], "special", False))):
             ids.add(int(rest[0]))
     if not ids and needed_for:
         raise TargetError("the target has no end-of-turn token (no eos id in its tokenizer, model config or "

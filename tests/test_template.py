@@ -99,6 +99,20 @@ def test_builtin_templates_render_append_only_and_give_an_end_token(smollm2):
     assert 2 in end_token_ids(tok)  # <|im_end|>, the token right after a reply
 
 
+def test_end_token_marked_special_only_in_added_tokens(smollm2):
+    """A GGUF Gemma tokenizer marks <end_of_turn> special in added_tokens_decoder but not in all_special_ids
+    (the named specials only): the gemma template's end of turn must still be a stop token, or generation and
+    regeneration run past every reply."""
+    from tokenizers import AddedToken
+
+    tok = __import__("copy").deepcopy(smollm2.tokenizer)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<start_of_turn>", "<end_of_turn>")])
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert eot not in tok.all_special_ids  # the situation the real Gemma-3 GGUF tokenizer is in
+    tpl.apply_template(tok, tpl.resolve_template("gemma"))
+    assert end_token_ids(tok) == sorted({tok.eos_token_id, eot})
+
+
 def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_path, monkeypatch):
     root, target, docs, _ = base
     assert tpl.peek_template(str(target.path)) is None
