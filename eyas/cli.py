@@ -613,7 +613,9 @@ def generate(
     sys.stdout.write(res.text[shown.sent:] + "\n")
     st = res.stats
     lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
-             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)"]
+             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)",
+             f"weights: target {engine.weights}" + (f", draft {engine.draft_weights}" if engine.draft_weights else "")
+             + (f" (--weights auto: {engine.weights_note})" if engine.weights_note else "")]
     if method != "plain":
         rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
         per = max(st.rounds, 1)
