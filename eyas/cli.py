@@ -170,6 +170,8 @@ def train(
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = torch default; 1 is faster on a busy CPU)"),
     chat_template: str = typer.Option(None, "--chat-template", help="--online: Jinja FILE or built-in NAME (chatml "
                                       "| gemma | llama3); shards record the template they were rendered with"),
+    raw: bool = typer.Option(False, "--raw", help="--online: rows as plain text, no chat template (base models; "
+                             "every token but a BOS is a loss token, like `datagen --raw --no-regenerate`)"),
 ) -> None:
     """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
     from .text import parse_int_list
@@ -191,7 +193,7 @@ def train(
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
                       intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
                       refresh_vocab=refresh_vocab, device=device,
-                      target_dtype=dtype, quiet=quiet, threads=threads, chat_template=chat_template)
+                      target_dtype=dtype, quiet=quiet, threads=threads, chat_template=chat_template, raw=raw)
     with user_errors():
         run_train(cfg)
 

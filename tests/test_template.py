@@ -242,6 +242,43 @@ def test_draft_manifest_records_the_shards_template_and_generate_warns(base):
     assert "built-in 'chatml'" in r.output and "pass --raw to match" in r.output
 
 
+def test_online_train_on_a_base_model_takes_the_raw_it_suggests(base):
+    """`train --online` on a base model is refused with "pass --chat-template ... or --raw"; --raw then works:
+    the rows as plain text (documents too), every token but the BOS a loss token, recorded raw in the draft."""
+    root, target, docs, _ = base
+    t = str(target.path)
+    args = ["train", "--online", "--target", t, "--data", str(docs), "--out", str(root / "online-raw"),
+            "--draft-vocab", "32", "--ttt-steps", "1", "--max-steps", "1", "--batch-tokens", "256", "--max-len", "64",
+            "--heldout-pct", "0", "--quiet", "--threads", "1"]
+    line = _error_line(args)  # the refusal names --raw ...
+    assert "no chat template" in line and "--raw" in line
+    r = runner.invoke(app, args + ["--raw"])  # ... and --raw is an option that works
+    assert r.exit_code == 0, r.output
+    draft = load_draft(root / "online-raw" / "draft")
+    assert draft.manifest["chat_template"]["source"] == "raw"
+    # the same tokens and loss mask as datagen --raw --no-regenerate gives (one owner: tokenize_raw)
+    from eyas.data.conversations import load_conversations, tokenize_raw
+    from eyas.train.sources import OnlineSource
+
+    src = OnlineSource(target, str(docs), None, 64, 0.0, None, raw=True)
+    convs, _ = load_conversations(str(docs))
+    ids, mask, _ = tokenize_raw(target.tokenizer, convs[0], 64)
+    got_ids, got_mask = src.tokens[(-1, 0)]
+    assert got_ids.tolist() == ids.tolist() and got_mask.tolist() == mask.tolist()
+    assert len(src.train) == 6 and mask[1:].all()
+    # without --raw, document rows have no chat to render: skipped by that reason, not tokenized as nothing
+    saved = target.tokenizer.chat_template, getattr(target, "chat_template", None)  # a module-wide fixture
+    tpl.use_template(target, tpl.resolve_template("chatml"))
+    try:
+        plain = OnlineSource(target, str(docs), None, 64, 0.0, None)
+    finally:
+        target.tokenizer.chat_template, target.chat_template = saved
+    assert plain.train == [] and plain.skipped.get("text_row_needs_raw") == 6
+    with pytest.raises(TrainError, match="--raw applies to --online only"):
+        train(TrainConfig(data=[str(root / "online-raw")], out=str(root / "t-y"), raw=True, quiet=True),
+              target=target)
+
+
 def test_raw_bench_and_generate_send_the_text_as_is(base, tmp_path):
     from eyas.bench.prompts import BenchPrompt
     from eyas.bench.run import BenchConfig, BenchError, bench_template, prompt_ids

@@ -44,6 +44,7 @@ from .conversations import (
     raw_prompt_text,
     resolve_source,
     tokenize_conversation_checked,
+    tokenize_raw,
 )
 from .regen import generate_replies, regen_engine, regenerate, stop_token_ids
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
@@ -212,12 +213,8 @@ def _raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, st
     items: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     if not cfg.regenerate:
         for c in convs:
-            ids = torch.tensor(raw_ids(tok, plain_text(c), as_text=True), dtype=torch.long)
-            mask = torch.ones(len(ids), dtype=torch.bool)
-            if len(ids) and tok.bos_token_id is not None and int(ids[0]) == tok.bos_token_id:
-                mask[0] = False
-            stats["truncated"] += int(len(ids) > cfg.max_len)
-            ids, mask = ids[:cfg.max_len], mask[:cfg.max_len]
+            ids, mask, cut = tokenize_raw(tok, c, cfg.max_len)
+            stats["truncated"] += int(cut)
             if int(mask.sum()) < 2:
                 skips["no_loss_tokens_after_truncation"] += 1
                 continue

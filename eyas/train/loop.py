@@ -318,7 +318,7 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
 
     # data + target (each rank reads the same data and derives the same plan and vocab)
     if cfg.online:
-        choice = resolve_template(cfg.chat_template)
+        choice = resolve_template(cfg.chat_template, cfg.raw)
         if target is None:
             if cfg.target:
                 require_template(cfg.target, choice)  # a base model without a template: before it loads
@@ -328,11 +328,13 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
         if cfg.data_tokens is not None:
             raise TrainError("--data-tokens caps captured shard folders; with --online use --num-samples")
         template_record = use_template(target, choice).record()
-        source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices)
+        source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices,
+                              raw=choice.raw)
     else:
-        if cfg.chat_template is not None:
-            raise TrainError(f"--chat-template {cfg.chat_template} applies to --online only: shards were rendered "
-                             "when they were captured and record their template (`eyas datagen --chat-template`)")
+        if cfg.chat_template is not None or cfg.raw:
+            flag = "--raw" if cfg.raw else f"--chat-template {cfg.chat_template}"
+            raise TrainError(f"{flag} applies to --online only: shards were rendered when they were captured and "
+                             "record their template (`eyas datagen --chat-template NAME` or `--raw`)")
         source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len, cfg.data_tokens)
         if not source.train:  # before the target loads: nothing it could be used for
             raise _no_samples(cfg, source)
