@@ -245,3 +245,22 @@ def test_zero_sample_datagen_fails_and_train_names_its_reasons(files):
     line = _one_error(runner.invoke(app, ["train", "--data", str(out), "--out", str(files / "t-zero")]))
     assert "no training samples" in line and "no_loss_tokens_after_truncation 3" in line, line
     assert not (files / "t-zero" / "draft").exists()
+
+
+def test_failed_first_datagen_creates_no_out_folder(files):
+    """A first datagen run that fails on its inputs (a missing .gguf, a truncated or foreign target, a missing
+    conversation file, bad --aux-indices) is one error line and leaves no --out folder (nor its lock file) behind:
+    the next try should not find a half-made folder."""
+    ll = str(files / "llama")
+    runner = CliRunner()
+    for name, extra, phrase in [
+            ("missing-gguf", ["--target", str(files / "nope.gguf")], "no such GGUF file"),
+            ("foreign-gguf", ["--target", str(files / "foreign.gguf")], "not a GGUF file"),
+            ("cut-weights", ["--target", str(files / "cutweights")], "not a readable safetensors file"),
+            ("missing-data", ["--target", ll, "--data", str(files / "nope.jsonl")], "nope.jsonl"),
+            ("bad-aux", ["--target", ll, "--aux-indices", "1,2,99"], "--aux-indices")]:
+        out = files / f"first-{name}"
+        argv = ["datagen", "--data", str(files / "late.jsonl"), "--out", str(out), "--no-regenerate", "--quiet",
+                *extra]
+        assert phrase in _one_error(runner.invoke(app, argv)), name
+        assert not out.exists(), (name, list(out.iterdir()))

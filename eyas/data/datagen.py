@@ -430,22 +430,23 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
+    # everything a bad flag or file can fail on comes before --out is created: a failed first run leaves nothing
+    source, source_fp = _source_identity(cfg.data)
+    choice = cfg.template()
+    if target is None:
+        require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
+        target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
+    use_template(target, choice)
+    try:
+        layout = target.default_layout(cfg.aux_indices)
+    except LayoutError as e:
+        raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
+    conf = _manifest_config(cfg, source, source_fp)
+    if cfg.regenerate:  # what wrote the replies; both run the HF weights in --target-dtype
+        conf["regen_engine"] = "hf-generate" if regen_engine(target) is None else "eyas-engine"
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
-        source, source_fp = _source_identity(cfg.data)
-        choice = cfg.template()
-        if target is None:
-            require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
-            target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
-        use_template(target, choice)
-        try:
-            layout = target.default_layout(cfg.aux_indices)
-        except LayoutError as e:
-            raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
-        conf = _manifest_config(cfg, source, source_fp)
-        if cfg.regenerate:  # what wrote the replies; both run the HF weights in --target-dtype
-            conf["regen_engine"] = "hf-generate" if regen_engine(target) is None else "eyas-engine"
         m = _open_manifest(out, cfg, target, layout, conf, log)
         m["config"]["regen_engine"] = conf.get("regen_engine")
         m["commands"].append(command or " ".join(sys.argv))
