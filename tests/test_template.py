@@ -113,6 +113,24 @@ def test_end_token_marked_special_only_in_added_tokens(smollm2):
     assert end_token_ids(tok) == sorted({tok.eos_token_id, eot})
 
 
+def test_template_rebuilt_from_its_record(tmp_path):
+    """train installs the shards' recorded template (so its end-of-turn token joins the draft vocabulary): a
+    record gives back the same template only when its text is at hand and hashes the same."""
+    for choice in (tpl.resolve_template("gemma"), tpl.resolve_template(None, raw=True)):
+        back = tpl.template_from_record(choice.record())
+        assert (back.source, back.text) == (choice.source, choice.text)
+    assert tpl.template_from_record(None).source == "tokenizer"
+    f = tmp_path / "t.jinja"
+    f.write_text(CHATML)
+    rec = tpl.resolve_template(str(f)).record()
+    assert tpl.template_from_record(rec).text == CHATML
+    f.write_text(CHATML + "{# edited #}")  # the file changed since the shards were rendered: not the same template
+    assert tpl.template_from_record(rec) is None
+    f.unlink()
+    assert tpl.template_from_record(rec) is None
+    assert tpl.template_from_record({**tpl.resolve_template("gemma").record(), "sha256": "sha256:0"}) is None
+
+
 def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_path, monkeypatch):
     root, target, docs, _ = base
     assert tpl.peek_template(str(target.path)) is None

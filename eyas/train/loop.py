@@ -31,7 +31,7 @@ from ..draft import DraftConfig, Eagle3Draft, save_draft
 from ..files import atomic_write
 from ..layout import check_layouts
 from ..target import end_token_ids
-from ..template import require_template, resolve_template, use_template
+from ..template import require_template, resolve_template, template_from_record, use_template
 from ..vocab import DraftVocab, count_tokens, select_draft_vocab
 from .checkpoint import (
     check_resume,
@@ -341,6 +341,11 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
         template_record = source.set.chat_template  # one template across the folders (ShardSet checks)
         if target is None:
             target = _load_target(cfg, source.describe())
+        rebuilt = template_from_record(template_record)
+        if rebuilt is not None and rebuilt.source in ("builtin", "file"):
+            # the shards' template on the tokenizer, so end_token_ids below finds its end-of-turn token (Gemma's
+            # <end_of_turn>) and the draft vocabulary always holds it, as when training --online
+            use_template(target, rebuilt)
         check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards",
                       f"the target {target.source!r}")
     layout = source.layout
