@@ -56,7 +56,10 @@ def user_errors() -> Iterator[None]:
 
 @app.command()
 def inspect(
-    what: str = typer.Argument("smollm2-135m", help="a target (name, HF folder, .gguf), a shard folder or a draft"),
+    what: str = typer.Argument(None, help="a target (name, HF folder, .gguf), a shard folder or a draft "
+                               "[default: smollm2-135m]"),
+    target: str = typer.Option(None, "--target", help="the target, as every other command names it (the same as "
+                               "WHAT)"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -67,6 +70,9 @@ def inspect(
     """Describe a target (layout in every engine's convention, stream norms), a shard folder or a draft."""
     from .inspect import inspect_path, inspect_target, render
 
+    if what is not None and target is not None and what != target:
+        fail(f"inspect got two things to describe: {what} and --target {target}; pass one of them")
+    what = what or target or "smollm2-135m"
     with user_errors():
         info = inspect_path(Path(what)) if Path(what).is_dir() else None
         if info is None:

@@ -157,11 +157,19 @@ def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_p
 def test_cli_says_what_to_pass_for_a_base_model(base):
     root, target, docs, _ = base
     t = str(target.path)
-    for argv in (["inspect", t], ["generate", "--target", t, "--draft", "none", "--prompt", "t5"],
+    for argv in (["inspect", t], ["inspect", "--target", t],
+                 ["generate", "--target", t, "--draft", "none", "--prompt", "t5"],
                  ["bench", "--target", t, "--methods", "plain", "--limit", "1"],
                  ["datagen", "--target", t, "--data", str(docs), "--out", str(root / "cli-d")]):
         line = _error_line(argv)
         assert "no chat template" in line and "--chat-template chatml" in line and "--raw" in line, argv
+    # inspect takes --target like every other command: the same report as the positional spelling
+    pos, opt = (runner.invoke(app, ["inspect", *a, "--raw", "--json"]) for a in ([t], ["--target", t]))
+    assert pos.exit_code == 0 and opt.exit_code == 0, (pos.output, opt.output)
+    drop = ("load_seconds",)
+    a, b = ({k: v for k, v in json.loads(r.stdout).items() if k not in drop} for r in (pos, opt))
+    assert a == b and a["kind"] == "target" and a["fingerprint"] == target.identity.fingerprint
+    assert "pass one of them" in _error_line(["inspect", t, "--target", str(root)])
 
 
 # ---- records and checks ------------------------------------------------------------------------------
