@@ -56,7 +56,10 @@ def user_errors() -> Iterator[None]:
 
 @app.command()
 def inspect(
-    what: str = typer.Argument("smollm2-135m", help="a target (name, HF folder, .gguf), a shard folder or a draft"),
+    what: str = typer.Argument(None, help="a target (name, HF folder, .gguf), a shard folder or a draft "
+                               "[default: smollm2-135m]"),
+    target: str = typer.Option(None, "--target", help="the target, as every other command names it (the same as "
+                               "WHAT)"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -67,6 +70,9 @@ def inspect(
     """Describe a target (layout in every engine's convention, stream norms), a shard folder or a draft."""
     from .inspect import inspect_path, inspect_target, render
 
+    if what is not None and target is not None and what != target:
+        fail(f"inspect got two things to describe: {what} and --target {target}; pass one of them")
+    what = what or target or "smollm2-135m"
     with user_errors():
         info = inspect_path(Path(what)) if Path(what).is_dir() else None
         if info is None:
@@ -170,6 +176,8 @@ def train(
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = torch default; 1 is faster on a busy CPU)"),
     chat_template: str = typer.Option(None, "--chat-template", help="--online: Jinja FILE or built-in NAME (chatml "
                                       "| gemma | llama3); shards record the template they were rendered with"),
+    raw: bool = typer.Option(False, "--raw", help="--online: rows as plain text, no chat template (base models; "
+                             "every token but a BOS is a loss token, like `datagen --raw --no-regenerate`)"),
 ) -> None:
     """Train an EAGLE-3 draft with training-time test on captured shards (or --online)."""
     from .text import parse_int_list
@@ -191,7 +199,7 @@ def train(
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
                       intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
                       refresh_vocab=refresh_vocab, device=device,
-                      target_dtype=dtype, quiet=quiet, threads=threads, chat_template=chat_template)
+                      target_dtype=dtype, quiet=quiet, threads=threads, chat_template=chat_template, raw=raw)
     with user_errors():
         run_train(cfg)
 
@@ -613,7 +621,9 @@ def generate(
     sys.stdout.write(res.text[shown.sent:] + "\n")
     st = res.stats
     lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
-             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)"]
+             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)",
+             f"weights: target {engine.weights}" + (f", draft {engine.draft_weights}" if engine.draft_weights else "")
+             + (f" (--weights auto: {engine.weights_note})" if engine.weights_note else "")]
     if method != "plain":
         rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
         per = max(st.rounds, 1)

@@ -264,6 +264,7 @@ class Engine:
         native = self.model.native
         # the mode auto resolved to
         self.weights = "fp32" if native is None else "native" if native.act == "q8" else "native-bf16"
+        self.weights_note: str | None = self.model.fallback  # why auto did not run native, if it did not
         self.device = self.model.device
         self.draft = None
         self.draft_manifest: dict | None = draft.manifest if draft is not None else None  # its training record

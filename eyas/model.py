@@ -167,6 +167,7 @@ class TargetModel:
         cfg = _check_family(model)
         self.hf = model
         self.native = native
+        self.fallback: str | None = None  # why --weights auto ran fp32 instead of native (set by engine_model)
         # eyas's C attention for masked fp32 forwards (native weights always use it): it skips masked keys
         # without reading them, which pays when rows of one batch hold sequences of very different lengths
         # (datagen's regeneration)
@@ -475,7 +476,9 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     if why is not None:
         if weights != "auto":
             raise ModelError(f"--weights {weights}: {why}; use --weights fp32")
-        return TargetModel(model)
+        tm = TargetModel(model)
+        tm.fallback = why  # auto fell back to fp32: callers say why (a Q4_K_M file holds Q5_0 matrices, say)
+        return tm
     return TargetModel(model, native)
 
 

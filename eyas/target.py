@@ -293,7 +293,11 @@ def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: st
         text = ""
     if isinstance(text, str) and sentinel in text:
         rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
-        if rest and rest[0] in tokenizer.all_special_ids:
+        # all_special_ids holds only the named specials (bos/eos/unk/pad/...); a GGUF tokenizer marks its turn
+        # delimiters (Gemma's <end_of_turn> = 106) special in added_tokens_decoder alone, so ask both
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        if rest and (rest[0] in tokenizer.all_special_ids
+                     or (rest[0] in added and getattr(added[rest[0]], "special", False))):
             ids.add(int(rest[0]))
     if not ids and needed_for:
         raise TargetError("the target has no end-of-turn token (no eos id in its tokenizer, model config or "
@@ -315,6 +319,19 @@ def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIde
     )
 
 
+def _cache_entry_ok(folder: Path, fp: str) -> bool:
+    """Whether a converted-GGUF cache folder can be used: a config.json and an eyas_source.json that records
+    this GGUF's fingerprint. A folder without them (an older eyas's, a torn or hand-edited record) is a stale
+    cache entry: the caller converts the GGUF again rather than trusting or refusing it."""
+    if not (folder / "config.json").exists():
+        return False
+    try:
+        meta = json.loads((folder / "eyas_source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("fingerprint") == fp
+
+
 def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", device: str = "cpu",
                 trust_remote_code: bool = False) -> Target:
     """`spec`: a bundled name (smollm2-135m), a HF model folder, or a .gguf file."""
@@ -327,7 +344,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     if gguf is not None:
         fp = file_fingerprint([gguf])
         folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
-        if not (folder / "config.json").exists():
+        if not _cache_entry_ok(folder, fp):  # absent, or stale: converted again (atomically replaced)
             from .gguf_file import read_gguf_tensors
 
             read_gguf_tensors(gguf)  # a truncated or foreign file: one clear error before transformers reads it
@@ -349,6 +366,10 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     src = folder / "eyas_source.json"
     if src.exists():  # a converted GGUF keeps the GGUF's identity (and its native weights, if still there)
         meta = read_json(src, TargetError, fix)
+        if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), str):
+            raise TargetError(f"{src} records no 'fingerprint' (expected the GGUF's, as eyas writes it when it "
+                              "converts one), so the folder's identity is unknown; delete that file to identify "
+                              "the folder by its own weights, or pass the .gguf itself as --target")
         fp = meta["fingerprint"]
         if gguf is None and Path(meta.get("gguf", "")).is_file() and file_fingerprint([Path(meta["gguf"])]) == fp:
             gguf = Path(meta["gguf"])

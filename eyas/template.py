@@ -235,6 +235,21 @@ def fix_for(rec: dict[str, Any] | None) -> str:
     return f"pass --chat-template {rec.get('name')}"
 
 
+def template_from_record(rec: dict[str, Any] | None) -> ChatTemplate | None:
+    """The ChatTemplate a manifest record names, when it can be rebuilt exactly: raw, the tokenizer's own, a
+    built-in of the same text, or a file that still holds the recorded text. None otherwise (a file since edited
+    or gone): the record still identifies the template, only its text is not at hand."""
+    if rec is None or rec.get("source") == "tokenizer":
+        return ChatTemplate("tokenizer")
+    if rec.get("source") == "raw":
+        return ChatTemplate("raw")
+    try:
+        choice = resolve_template(rec.get("name"))
+    except TemplateError:
+        return None
+    return choice if choice.text and _sha(choice.text) == rec.get("sha256") else None
+
+
 def draft_template_warning(manifest: dict[str, Any], choice: ChatTemplate | None) -> str | None:
     """A draft trained under another template than the one in use: decoding stays lossless (the target decides
     every token) but acceptance drops, so this is a loud warning rather than a refusal. None when they agree."""

@@ -170,6 +170,11 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
     assert all(s["tok_s"] > 0 and s["new_tokens"] > 0 for s in m.values())
     assert m["hf-greedy"]["speedup_vs_hf"] == 1.0
     assert res["summary"] == saved["summary"]
+    # which weights each eyas method ran: auto on a HF folder is fp32, and the record says why
+    eyas_methods = [x for x in METHODS if x not in ("hf-greedy", "hf-lookup", "llama-cpp")]
+    assert set(saved["weights"]) == set(eyas_methods)
+    assert all(w["target"] == "fp32" and "not a GGUF target" in w["note"] for w in saved["weights"].values())
+    assert saved["weights"]["plain"]["draft"] is None and saved["weights"]["tree"]["draft"] == "fp32"
 
     # --resume with everything done reruns nothing and gives the same rows
     cfg.resume = True

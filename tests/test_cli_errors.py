@@ -245,3 +245,66 @@ def test_zero_sample_datagen_fails_and_train_names_its_reasons(files):
     line = _one_error(runner.invoke(app, ["train", "--data", str(out), "--out", str(files / "t-zero")]))
     assert "no training samples" in line and "no_loss_tokens_after_truncation 3" in line, line
     assert not (files / "t-zero" / "draft").exists()
+
+
+def test_failed_first_datagen_creates_no_out_folder(files):
+    """A first datagen run that fails on its inputs (a missing .gguf, a truncated or foreign target, a missing
+    conversation file, bad --aux-indices) is one error line and leaves no --out folder (nor its lock file) behind:
+    the next try should not find a half-made folder."""
+    ll = str(files / "llama")
+    runner = CliRunner()
+    for name, extra, phrase in [
+            ("missing-gguf", ["--target", str(files / "nope.gguf")], "no such GGUF file"),
+            ("foreign-gguf", ["--target", str(files / "foreign.gguf")], "not a GGUF file"),
+            ("cut-weights", ["--target", str(files / "cutweights")], "not a readable safetensors file"),
+            ("missing-data", ["--target", ll, "--data", str(files / "nope.jsonl")], "nope.jsonl"),
+            ("bad-aux", ["--target", ll, "--aux-indices", "1,2,99"], "--aux-indices")]:
+        out = files / f"first-{name}"
+        argv = ["datagen", "--data", str(files / "late.jsonl"), "--out", str(out), "--no-regenerate", "--quiet",
+                *extra]
+        assert phrase in _one_error(runner.invoke(app, argv)), name
+        assert not out.exists(), (name, list(out.iterdir()))
+
+
+def test_eyas_source_without_a_fingerprint(files, tmp_path, monkeypatch):
+    """A converted-GGUF record (eyas_source.json) that is valid JSON but holds no fingerprint: in eyas's own cache
+    it is a stale entry that is converted again; in a folder the user passes it is one error line naming the file
+    and the fix (never a KeyError)."""
+    import eyas.target as tg
+    from eyas.target import file_fingerprint
+
+    # a user's folder: one error line
+    folder = tmp_path / "converted"
+    shutil.copytree(files / "llama", folder)
+    (folder / "eyas_source.json").write_text(json.dumps({"gguf": "/gone/model.gguf"}))
+    line = _one_error(CliRunner().invoke(app, ["inspect", str(folder)]))
+    assert "eyas_source.json records no 'fingerprint'" in line and "delete that file" in line, line
+    (folder / "eyas_source.json").write_text("[1, 2]")  # valid JSON, not a record
+    assert "records no 'fingerprint'" in _one_error(CliRunner().invoke(app, ["inspect", str(folder)]))
+
+    # eyas's cache: the entry is judged stale and the GGUF converted again
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(gguf_bytes("llama"))
+    fp = file_fingerprint([gguf])
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "targets" / f"m-{fp.split(':')[1][:12]}"
+    entry.mkdir(parents=True)
+    (entry / "config.json").write_text("{}")
+    for record, ok in [(None, False), ("{not json", False), ({"gguf": str(gguf)}, False),
+                       ({"fingerprint": "sha256:other"}, False), ({"fingerprint": fp}, True)]:
+        src = entry / "eyas_source.json"
+        src.unlink(missing_ok=True)
+        if record is not None:
+            src.write_text(record if isinstance(record, str) else json.dumps(record))
+        assert tg._cache_entry_ok(entry, fp) is ok, record
+    (entry / "eyas_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    converted = []
+
+    def fake_convert(g, out):
+        converted.append((g, out))
+        raise tg.TargetError("stop here")  # the conversion itself is covered elsewhere
+
+    monkeypatch.setattr(tg, "convert_gguf", fake_convert)
+    with pytest.raises(tg.TargetError, match="stop here"):
+        tg.load_target(str(gguf))
+    assert converted == [(gguf, entry)]

@@ -418,11 +418,16 @@ def test_generate_cli(tmp_path, tiny):
     plain = runner.invoke(app, base + ["--draft", "none"])
     assert plain.exit_code == 0, plain.output
     assert "[plain] " in plain.output and "tok/s" in plain.output
+    # --weights auto on a HF folder runs fp32, and the user is told why native did not run
+    assert "weights: target fp32 (--weights auto: " in plain.output and "is not a GGUF target" in plain.output
     ref = Engine(tiny, None, SpecParams(method="plain")).generate([5, 6, 7, 8], SamplingParams(max_new_tokens=12))
     assert ref.text in plain.output
     spec = runner.invoke(app, base + ["--draft", "random", "--method", "chain", "--steps", "2"])
     assert spec.exit_code == 0, spec.output
     assert ref.text in spec.output and "tau " in spec.output and "acceptance per depth: d1=" in spec.output
+    assert "weights: target fp32, draft fp32 (" in spec.output
+    forced = runner.invoke(app, base + ["--draft", "none", "--weights", "fp32"])
+    assert forced.exit_code == 0 and "weights: target fp32\n" in forced.output, forced.output  # asked for: no note
     cases = [(["--draft", "none", "--method", "tree"], "needs a draft"),
              (["--draft", "random", "--topk", "1", "--depth", "3", "--tokens", "8"], "--tokens 4"),
              (["--draft", "random", "--temperature", "-1"], "temperature")]

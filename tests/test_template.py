@@ -99,6 +99,38 @@ def test_builtin_templates_render_append_only_and_give_an_end_token(smollm2):
     assert 2 in end_token_ids(tok)  # <|im_end|>, the token right after a reply
 
 
+def test_end_token_marked_special_only_in_added_tokens(smollm2):
+    """A GGUF Gemma tokenizer marks <end_of_turn> special in added_tokens_decoder but not in all_special_ids
+    (the named specials only): the gemma template's end of turn must still be a stop token, or generation and
+    regeneration run past every reply."""
+    from tokenizers import AddedToken
+
+    tok = __import__("copy").deepcopy(smollm2.tokenizer)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<start_of_turn>", "<end_of_turn>")])
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert eot not in tok.all_special_ids  # the situation the real Gemma-3 GGUF tokenizer is in
+    tpl.apply_template(tok, tpl.resolve_template("gemma"))
+    assert end_token_ids(tok) == sorted({tok.eos_token_id, eot})
+
+
+def test_template_rebuilt_from_its_record(tmp_path):
+    """train installs the shards' recorded template (so its end-of-turn token joins the draft vocabulary): a
+    record gives back the same template only when its text is at hand and hashes the same."""
+    for choice in (tpl.resolve_template("gemma"), tpl.resolve_template(None, raw=True)):
+        back = tpl.template_from_record(choice.record())
+        assert (back.source, back.text) == (choice.source, choice.text)
+    assert tpl.template_from_record(None).source == "tokenizer"
+    f = tmp_path / "t.jinja"
+    f.write_text(CHATML)
+    rec = tpl.resolve_template(str(f)).record()
+    assert tpl.template_from_record(rec).text == CHATML
+    f.write_text(CHATML + "{# edited #}")  # the file changed since the shards were rendered: not the same template
+    assert tpl.template_from_record(rec) is None
+    f.unlink()
+    assert tpl.template_from_record(rec) is None
+    assert tpl.template_from_record({**tpl.resolve_template("gemma").record(), "sha256": "sha256:0"}) is None
+
+
 def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_path, monkeypatch):
     root, target, docs, _ = base
     assert tpl.peek_template(str(target.path)) is None
@@ -125,11 +157,19 @@ def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_p
 def test_cli_says_what_to_pass_for_a_base_model(base):
     root, target, docs, _ = base
     t = str(target.path)
-    for argv in (["inspect", t], ["generate", "--target", t, "--draft", "none", "--prompt", "t5"],
+    for argv in (["inspect", t], ["inspect", "--target", t],
+                 ["generate", "--target", t, "--draft", "none", "--prompt", "t5"],
                  ["bench", "--target", t, "--methods", "plain", "--limit", "1"],
                  ["datagen", "--target", t, "--data", str(docs), "--out", str(root / "cli-d")]):
         line = _error_line(argv)
         assert "no chat template" in line and "--chat-template chatml" in line and "--raw" in line, argv
+    # inspect takes --target like every other command: the same report as the positional spelling
+    pos, opt = (runner.invoke(app, ["inspect", *a, "--raw", "--json"]) for a in ([t], ["--target", t]))
+    assert pos.exit_code == 0 and opt.exit_code == 0, (pos.output, opt.output)
+    drop = ("load_seconds",)
+    a, b = ({k: v for k, v in json.loads(r.stdout).items() if k not in drop} for r in (pos, opt))
+    assert a == b and a["kind"] == "target" and a["fingerprint"] == target.identity.fingerprint
+    assert "pass one of them" in _error_line(["inspect", t, "--target", str(root)])
 
 
 # ---- records and checks ------------------------------------------------------------------------------
@@ -226,6 +266,43 @@ def test_draft_manifest_records_the_shards_template_and_generate_warns(base):
     assert r.exit_code == 0, r.output
     assert "warning: the draft was trained on chats rendered with raw text" in r.output
     assert "built-in 'chatml'" in r.output and "pass --raw to match" in r.output
+
+
+def test_online_train_on_a_base_model_takes_the_raw_it_suggests(base):
+    """`train --online` on a base model is refused with "pass --chat-template ... or --raw"; --raw then works:
+    the rows as plain text (documents too), every token but the BOS a loss token, recorded raw in the draft."""
+    root, target, docs, _ = base
+    t = str(target.path)
+    args = ["train", "--online", "--target", t, "--data", str(docs), "--out", str(root / "online-raw"),
+            "--draft-vocab", "32", "--ttt-steps", "1", "--max-steps", "1", "--batch-tokens", "256", "--max-len", "64",
+            "--heldout-pct", "0", "--quiet", "--threads", "1"]
+    line = _error_line(args)  # the refusal names --raw ...
+    assert "no chat template" in line and "--raw" in line
+    r = runner.invoke(app, args + ["--raw"])  # ... and --raw is an option that works
+    assert r.exit_code == 0, r.output
+    draft = load_draft(root / "online-raw" / "draft")
+    assert draft.manifest["chat_template"]["source"] == "raw"
+    # the same tokens and loss mask as datagen --raw --no-regenerate gives (one owner: tokenize_raw)
+    from eyas.data.conversations import load_conversations, tokenize_raw
+    from eyas.train.sources import OnlineSource
+
+    src = OnlineSource(target, str(docs), None, 64, 0.0, None, raw=True)
+    convs, _ = load_conversations(str(docs))
+    ids, mask, _ = tokenize_raw(target.tokenizer, convs[0], 64)
+    got_ids, got_mask = src.tokens[(-1, 0)]
+    assert got_ids.tolist() == ids.tolist() and got_mask.tolist() == mask.tolist()
+    assert len(src.train) == 6 and mask[1:].all()
+    # without --raw, document rows have no chat to render: skipped by that reason, not tokenized as nothing
+    saved = target.tokenizer.chat_template, getattr(target, "chat_template", None)  # a module-wide fixture
+    tpl.use_template(target, tpl.resolve_template("chatml"))
+    try:
+        plain = OnlineSource(target, str(docs), None, 64, 0.0, None)
+    finally:
+        target.tokenizer.chat_template, target.chat_template = saved
+    assert plain.train == [] and plain.skipped.get("text_row_needs_raw") == 6
+    with pytest.raises(TrainError, match="--raw applies to --online only"):
+        train(TrainConfig(data=[str(root / "online-raw")], out=str(root / "t-y"), raw=True, quiet=True),
+              target=target)
 
 
 def test_raw_bench_and_generate_send_the_text_as_is(base, tmp_path):

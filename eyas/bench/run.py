@@ -260,6 +260,7 @@ def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[
         stats["tau"] = s.tau
         return Output(ids, dt, int(s.target_forwards), res.finish_reason, stats)
 
+    run.engine = engine  # what --weights auto resolved to is read from it (results["weights"])
     return run
 
 
@@ -478,6 +479,10 @@ def render(results: dict[str, Any]) -> None:
             extra = f", {s['lookup_share']:.0%} of tokens from lookup candidates" if s.get("lookup_accepted") else ""
             con.print(f"{m}: lossless: {'yes' if ok else '[red]NO[/red]'} ({s['identical']}/{s['compared']} prompts "
                       f"token-identical to {ref}); tau {fmt(s['tau'])}{extra}")
+    used = results.get("weights") or {}
+    for w in sorted({(v["target"], v["note"]) for v in used.values()}, key=str):
+        con.print(f"weights: target {w[0]} for {', '.join(m for m, v in used.items() if (v['target'], v['note']) == w)}"
+                  + (f" (--weights auto: {w[1]})" if w[1] else ""))
     con.print(f"results: {results['out']}")
 
 
@@ -704,6 +709,9 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         "chat_template": target.chat_template.record(), "template_warning": mismatch,
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
         "summary": summarize(rows, cfg.methods), "rows": rows,
+        # per eyas method: the weights mode that ran (auto resolves per target) and why auto did not run native
+        "weights": {m: {"target": r.engine.weights, "draft": r.engine.draft_weights, "note": r.engine.weights_note}
+                    for m, r in runners.items() if hasattr(r, "engine")},
     }
     atomic_write_json(out / "results.json", results)
     plot(results, out / "bench.png")

@@ -52,6 +52,18 @@ def plain_text(conv: Conversation) -> str:
     return conv.text if conv.text is not None else "\n\n".join(m["content"] for m in conv.messages)
 
 
+def tokenize_raw(tokenizer, conv: Conversation, max_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Raw mode without regeneration (`datagen --raw --no-regenerate`, `train --online --raw`): the row's plain
+    text tokenized as is with the tokenizer's own BOS rule; every token but a leading BOS is a loss token (a base
+    model predicts all of the text). Returns (ids [S], loss_mask [S], truncated), cut to max_len."""
+    ids = torch.tensor(template.raw_ids(tokenizer, plain_text(conv), as_text=True), dtype=torch.long)
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if len(ids) and bos is not None and int(ids[0]) == bos:
+        mask[0] = False
+    return ids[:max_len], mask[:max_len], len(ids) > max_len
+
+
 def raw_prompt_text(conv: Conversation) -> str | None:
     """Raw mode with regeneration: what the target continues: a conversation's text before its first assistant
     reply, ending in a blank line; None for a document (its prompt is its first tokens, cut by the caller)."""

@@ -44,6 +44,7 @@ from .conversations import (
     raw_prompt_text,
     resolve_source,
     tokenize_conversation_checked,
+    tokenize_raw,
 )
 from .regen import generate_replies, regen_engine, regenerate, stop_token_ids
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
@@ -212,12 +213,8 @@ def _raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, st
     items: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     if not cfg.regenerate:
         for c in convs:
-            ids = torch.tensor(raw_ids(tok, plain_text(c), as_text=True), dtype=torch.long)
-            mask = torch.ones(len(ids), dtype=torch.bool)
-            if len(ids) and tok.bos_token_id is not None and int(ids[0]) == tok.bos_token_id:
-                mask[0] = False
-            stats["truncated"] += int(len(ids) > cfg.max_len)
-            ids, mask = ids[:cfg.max_len], mask[:cfg.max_len]
+            ids, mask, cut = tokenize_raw(tok, c, cfg.max_len)
+            stats["truncated"] += int(cut)
             if int(mask.sum()) < 2:
                 skips["no_loss_tokens_after_truncation"] += 1
                 continue
@@ -433,22 +430,23 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
+    # everything a bad flag or file can fail on comes before --out is created: a failed first run leaves nothing
+    source, source_fp = _source_identity(cfg.data)
+    choice = cfg.template()
+    if target is None:
+        require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
+        target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
+    use_template(target, choice)
+    try:
+        layout = target.default_layout(cfg.aux_indices)
+    except LayoutError as e:
+        raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
+    conf = _manifest_config(cfg, source, source_fp)
+    if cfg.regenerate:  # what wrote the replies; both run the HF weights in --target-dtype
+        conf["regen_engine"] = "hf-generate" if regen_engine(target) is None else "eyas-engine"
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
-        source, source_fp = _source_identity(cfg.data)
-        choice = cfg.template()
-        if target is None:
-            require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
-            target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
-        use_template(target, choice)
-        try:
-            layout = target.default_layout(cfg.aux_indices)
-        except LayoutError as e:
-            raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
-        conf = _manifest_config(cfg, source, source_fp)
-        if cfg.regenerate:  # what wrote the replies; both run the HF weights in --target-dtype
-            conf["regen_engine"] = "hf-generate" if regen_engine(target) is None else "eyas-engine"
         m = _open_manifest(out, cfg, target, layout, conf, log)
         m["config"]["regen_engine"] = conf.get("regen_engine")
         m["commands"].append(command or " ".join(sys.argv))

@@ -57,12 +57,13 @@ class TrainConfig:
     quiet: bool = False
     threads: int = 0  # torch CPU threads (0 = torch's default); on a busy CPU 1 can be several times faster
     chat_template: str | None = None  # online: --chat-template FILE|NAME (shards record their own)
+    raw: bool = False  # online: rows as plain text, no template (base models; shards record their own)
 
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
                   "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
                   "online", "num_samples", "data_tokens", "aux_indices", "buffer_mb", "init_from", "refresh_vocab",
-                  "chat_template")
+                  "chat_template", "raw")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,7 +31,7 @@ from ..draft import DraftConfig, Eagle3Draft, save_draft
 from ..files import atomic_write
 from ..layout import check_layouts
 from ..target import end_token_ids
-from ..template import require_template, resolve_template, use_template
+from ..template import require_template, resolve_template, template_from_record, use_template
 from ..vocab import DraftVocab, count_tokens, select_draft_vocab
 from .checkpoint import (
     check_resume,
@@ -318,7 +318,7 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
 
     # data + target (each rank reads the same data and derives the same plan and vocab)
     if cfg.online:
-        choice = resolve_template(cfg.chat_template)
+        choice = resolve_template(cfg.chat_template, cfg.raw)
         if target is None:
             if cfg.target:
                 require_template(cfg.target, choice)  # a base model without a template: before it loads
@@ -328,17 +328,24 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
         if cfg.data_tokens is not None:
             raise TrainError("--data-tokens caps captured shard folders; with --online use --num-samples")
         template_record = use_template(target, choice).record()
-        source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices)
+        source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices,
+                              raw=choice.raw)
     else:
-        if cfg.chat_template is not None:
-            raise TrainError(f"--chat-template {cfg.chat_template} applies to --online only: shards were rendered "
-                             "when they were captured and record their template (`eyas datagen --chat-template`)")
+        if cfg.chat_template is not None or cfg.raw:
+            flag = "--raw" if cfg.raw else f"--chat-template {cfg.chat_template}"
+            raise TrainError(f"{flag} applies to --online only: shards were rendered when they were captured and "
+                             "record their template (`eyas datagen --chat-template NAME` or `--raw`)")
         source = ShardSource(cfg.data, cfg.heldout_pct, cfg.buffer_mb, cfg.max_len, cfg.data_tokens)
         if not source.train:  # before the target loads: nothing it could be used for
             raise _no_samples(cfg, source)
         template_record = source.set.chat_template  # one template across the folders (ShardSet checks)
         if target is None:
             target = _load_target(cfg, source.describe())
+        rebuilt = template_from_record(template_record)
+        if rebuilt is not None and rebuilt.source in ("builtin", "file"):
+            # the shards' template on the tokenizer, so end_token_ids below finds its end-of-turn token (Gemma's
+            # <end_of_turn>) and the draft vocabulary always holds it, as when training --online
+            use_template(target, rebuilt)
         check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards",
                       f"the target {target.source!r}")
     layout = source.layout

@@ -160,8 +160,9 @@ class OnlineSource:
     """Conversations tokenized up front; features captured from the target per batch (no shards)."""
 
     def __init__(self, target, source: str, num: int | None, max_len: int, heldout_pct: float,
-                 aux_indices: list[int] | None):
-        from ..data.conversations import load_conversations, tokenize_conversation  # another module; imported when used
+                 aux_indices: list[int] | None, raw: bool = False):
+        # another module; imported when used
+        from ..data.conversations import load_conversations, tokenize_conversation, tokenize_raw
         from ..target import stream_norms
 
         self.target = target
@@ -174,7 +175,13 @@ class OnlineSource:
 
         h = hashlib.sha256()
         for i, conv in enumerate(convs):
-            ids, mask = tokenize_conversation(target.tokenizer, conv.messages, max_len)
+            if raw:  # base models: the row's plain text, every token a loss token (like datagen --raw)
+                ids, mask, _ = tokenize_raw(target.tokenizer, conv, max_len)
+            elif conv.text is not None:  # a {"text"} document has no chat to render
+                self.skipped["text_row_needs_raw"] = self.skipped.get("text_row_needs_raw", 0) + 1
+                continue
+            else:
+                ids, mask = tokenize_conversation(target.tokenizer, conv.messages, max_len)
             if not has_rows(mask, max_len):
                 self.skipped["no_loss_rows_within_max_len"] = self.skipped.get("no_loss_rows_within_max_len", 0) + 1
                 continue
