@@ -115,10 +115,14 @@ def main() -> None:
                           epochs=1.0, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len,
                           heldout_pct=HELDOUT_PCT, eval_every=100, save_every=50, threads=args.threads,
                           resume=(arm / "checkpoint").exists(), quiet=True)
+        man = arm / "draft" / "eyas_manifest.json"
+        finished = man.exists() and (lambda m: m.get("step") == m.get("total_steps"))(json.loads(man.read_text()))
         t0 = time.perf_counter()
-        train(cfg, target=target)
-        train_s = time.perf_counter() - t0
+        if not finished:  # a run killed while evaluating keeps its trained draft
+            train(cfg, target=target)
+        train_s = json.loads(man.read_text())["training_time_s"]
         ckpt = load_draft(arm / "draft")
+        ckpt.model.set_embeddings(target.embed_tokens().weight)
         m = evaluate(ckpt.model, held, held.heldout, target, cfg, Dist(), torch.device("cpu"))
         bc = BenchConfig(bench="mt-bench", limit=args.bench_limit, max_new_tokens=args.max_new_tokens,
                          draft=str(arm / "draft"), methods=["plain", "tree"], depth=args.depth, topk=args.topk,
@@ -132,7 +136,8 @@ def main() -> None:
                          "heldout_acc": m["heldout_acc"], "heldout_loss": m["heldout_loss"],
                          "heldout_rows": m["heldout_rows"], "tau": tree["tau"],
                          "accept_per_depth": tree["accept_per_depth"],
-                         "lossless": f"{tree['identical']}/{tree['compared']}", "train_wall_s": round(train_s, 1)}
+                         "lossless": f"{tree['identical']}/{tree['compared']}", "train_s": train_s,
+                         "wall_s": round(time.perf_counter() - t0, 1)}
         atomic_write_json(done, results[name])
     atomic_write_json(out / "results.json", {"price_ms_per_token": {"orig": c_orig, "regen": c_regen,
                                                                      "train": c_train},
