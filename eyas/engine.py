@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import kernels
 from .draft import DraftCheckpoint, check_draft_for_target
 from .errors import EyasError
 from .lookup import lookup_chain
@@ -267,6 +268,7 @@ class Engine:
         self.weights_note: str | None = self.model.fallback  # why auto did not run native, if it did not
         self.device = self.model.device
         self.draft = None
+        self.draft_layer: kernels.DraftLayer | None = None  # a q8 draft's layer in one C call
         self.draft_manifest: dict | None = draft.manifest if draft is not None else None  # its training record
         self.draft_weights: str | None = None  # what auto resolved to, with a draft
         self.spec.validate(draft.model.config.draft_vocab_size if draft is not None else None)
@@ -284,6 +286,7 @@ class Engine:
                 if self.device.type != "cpu" or self.model.dtype != torch.float32:
                     raise EngineError("--draft-weights q8 runs on the CPU in fp32; use --draft-weights fp32")
                 d = quantize_draft_q8(d)
+                self.draft_layer = kernels.DraftLayer(d)
             self.draft_weights = dw
             self.draft = d
             self.aux_indices = list(draft.layout.aux_indices)
@@ -465,6 +468,8 @@ class _Run:
         """Rows hidden [1,R,H], ids/pos [1,R] written at draft-cache slots [slot, slot+R) -> layer out [1,R,H].
         mask [1,1,R,slot+R] bool over cache+new."""
         d = self.e.draft
+        if self.e.draft_layer is not None:
+            return self.e.draft_layer(hidden, d.embed(ids), pos, self.dk, self.dv, slot, mask)
         R = ids.shape[1]
         q, k, v = d.qkv(hidden, ids, pos)
         self.dk[:, :, slot:slot + R] = k

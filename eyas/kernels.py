@@ -75,6 +75,8 @@ def lib() -> ctypes.CDLL:
     so.eyas_q4_layers.restype = None
     so.eyas_q8q8_matmul.argtypes = [p, p, p, p, i32, i32, i32, i32]
     so.eyas_q8q8_matmul.restype = None
+    so.eyas_draft_layer.argtypes = [p] * 15 + [f32, p, p, i64] + [i32] * 7 + [p, f32, p, i32]
+    so.eyas_draft_layer.restype = None
     return so
 
 
@@ -186,6 +188,55 @@ class Q4Stack:
                              (ctypes.c_int64 * self.L)(*[st for _, st in mk]), float(scale),
                              _ptrs([store.get(i) for i in range(self.L)]), torch.get_num_threads())
         return x
+
+
+class DraftLayer:
+    """A q8-quantized EAGLE-3 draft's midlayer (eyas.quant.quantize_draft_q8) for eyas_draft_layer: one C call per
+    draft step instead of ~60 torch ops. q|k|v and gate|up are fused once here; RoPE comes from a cached table."""
+
+    def __init__(self, draft: torch.nn.Module):
+        from .draft import rope_cos_sin
+
+        c, L = draft.config, draft.midlayer
+        a, m = L.self_attn, L.mlp
+        mats = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+        if any(not hasattr(x, "q") or x.bias is not None for x in mats):
+            raise KernelError("the draft's one-call layer needs every matrix as an unbiased Q8Linear")
+        self.wqkv = torch.cat([a.q_proj.q, a.k_proj.q, a.v_proj.q]).contiguous()
+        self.dqkv = torch.cat([a.q_proj.d, a.k_proj.d, a.v_proj.d]).contiguous()
+        self.wgu = torch.cat([m.gate_proj.q, m.up_proj.q]).contiguous()
+        self.dgu = torch.cat([m.gate_proj.d, m.up_proj.d]).contiguous()
+        self.wo, self.dwo, self.wd, self.dwd = a.o_proj.q, a.o_proj.d, m.down_proj.q, m.down_proj.d
+        self.norms = [n.weight.detach().float().contiguous()
+                      for n in (L.input_layernorm, L.hidden_norm, L.post_attention_layernorm)]
+        self.eps = float(L.input_layernorm.eps)
+        self.H, self.I, self.nh, self.kvh, self.hd = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                                                       c.num_key_value_heads, c.head_dim)
+        self.scale = 1.0 / float(c.head_dim) ** 0.5  # SDPA's default, as eyas.draft attends
+        self._rope = lambda n: rope_cos_sin(torch.arange(n)[None], c.head_dim, c.rope_theta, torch.float32)
+        self.cos = self.sin = torch.empty(0, c.head_dim)
+
+    def __call__(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """hidden, emb [1, R, H] fp32; pos [1, R]; draft caches [1, kvh, max_len, hd] (rows written at start..);
+        mask bool [1, 1, R, start+R] -> layer output [1, R, H]."""
+        R = hidden.shape[1]
+        need = int(pos.max()) + 1
+        if need > self.cos.shape[0]:  # grow the RoPE table (doubling: rare)
+            cos, sin = self._rope(max(need, 2 * self.cos.shape[0], 1024))
+            self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        p = pos[0].long()
+        cos, sin = self.cos[p].contiguous(), self.sin[p].contiguous()
+        h = hidden.reshape(R, self.H).float().contiguous()
+        e = emb.reshape(R, self.H).float().contiguous()
+        m, _ = _mask_bytes(mask, R, start + R)
+        out = torch.empty(R, self.H)
+        lib().eyas_draft_layer(_ptr(h), _ptr(e), _ptr(cos), _ptr(sin), _ptr(self.wqkv), _ptr(self.dqkv), _ptr(self.wo),
+                               _ptr(self.dwo), _ptr(self.wgu), _ptr(self.dgu), _ptr(self.wd), _ptr(self.dwd),
+                               *[_ptr(w) for w in self.norms], self.eps, _ptr(k_cache), _ptr(v_cache),
+                               k_cache.shape[2], R, self.H, self.nh, self.kvh, self.hd, self.I, start, _ptr(m),
+                               self.scale, _ptr(out), torch.get_num_threads())
+        return out.view(1, R, self.H)
 
 
 def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

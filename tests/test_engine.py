@@ -436,3 +436,31 @@ def test_generate_cli(tmp_path, tiny):
     for extra, match in cases:
         bad = runner.invoke(app, base + extra)
         assert bad.exit_code == 2 and match in bad.output, (extra, bad.output)
+
+
+def test_q8_draft_runs_its_layer_in_one_c_call_with_the_torch_layers_arithmetic(tiny, trained):
+    """--draft-weights q8 runs the draft layer through eyas_draft_layer: the same numbers as the q8 draft's torch
+    modules (to float rounding), and decoding stays token-identical to plain."""
+    eng = Engine(tiny, trained, SpecParams("tree", depth=3, topk=2, tokens=6, draft_weights="q8"))
+    assert eng.draft_layer is not None
+    d, c = eng.draft, eng.draft.config
+    torch.manual_seed(0)
+    R, slot = 3, 9
+    dk = torch.randn(1, c.num_key_value_heads, 16, c.head_dim)
+    dv = torch.randn_like(dk)
+    dk2, dv2 = dk.clone(), dv.clone()
+    hid = torch.randn(1, R, c.hidden_size) * 3
+    ids, pos = torch.randint(3, VOCAB, (1, R)), torch.tensor([[9, 10, 10]])
+    mask = torch.zeros(1, 1, R, slot + R, dtype=torch.bool)
+    mask[..., :slot] = True
+    mask[0, 0, 0, slot] = mask[0, 0, 1, slot] = mask[0, 0, 1, slot + 1] = mask[0, 0, 2, slot] = True
+    mask[0, 0, 2, slot + 2] = True
+    fast = eng.draft_layer(hid, d.embed(ids), pos, dk, dv, slot, mask)
+    q, k, v = d.qkv(hid, ids, pos)
+    dk2[:, :, slot:slot + R], dv2[:, :, slot:slot + R] = k, v
+    ref = d.finish(d.attend(q, dk2[:, :, :slot + R], dv2[:, :, :slot + R], mask), hid)
+    assert float((fast - ref).norm() / ref.norm()) < 1e-5
+    assert torch.allclose(dk, dk2, atol=1e-5) and torch.allclose(dv, dv2, atol=1e-5)  # the same cache rows
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    for p in PROMPTS:
+        assert greedy(eng, p) == greedy(plain, p)
