@@ -24,6 +24,14 @@ WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a G
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
                                "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
+# generate and serve: unset tree settings come from eyas.engine.TREE_DEFAULTS for the device
+TreeDepthOpt = typer.Option(None, "--depth", help="tree: draft depth (default 2 on the CPU, 4 on CUDA)")
+TreeTopkOpt = typer.Option(None, "--topk", help="tree: children per expanded node and frontier width "
+                           "(default 2 on the CPU, 4 on CUDA)")
+TreeTokensOpt = typer.Option(None, "--tokens", help="tree: tokens verified per round, root included "
+                             "(default 3 on the CPU, 16 on CUDA)")
+TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
+                             "(0 = off; default 4 on the CPU, 0 on CUDA)")
 TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
                               "probability reaches this (default 0.35 on the CPU, 0 on CUDA)")
 MinProbOpt = typer.Option(0.0, "--min-prob", help="chain/tree: verify only candidates whose cumulative draft "
@@ -262,12 +270,10 @@ def serve(
                               "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
     method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
     steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
-    depth: int = typer.Option(None, "--depth", help="tree: depth (default 2 on the CPU, 4 on CUDA)"),
-    topk: int = typer.Option(None, "--topk", help="tree: children per node (default 2 on the CPU, 4 on CUDA)"),
-    tokens: int = typer.Option(None, "--tokens", help="tree: nodes verified per round, root included "
-                               "(default 3 on the CPU, 16 on CUDA)"),
-    lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
-                               "(0 = off; default 4 on the CPU, 0 on CUDA)"),
+    depth: int = TreeDepthOpt,
+    topk: int = TreeTopkOpt,
+    tokens: int = TreeTokensOpt,
+    lookup: int = TreeLookupOpt,
     min_prob: float = TreeMinProbOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
@@ -535,13 +541,10 @@ def generate(
     chat_template: str = ChatTemplateOpt,
     method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
-    depth: int = typer.Option(None, "--depth", help="tree: draft depth (default 2 on the CPU, 4 on CUDA)"),
-    topk: int = typer.Option(None, "--topk", help="tree: children per expanded node and frontier width "
-                             "(default 2 on the CPU, 4 on CUDA)"),
-    tokens: int = typer.Option(None, "--tokens", help="tree: tokens verified per round, root included "
-                               "(default 3 on the CPU, 16 on CUDA)"),
-    lookup: int = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
-                               "(0 = off; default 4 on the CPU, 0 on CUDA)"),
+    depth: int = TreeDepthOpt,
+    topk: int = TreeTopkOpt,
+    tokens: int = TreeTokensOpt,
+    lookup: int = TreeLookupOpt,
     min_prob: float = TreeMinProbOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -583,9 +586,8 @@ def generate(
             except json.JSONDecodeError as e:
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
             eng.check_messages(msgs)
-        tree = eng.tree_defaults(device, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
-        if method == "plain":
-            tree.update(lookup=lookup or 0, min_prob=min_prob or 0.0)
+        tree = eng.tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
+                                 min_prob=min_prob)
         spec = eng.SpecParams(method=method, steps=steps, weights=weights, draft_weights=draft_weights, **tree)
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)

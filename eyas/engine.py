@@ -91,9 +91,13 @@ TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_p
                  "cuda": {"depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}}
 
 
-def tree_defaults(device: str, **given) -> dict:
-    """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`."""
+def tree_defaults(device: str, method: str, **given) -> dict:
+    """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`; plain
+    decoding drafts nothing, so its lookup and min-prob default to off (a given value is kept, and refused by
+    SpecParams.validate)."""
     base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
+    if method == "plain":
+        base = {**base, "lookup": 0, "min_prob": 0.0}
     return {k: base[k] if given.get(k) is None else given[k] for k in base}
 
 

@@ -249,27 +249,32 @@ void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, f
 
 typedef struct { float d, m; uint8_t qs[16]; } q4_block;
 
-/* per row and block: xq int8 [32], dx, and sxl[8] = dx * (sum of xq over elements 4j..4j+3) */
+/* one 32-block of activations -> xq int8 [32], its scale dx (max|v| / 127), and, when sxl is given, the lane
+ * sums sxl[j] = dx * (sum of xq over elements 4j..4j+3) the 4-bit kernel's zero-point term needs */
+static inline void quantize_q8_block(const float *v, int8_t *qb, float *dx, float *sxl) {
+    float amax = 0.0f;
+    for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(v[t]));
+    const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+    int lane[8] = {0};
+    for (int t = 0; t < 32; t++) {
+        const int q = (int)nearbyintf(v[t] * id);
+        qb[t] = (int8_t)q;
+        lane[t / 4] += q;
+    }
+    *dx = dd;
+    if (sxl)
+        for (int j = 0; j < 8; j++) sxl[j] = dd * (float)lane[j];
+}
+
+/* bf16 rows: per row and block xq, dx and sxl (see quantize_q8_block) */
 static void quantize_q8_rows(const uint16_t *x, int M, int K, int8_t *xq, float *dx, float *sxl) {
     const int nb = K / 32;
     for (int r = 0; r < M; r++)
         for (int b = 0; b < nb; b++) {
-            const uint16_t *xb = x + (int64_t)r * K + b * 32;
-            float v[32], amax = 0.0f;
-            for (int t = 0; t < 32; t++) {
-                v[t] = from_bf16(xb[t]);
-                amax = fmaxf(amax, fabsf(v[t]));
-            }
-            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            int8_t *qb = xq + (int64_t)r * K + b * 32;
-            int lane[8] = {0};
-            for (int t = 0; t < 32; t++) {
-                const int q = (int)nearbyintf(v[t] * id);
-                qb[t] = (int8_t)q;
-                lane[t / 4] += q;
-            }
-            dx[(int64_t)r * nb + b] = dd;
-            for (int j = 0; j < 8; j++) sxl[((int64_t)r * nb + b) * 8 + j] = dd * (float)lane[j];
+            const int64_t rb = (int64_t)r * nb + b;
+            float v[32];
+            for (int t = 0; t < 32; t++) v[t] = from_bf16(x[rb * 32 + t]);
+            quantize_q8_block(v, xq + rb * 32, dx + rb, sxl + rb * 8);
         }
 }
 
@@ -403,17 +408,8 @@ void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, c
  * |q| as unsigned bytes and moves q's sign onto xq). Two accumulators (even and odd blocks) per row, folded in
  * a fixed order: a row's bits never depend on the other rows. */
 static void quantize_q8_rows_f32(const float *x, int M, int K, int8_t *xq, float *dx) {
-    const int nb = K / 32;
-    for (int r = 0; r < M; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (int64_t)r * K + b * 32;
-            float amax = 0.0f;
-            for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(xb[t]));
-            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            int8_t *qb = xq + (int64_t)r * K + b * 32;
-            for (int t = 0; t < 32; t++) qb[t] = (int8_t)(int)nearbyintf(xb[t] * id);
-            dx[(int64_t)r * nb + b] = dd;
-        }
+    const int64_t blocks = (int64_t)M * (K / 32);
+    for (int64_t rb = 0; rb < blocks; rb++) quantize_q8_block(x + rb * 32, xq + rb * 32, dx + rb, NULL);
 }
 
 #ifdef EYAS_Q4_AVX2

@@ -181,7 +181,8 @@ class Q4Stack:
                 uniq[id(m)] = _mask_bytes(m, S, T)
         mk = [uniq[id(m)] for m in masks]
         for i in want:
-            store[i] = torch.empty_like(x)
+            if i < self.L:  # stream L (the final one) is the returned x itself
+                store[i] = torch.empty_like(x)
         lib().eyas_q4_layers(_ptr(x), B * S, H, self.L, *self.w, self.ln1, self.ln2, self.eps, _ptr(cos), _ptr(sin),
                              _ptrs([k[i] for i in range(self.L)]), _ptrs([v[i] for i in range(self.L)]), k.shape[3],
                              B, S, self.nh, self.kvh, self.hd, self.I, start, _ptrs([m for m, _ in mk]),

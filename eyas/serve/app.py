@@ -384,9 +384,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     from ..target import load_target
 
     method = resolve_method(method, draft)
-    tree = tree_defaults(device, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
-    if method == "plain":
-        tree.update(lookup=lookup or 0, min_prob=min_prob or 0.0)
+    tree = tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
     spec = SpecParams(method=method, weights=weights, **({"steps": steps} if steps is not None else {}), **tree)
     if method not in ("tree", "chain", "plain"):
         spec.validate(None)  # raises EngineError naming the choices
