@@ -15,6 +15,15 @@
 
 #define LANES 8
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EYAS_Q4_AVX2 1
+#endif
+
+static inline float fold8(const float *a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 /* exp with a fixed polynomial (Cephes expf's), so the compiler can vectorize it and every build computes the
  * same function for every element; x <= -87 gives exactly 0 (masked keys carry -inf). */
 static inline float exp_det(float x) {
@@ -50,16 +59,72 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return acc[0];
 }
 
+/* exp_det on n consecutive values in place; 8 at a time with AVX2, the same operations lane by lane */
+static inline void exp_det_n(float *x, int n) {
+    int j = 0;
+#ifdef EYAS_Q4_AVX2
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_loadu_ps(x + j);
+        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GT_OQ), one);
+        v = _mm256_blendv_ps(lo, v, _mm256_cmp_ps(v, lo, _CMP_GT_OQ));
+        v = _mm256_blendv_ps(hi, v, _mm256_cmp_ps(v, hi, _CMP_LT_OQ));
+        const __m256 nn = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                                        _mm256_set1_ps(0.5f)));
+        __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(nn, _mm256_set1_ps(0.693359375f)));
+        r = _mm256_add_ps(r, _mm256_mul_ps(nn, _mm256_set1_ps(2.12194440e-4f)));
+        const __m256 r2 = _mm256_mul_ps(r, r);
+        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+        y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, r2), r), one);
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nn), _mm256_set1_epi32(127)), 23);
+        _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep));
+    }
+#endif
+    for (; j < n; j++) x[j] = exp_det(x[j]);
+}
+
+/* q . k for hd % 16 == 0: lane t of two chains (16-element steps) takes elements t (mod 16) and t + 8 (mod 16)
+ * by fused multiply-add; the chains add, then fold8 */
+static inline float dot_hd16(const float *a, const float *b, int hd) {
+    float t[8];
+#ifdef EYAS_Q4_AVX2
+    __m256 e = _mm256_setzero_ps(), o = e;
+    for (int d = 0; d < hd; d += 16) {
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), e);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), o);
+    }
+    _mm256_storeu_ps(t, _mm256_add_ps(e, o));
+#else
+    float o[8] = {0};
+    for (int u = 0; u < 8; u++) t[u] = 0.0f;
+    for (int d = 0; d < hd; d += 16)
+        for (int u = 0; u < 8; u++) {
+            t[u] = fmaf(a[d + u], b[d + u], t[u]);
+            o[u] = fmaf(a[d + 8 + u], b[d + 8 + u], o[u]);
+        }
+    for (int u = 0; u < 8; u++) t[u] += o[u];
+#endif
+    return fold8(t);
+}
+
 /* one query row of one head over its visible keys, in position order: scores and max, exp-weights (hidden
- * keys weigh exactly 0 and are skipped), their sum, then the weighted values. hd is a literal at the call
- * sites below so the accumulator stays in registers. */
+ * keys weigh exactly 0 and are skipped), their sum, then the weighted values. Keys are walked one by one in
+ * slot order and every per-key quantity is the key's own, so a tree row (its ancestors at other slots, the
+ * rest masked) computes the bits the same token gets in plain decoding. hd % 16 == 0 runs dot_hd16 and
+ * fused multiply-adds; other head sizes the plain-C path. hd is a literal at the call sites. */
 static inline void attend_row(const float *qi, const float *kb, const float *vb, const uint8_t *mi, int lim,
                               float scale, float *row, float *o, const int hd) {
+    const int v16 = hd % 16 == 0;
     float m = -INFINITY;
     for (int j = 0; j < lim; j++) {
         float sj = -INFINITY;
         if (!mi || mi[j]) {
-            sj = dot_f32(qi, kb + (int64_t)j * hd, hd) * scale;
+            sj = (v16 ? dot_hd16(qi, kb + (int64_t)j * hd, hd) : dot_f32(qi, kb + (int64_t)j * hd, hd)) * scale;
             if (sj > m) m = sj;
         }
         row[j] = sj;
@@ -68,13 +133,17 @@ static inline void attend_row(const float *qi, const float *kb, const float *vb,
     for (int d = 0; d < hd; d++) acc[d] = 0.0f;
     float l = 0.0f;
     if (m != -INFINITY) {
-        for (int j = 0; j < lim; j++) row[j] = exp_det(row[j] - m);
+        for (int j = 0; j < lim; j++) row[j] -= m;
+        exp_det_n(row, lim);
         for (int j = 0; j < lim; j++) l += row[j];
         for (int j = 0; j < lim; j++) {
             const float p = row[j];
             if (p == 0.0f) continue;
             const float *vj = vb + (int64_t)j * hd;
-            for (int d = 0; d < hd; d++) acc[d] += p * vj[d];
+            if (v16)
+                for (int d = 0; d < hd; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+            else
+                for (int d = 0; d < hd; d++) acc[d] += p * vj[d];
         }
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -186,19 +255,21 @@ void eyas_add_rms_bf16(float *x, const uint16_t *y, const float *w, uint16_t *ou
     }
 }
 
-/* gu [R, 2I] bf16 (gate | up) -> out [R, I] bf16 = silu(gate) * up */
+/* gu [R, 2I] bf16 (gate | up) -> out [R, I] bf16 = silu(gate) * up; every element on its own, so any split of
+ * the (row, 256-column chunk) items over threads gives the same bits */
 void eyas_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int R, int I, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(R > 16 ? nthreads : 1)
-    for (int r = 0; r < R; r++) {
+    const int chunks = (I + 255) / 256, items = R * chunks;
+#pragma omp parallel for schedule(static) num_threads((int64_t)R * I >= 4096 ? nthreads : 1)
+    for (int it = 0; it < items; it++) {
+        const int r = it / chunks, c0 = (it % chunks) * 256;
         const uint16_t *g = gu + (int64_t)r * 2 * I, *u = g + I;
         uint16_t *o = out + (int64_t)r * I;
         float buf[256];
-        for (int c0 = 0; c0 < I; c0 += 256) {  /* simple passes over a small buffer: each one vectorizes */
-            const int n = I - c0 < 256 ? I - c0 : 256;
-            for (int c = 0; c < n; c++) buf[c] = exp_det(-from_bf16(g[c0 + c]));
-            for (int c = 0; c < n; c++) buf[c] = from_bf16(g[c0 + c]) / (1.0f + buf[c]) * from_bf16(u[c0 + c]);
-            for (int c = 0; c < n; c++) o[c0 + c] = to_bf16(buf[c]);
-        }
+        const int n = I - c0 < 256 ? I - c0 : 256;
+        for (int c = 0; c < n; c++) buf[c] = -from_bf16(g[c0 + c]);
+        exp_det_n(buf, n);
+        for (int c = 0; c < n; c++) buf[c] = from_bf16(g[c0 + c]) / (1.0f + buf[c]) * from_bf16(u[c0 + c]);
+        for (int c = 0; c < n; c++) o[c0 + c] = to_bf16(buf[c]);
     }
 }
 
@@ -234,135 +305,147 @@ void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, f
     for (int64_t i = 0; i < n; i++) out[i] = to_bf16(obuf[i]);
 }
 
-/* ---- 4-bit weights x 8-bit activations (llama.cpp's Q4_1 x Q8_1 dot) ------------------------------------
- * A weight block is 24 bytes: float d, float m, then 16 bytes whose byte t holds element t in its low nibble
- * and element t + 16 in its high nibble (GGUF's order); w = d * q + m (Q4_0 comes as m = -8d).
- * Each row of x is quantized per 32-block to int8 (dx = max|x| / 127, xq = nearest(x / dx)), so a block's dot
- * is sum_j [(d * dx) * P_j + m * (dx * S_j)] over 8 lanes, where lane j holds the exact integer sums
- * P_j = sum q * xq and S_j = sum xq over elements 4j..4j+3. Every (row, output) runs this same sequence —
- * blocks alternate between two accumulators, then the lanes fold in a fixed order — whatever the number of
- * rows in the call: row-invariant. */
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define EYAS_Q4_AVX2 1
-#endif
+/* ---- 4-bit weights x 8-bit activations (ggml's Q4_1 x Q8_1 dot) -----------------------------------------
+ * Weights come interleaved by 8 outputs (kernels.pack_q4): for output group g and 32-block b, a 192-byte tile
+ * holds float d[8], float m[8] (w = d * q + m; Q4_0 comes as m = -8d) and 128 bytes of nibbles. Byte
+ * 32p + 4j + e holds output j's element 4p + e in its low nibble and element 4(p + 4) + e in its high one, so
+ * one 32-byte load unpacks to two registers of 8 outputs x 4 consecutive elements and a broadcast of 4
+ * activations feeds all 8 outputs: the per-block scale work is shared by 8 outputs instead of done per output.
+ * Each row of x is quantized per 32-block to int8 (dx = max|x| / 127, xq = nearest(x / dx), sx = dx * sum xq).
+ * A block's dot is the exact integer P = sum q * xq (int16 partial sums stay below 8 * 2 * 15 * 127 = 30480),
+ * then acc = fma(d * dx, P, acc) ; acc = fma(m, sx, acc), block after block: ggml's scalar reference formula.
+ * Every (row, output) runs this same sequence whatever the number of rows in the call: row-invariant. */
+#define Q4_TILE 192  /* bytes per (8-output group, 32-block) */
 
-typedef struct { float d, m; uint8_t qs[16]; } q4_block;
-
-/* one 32-block of activations -> xq int8 [32], its scale dx (max|v| / 127), and, when sxl is given, the lane
- * sums sxl[j] = dx * (sum of xq over elements 4j..4j+3) the 4-bit kernel's zero-point term needs */
-static inline void quantize_q8_block(const float *v, int8_t *qb, float *dx, float *sxl) {
+/* one 32-block of activations -> xq int8 [32] and its scale dx (max|v| / 127); returns sum xq */
+static inline int quantize_q8_block(const float *v, int8_t *qb, float *dx) {
     float amax = 0.0f;
-    for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(v[t]));
+    for (int t = 0; t < 32; t++) {
+        const float a = fabsf(v[t]);
+        amax = a > amax ? a : amax;  /* fmaxf is a libm call here */
+    }
     const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-    int lane[8] = {0};
+    int sum = 0;
     for (int t = 0; t < 32; t++) {
         const int q = (int)nearbyintf(v[t] * id);
         qb[t] = (int8_t)q;
-        lane[t / 4] += q;
+        sum += q;
     }
     *dx = dd;
-    if (sxl)
-        for (int j = 0; j < 8; j++) sxl[j] = dd * (float)lane[j];
-}
-
-/* bf16 rows: per row and block xq, dx and sxl (see quantize_q8_block) */
-static void quantize_q8_rows(const uint16_t *x, int M, int K, int8_t *xq, float *dx, float *sxl) {
-    const int nb = K / 32;
-    for (int r = 0; r < M; r++)
-        for (int b = 0; b < nb; b++) {
-            const int64_t rb = (int64_t)r * nb + b;
-            float v[32];
-            for (int t = 0; t < 32; t++) v[t] = from_bf16(x[rb * 32 + t]);
-            quantize_q8_block(v, xq + rb * 32, dx + rb, sxl + rb * 8);
-        }
-}
-
-static inline float fold8(const float *a) {
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    return sum;
 }
 
 #ifdef EYAS_Q4_AVX2
-/* one row's share of block blk: acc += (d * dx) * P + m * (dx * S), lane by lane */
-#define Q4_STEP(acc, xb, dxb, sxb) do { \
-    const __m256i p_ = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(xb))), ones); \
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(blk->d * (dxb)), _mm256_cvtepi32_ps(p_), acc); \
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(blk->m), _mm256_loadu_ps(sxb), acc); } while (0)
-#define Q4_UNPACK(blk) _mm256_set_m128i( \
-    _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(blk)->qs), 4), low4), \
-    _mm_and_si128(_mm_loadu_si128((const __m128i *)(blk)->qs), low4))
+/* row i's share of one nibble load: s_i += P over elements 4p..4p+3 and 4p+16..4p+19 of its block */
+#define Q4_DOT(si, xb) do { int32_t a0_, a1_; memcpy(&a0_, (xb) + 4 * p, 4); memcpy(&a1_, (xb) + 4 * p + 16, 4); \
+    si = _mm256_add_epi16(si, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0_)), \
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1_)))); } while (0)
+/* row i's block b closes: acc_i = fma(d * dx, P, acc_i) ; acc_i = fma(m, sx, acc_i) */
+#define Q4_CLOSE(acc, si, rb) do { \
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps((const float *)t), _mm256_set1_ps(dx[rb])), \
+                          _mm256_cvtepi32_ps(_mm256_madd_epi16(si, ones)), acc); \
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)t + 8), _mm256_set1_ps(sx[rb]), acc); } while (0)
+
+static inline void q4_store(__m256 acc, uint16_t *o, int nout) {
+    float a[8];
+    _mm256_storeu_ps(a, acc);
+    for (int j = 0; j < nout; j++) o[j] = to_bf16(a[j]);
+}
+
+/* R = 4, 2 or 1 rows (r0..) against one 8-output group, every accumulator in its own register: lane j of
+ * acc_i = row r0 + i, output 8g + j. Each row's sequence is the same whatever R. */
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *tiles, int nb, const int8_t *xq,
+                                                          const float *dx, const float *sx, int r0, int K,
+                                                          uint16_t *out, int64_t ostride, int nout, const int R) {
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    const int8_t *x0 = xq + (int64_t)r0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+    const int64_t b0 = (int64_t)r0 * nb;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = tiles + (int64_t)b * Q4_TILE;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (int p = 0; p < 4; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(t + 64 + 32 * p));
+            const __m256i lo = _mm256_and_si256(raw, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            Q4_DOT(s0, x0 + b * 32);
+            if (R > 1) Q4_DOT(s1, x1 + b * 32);
+            if (R > 2) Q4_DOT(s2, x2 + b * 32);
+            if (R > 3) Q4_DOT(s3, x3 + b * 32);
+        }
+        Q4_CLOSE(c0, s0, b0 + b);
+        if (R > 1) Q4_CLOSE(c1, s1, b0 + nb + b);
+        if (R > 2) Q4_CLOSE(c2, s2, b0 + 2 * nb + b);
+        if (R > 3) Q4_CLOSE(c3, s3, b0 + 3 * nb + b);
+    }
+    q4_store(c0, out, nout);
+    if (R > 1) q4_store(c1, out + ostride, nout);
+    if (R > 2) q4_store(c2, out + 2 * ostride, nout);
+    if (R > 3) q4_store(c3, out + 3 * ostride, nout);
+}
 #else
 /* the same arithmetic lane by lane, for machines without AVX2/FMA */
-static void q4_step_scalar(const q4_block *blk, const int8_t *xb, float dxb, const float *sxb, float *acc) {
-    const float scale = blk->d * dxb;
-    for (int j = 0; j < 8; j++) {
-        int p = 0;
-        for (int t = 4 * j; t < 4 * j + 4; t++)
-            p += (t < 16 ? (blk->qs[t] & 15) : (blk->qs[t - 16] >> 4)) * xb[t];
-        acc[j] = fmaf(scale, (float)p, acc[j]);
-        acc[j] = fmaf(blk->m, sxb[j], acc[j]);
-    }
-}
-#endif
-
-#ifdef EYAS_Q4_AVX2
-/* R rows (r0..r0+R-1) against one output's blocks: two accumulators per row (even and odd blocks) */
-static inline __attribute__((always_inline)) void q4_rows(const q4_block *wn, int nb, const int8_t *xq,
-                                                          const float *dx, const float *sxl, int r0, int K,
-                                                          uint16_t *out, int64_t ostride, const int R) {
-    const __m128i low4 = _mm_set1_epi8(15);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 e[4], o[4];
-    for (int i = 0; i < R; i++) e[i] = o[i] = _mm256_setzero_ps();
+static void q4_row_scalar(const uint8_t *tiles, int nb, const int8_t *xr, const float *dxr, const float *sxr,
+                          uint16_t *out, int nout) {
+    float acc[8] = {0};
     for (int b = 0; b < nb; b++) {
-        const q4_block *blk = wn + b;
-        const __m256i w = Q4_UNPACK(blk);
-        for (int i = 0; i < R; i++) {
-            const int64_t rb = (int64_t)(r0 + i) * nb + b;
-            const int8_t *xb = xq + (int64_t)(r0 + i) * K + b * 32;
-            if (b & 1) Q4_STEP(o[i], xb, dx[rb], sxl + rb * 8);
-            else Q4_STEP(e[i], xb, dx[rb], sxl + rb * 8);
+        const uint8_t *t = tiles + (int64_t)b * Q4_TILE;
+        float dv[8], mv[8];
+        memcpy(dv, t, 32);
+        memcpy(mv, t + 32, 32);
+        const int8_t *xb = xr + b * 32;
+        for (int j = 0; j < 8; j++) {
+            int p = 0;
+            for (int c = 0; c < 4; c++)
+                for (int e = 0; e < 4; e++) {
+                    const uint8_t byte = t[64 + 32 * c + 4 * j + e];
+                    p += (byte & 15) * xb[4 * c + e] + (byte >> 4) * xb[4 * c + 16 + e];
+                }
+            acc[j] = fmaf(dv[j] * dxr[b], (float)p, acc[j]);
+            acc[j] = fmaf(mv[j], sxr[b], acc[j]);
         }
     }
-    float a[8];
-    for (int i = 0; i < R; i++) {
-        _mm256_storeu_ps(a, _mm256_add_ps(e[i], o[i]));
-        out[i * ostride] = to_bf16(fold8(a));
-    }
+    for (int j = 0; j < nout; j++) out[j] = to_bf16(acc[j]);
 }
 #endif
 
-void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *blocks, uint16_t *out, int M, int N, int K,
+void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out, int M, int N, int K,
                          int nthreads) {
-    const int nb = K / 32;
+    const int nb = K / 32, G = (N + 7) / 8;
     int8_t *xq = malloc((size_t)M * K);
-    float *dx = malloc(sizeof(float) * (size_t)M * nb), *sxl = malloc(sizeof(float) * (size_t)M * nb * 8);
-    quantize_q8_rows(x, M, K, xq, dx, sxl);
-    const q4_block *W = (const q4_block *)blocks;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int n = 0; n < N; n++) {
-        const q4_block *wn = W + (int64_t)n * nb;
-        int r = 0;
-#ifdef EYAS_Q4_AVX2
-        /* rows in groups of 4, then 2, then 1 (each group shares the unpacked blocks); a row's own sequence
-         * is the same in every group */
-        for (; r + 4 <= M; r += 4) q4_rows(wn, nb, xq, dx, sxl, r, K, out + (int64_t)r * N + n, N, 4);
-        for (; r + 2 <= M; r += 2) q4_rows(wn, nb, xq, dx, sxl, r, K, out + (int64_t)r * N + n, N, 2);
-        for (; r < M; r++) q4_rows(wn, nb, xq, dx, sxl, r, K, out + (int64_t)r * N + n, N, 1);
-#else
-        for (; r < M; r++) {
-            float ae[8] = {0}, ao[8] = {0};
-            for (int b = 0; b < nb; b++)
-                q4_step_scalar(wn + b, xq + (int64_t)r * K + b * 32, dx[(int64_t)r * nb + b],
-                               sxl + ((int64_t)r * nb + b) * 8, (b & 1) ? ao : ae);
-            for (int j = 0; j < 8; j++) ae[j] += ao[j];
-            out[(int64_t)r * N + n] = to_bf16(fold8(ae));
+    float *dx = malloc(sizeof(float) * (size_t)M * nb), *sx = malloc(sizeof(float) * (size_t)M * nb);
+#pragma omp parallel num_threads(G > 1 ? nthreads : 1)
+    {
+        /* activations: per row and block xq, dx and sx = dx * sum xq (each block on its own) */
+#pragma omp for schedule(static)
+        for (int64_t rb = 0; rb < (int64_t)M * nb; rb++) {
+            float v[32];
+            for (int t = 0; t < 32; t++) v[t] = from_bf16(x[rb * 32 + t]);
+            const int s = quantize_q8_block(v, xq + rb * 32, dx + rb);
+            sx[rb] = dx[rb] * (float)s;
         }
+#pragma omp for schedule(static)
+        for (int g = 0; g < G; g++) {
+            const uint8_t *tg = tiles + (int64_t)g * nb * Q4_TILE;
+            const int nout = N - 8 * g < 8 ? N - 8 * g : 8;
+            uint16_t *og = out + 8 * g;
+            int r = 0;
+#ifdef EYAS_Q4_AVX2
+            /* rows in groups of 4, then 2, then 1 (each group shares the unpacked nibbles); a row's own
+             * sequence is the same in every group */
+            for (; r + 4 <= M; r += 4) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 4);
+            for (; r + 2 <= M; r += 2) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 2);
+            for (; r < M; r++) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 1);
+#else
+            for (; r < M; r++)
+                q4_row_scalar(tg, nb, xq + (int64_t)r * K, dx + (int64_t)r * nb, sx + (int64_t)r * nb,
+                              og + (int64_t)r * N, nout);
 #endif
+        }
     }
     free(xq);
     free(dx);
-    free(sxl);
+    free(sx);
 }
 
 /* The native decoder stack in one call (every matrix 4-bit, plain llama layer): per layer
@@ -409,7 +492,7 @@ void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, c
  * a fixed order: a row's bits never depend on the other rows. */
 static void quantize_q8_rows_f32(const float *x, int M, int K, int8_t *xq, float *dx) {
     const int64_t blocks = (int64_t)M * (K / 32);
-    for (int64_t rb = 0; rb < blocks; rb++) quantize_q8_block(x + rb * 32, xq + rb * 32, dx + rb, NULL);
+    for (int64_t rb = 0; rb < blocks; rb++) quantize_q8_block(x + rb * 32, xq + rb * 32, dx + rb);
 }
 
 #ifdef EYAS_Q4_AVX2

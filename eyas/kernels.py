@@ -126,30 +126,34 @@ def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, act: str = "f3
     return out.view(*x.shape[:-1], N)
 
 
-Q4_BLOCK_BYTES = 24  # float d, float m, 16 bytes of nibbles (eyas/kernels.c: q4_block)
+Q4_TILE_BYTES = 192  # one 8-output group x one 32-block: float d[8], float m[8], 128 nibble bytes (kernels.c)
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """q int [N, K] (0..15, GGUF element order), d, m fp32 [N, K/32] (w = d*q + m) -> uint8 [N, K/32, 24]."""
+    """q int [N, K] (0..15, GGUF element order), d, m fp32 [N, K/32] (w = d*q + m) -> uint8 [ceil(N/8), K/32, 192]
+    tiles interleaved by 8 outputs (eyas/kernels.c: eyas_q4_matmul_bf16); N is padded with zero outputs."""
     n, k = q.shape
-    nb = k // 32
-    qb = q.to(torch.uint8).view(n, nb, 32)
-    nibbles = qb[..., :16] | (qb[..., 16:] << 4)  # byte t: element t low, element t + 16 high
-    scales = torch.stack([d.float(), m.float()], dim=-1).contiguous().view(torch.uint8).view(n, nb, 8)
-    return torch.cat([scales, nibbles], dim=-1).contiguous()
+    nb, G = k // 32, (n + 7) // 8
+    pad = 8 * G - n
+    q8 = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(G, 8, nb, 2, 4, 4)  # [G, j, b, half, p, e]
+    nib = (q8[:, :, :, 0] | (q8[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(G, nb, 128)  # byte 32p + 4j + e
+
+    def lanes(s: torch.Tensor) -> torch.Tensor:  # [N, nb] fp32 -> bytes [G, nb, 32], output j's float at 4j
+        s = torch.nn.functional.pad(s.float(), (0, 0, 0, pad)).view(G, 8, nb).permute(0, 2, 1).contiguous()
+        return s.view(torch.uint8).view(G, nb, 32)
+    return torch.cat([lanes(d), lanes(m), nib], dim=-1).contiguous()
 
 
-def q4_matmul_bf16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 @ W^T for 4-bit blocks from pack_q4 [N, K/32, 24], activations quantized to 8 bits per
-    row and 32-block inside the kernel -> [..., N] bf16; a row's bits never depend on the other rows."""
+def q4_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T for a 4-bit W [n, K] packed by pack_q4, activations quantized to 8 bits per row
+    and 32-block inside the kernel -> [..., n] bf16; a row's bits never depend on the other rows."""
     K = x.shape[-1]
-    N = blocks.shape[0]
-    if blocks.shape[1] * 32 != K or blocks.shape[2] != Q4_BLOCK_BYTES:
-        raise KernelError(f"4-bit blocks {tuple(blocks.shape)} do not fit activations with {K} features")
+    if tiles.shape[1] * 32 != K or tiles.shape[2] != Q4_TILE_BYTES or tiles.shape[0] != (n + 7) // 8:
+        raise KernelError(f"4-bit tiles {tuple(tiles.shape)} do not fit a [{n}, {K}] matrix")
     x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
-    out = torch.empty(x2.shape[0], N, dtype=torch.bfloat16)
-    lib().eyas_q4_matmul_bf16(_ptr(x2), _ptr(blocks), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
-    return out.view(*x.shape[:-1], N)
+    out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+    lib().eyas_q4_matmul_bf16(_ptr(x2), _ptr(tiles), _ptr(out), x2.shape[0], n, K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
 
 
 def _ptrs(ts) -> ctypes.Array:

@@ -49,7 +49,7 @@ class QLinear:
     kind: str  # "q4" (eyas 4-bit x 8-bit kernel), "int4" (torch int4 kernel), "q8" (eyas q8) or "f32"
     n: int
     k: int
-    w: torch.Tensor  # q4: uint8 [N, K/32, 24] (kernels.pack_q4); int4: from _convert_weight_to_int4pack_for_cpu;
+    w: torch.Tensor  # q4: uint8 [N/8, K/32, 192] (kernels.pack_q4); int4: from _convert_weight_to_int4pack_for_cpu;
     # q8: int8 [N, K]
     scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
     bias: torch.Tensor | None = None
@@ -60,7 +60,7 @@ class QLinear:
         from . import kernels
 
         if self.kind == "q4":
-            return kernels.q4_matmul_bf16(x, self.w)
+            return kernels.q4_matmul_bf16(x, self.w, self.n)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.k), self.w, GROUP, self.scales)
         return y.view(*x.shape[:-1], self.n)
 
