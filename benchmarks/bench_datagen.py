@@ -7,7 +7,9 @@
    Goal: ratio (capture tok/s / bare tok/s) >= 0.8.
 2. End to end: `run_datagen --no-regenerate` on the same rows (tokenization + capture + shard writes + manifest).
 3. Regeneration tokens/s, greedy, on first-turn prompts: eyas's engine forward (batched, what datagen
-   --regenerate runs) and HF generate (the fallback) on the first few of the same prompts.
+   --regenerate runs) on native weights (--regen-weights auto: the GGUF's 4-bit matrices, the numerics eyas
+   serves with) and on the fp32 HF weights (--regen-weights fp32), and HF generate (the fallback) on the first
+   few of the same prompts.
 
     .venv/bin/python benchmarks/bench_datagen.py [--num 32] [--max-len 512] [--threads 1] [--out DIR]
 
@@ -121,10 +123,13 @@ def main() -> None:
     gcfg = DatagenConfig(out="", max_new_tokens=args.regen_new_tokens, repetition_limit=32, max_len=4096,
                          gen_batch=args.gen_batch)
     stop = stop_token_ids(target)
-    engine = regen_engine(target)
-    generate_replies(target, prompts[:2], DatagenConfig(out="", max_new_tokens=4, max_len=4096), 0, stop, engine)
+    engines = {"eyas native": regen_engine(target, "native"), "eyas fp32": regen_engine(target, "fp32")}
+    for engine in engines.values():
+        generate_replies(target, prompts[:2], DatagenConfig(out="", max_new_tokens=4, max_len=4096), 0, stop, engine)
     regen = {}
-    for name, group, eng in (("eyas engine", prompts, engine), ("HF generate", prompts[:args.hf_samples], None)):
+    for name, group, eng in (("eyas native", prompts, engines["eyas native"]),
+                             ("eyas fp32", prompts, engines["eyas fp32"]),
+                             ("HF generate", prompts[:args.hf_samples], None)):
         new, dt_s, finish = 0, 0.0, Counter()
         lens = [len(p) + args.regen_new_tokens for p in group]
         # the engine's pool takes every prompt at once and refills rows as replies end (as datagen does)
@@ -139,9 +144,10 @@ def main() -> None:
         print(f"regeneration, {name:11s}: {new:6d} new tokens in {dt_s:6.1f} s = {new / dt_s:6.1f} tok/s "
               f"({len(group)} prompts, batch <= {args.gen_batch}, max_new_tokens {args.regen_new_tokens}; "
               f"finish {dict(finish)})")
-    speedup = regen["eyas engine"]["tok_s"] / regen["HF generate"]["tok_s"]
-    print(f"engine / HF generate = {speedup:.2f}x; engine regeneration / capture path = "
-          f"{regen['eyas engine']['tok_s'] / cap_tps:.2f}")
+    speedup = regen["eyas native"]["tok_s"] / regen["HF generate"]["tok_s"]
+    print(f"native engine / HF generate = {speedup:.2f}x; native / fp32 engine = "
+          f"{regen['eyas native']['tok_s'] / regen['eyas fp32']['tok_s']:.2f}x; native regeneration / capture path "
+          f"= {regen['eyas native']['tok_s'] / cap_tps:.2f}")
 
     res = {
         "samples": len(items), "tokens": n_tokens, "max_len": args.max_len, "batches": len(batches),
@@ -149,7 +155,8 @@ def main() -> None:
         "capture_tok_s": round(cap_tps, 1), "bare_hf_tok_s": round(hf_tps, 1), "ratio": round(cap_tps / hf_tps, 3),
         "datagen_end_to_end_tok_s": e2e_tps, "datagen_ratio_to_bare": round(e2e_tps / hf_tps, 3),
         "bytes_per_token": m["counts"]["bytes_per_token"], "regeneration": regen,
-        "regen_engine_over_hf": round(speedup, 2),
+        "regen_native_over_hf": round(speedup, 2),
+        "regen_native_over_fp32": round(regen["eyas native"]["tok_s"] / regen["eyas fp32"]["tok_s"], 2),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     (out / "results.json").write_text(json.dumps(res, indent=2))
@@ -159,10 +166,11 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        names = ["bare HF fwd", "capture path", "datagen e2e", "regen engine", "regen HF"]
-        vals = [hf_tps, cap_tps, e2e_tps, regen["eyas engine"]["tok_s"], regen["HF generate"]["tok_s"]]
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.bar(names, vals, color=["#888", "#2a7", "#27a", "#a72", "#a52"])
+        names = ["bare HF fwd", "capture path", "datagen e2e", "regen native", "regen fp32", "regen HF"]
+        vals = [hf_tps, cap_tps, e2e_tps, regen["eyas native"]["tok_s"], regen["eyas fp32"]["tok_s"],
+                regen["HF generate"]["tok_s"]]
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.bar(names, vals, color=["#888", "#2a7", "#27a", "#a72", "#c94", "#a52"])
         ax.set_ylabel("tokens/s")
         ax.set_title(f"eyas datagen, SmolLM2-135M, {len(items)} ShareGPT samples (ratio {cap_tps / hf_tps:.2f})")
         fig.tight_layout()

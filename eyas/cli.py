@@ -24,7 +24,7 @@ WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a G
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
                                "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
-# generate and serve: unset tree settings come from eyas.engine.TREE_DEFAULTS for the device
+# generate, serve and bench: unset tree settings come from eyas.engine.TREE_DEFAULTS for the device
 TreeDepthOpt = typer.Option(None, "--depth", help="tree: draft depth (default 2 on the CPU, 4 on CUDA)")
 TreeTopkOpt = typer.Option(None, "--topk", help="tree: children per expanded node and frontier width "
                            "(default 2 on the CPU, 4 on CUDA)")
@@ -34,8 +34,6 @@ TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged in
                              "(0 = off; default 4 on the CPU, 0 on CUDA)")
 TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
                               "probability reaches this (default 0.35 on the CPU, 0 on CUDA)")
-MinProbOpt = typer.Option(0.0, "--min-prob", help="chain/tree: verify only candidates whose cumulative draft "
-                          "probability reaches this (0 = all selected; an unsure round verifies fewer rows)")
 
 
 @app.callback()
@@ -103,12 +101,12 @@ def bench(
     device: str = DeviceOpt,
     methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset"),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round"),
-    depth: int = typer.Option(4, "--depth", help="tree: depth"),
-    topk: int = typer.Option(4, "--topk", help="tree: children per node"),
-    tokens: int = typer.Option(16, "--tokens", help="tree: nodes verified per round"),
+    depth: int = TreeDepthOpt,
+    topk: int = TreeTopkOpt,
+    tokens: int = TreeTokensOpt,
     lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
-    lookup: int = typer.Option(8, "--lookup", help="tree-lookup: lookup candidates merged into the tree per round"),
-    min_prob: float = MinProbOpt,
+    lookup: int = TreeLookupOpt,
+    min_prob: float = TreeMinProbOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
     out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
@@ -130,16 +128,18 @@ def bench(
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
     from .bench.run import BenchConfig, SweepGrid, parse_int_list, parse_methods, run_bench
     from .bench.sweep import run_sweep
+    from .engine import tree_defaults
 
     with user_errors():
+        # the tree generate and serve use on this device, unless given (lookup applies to tree-lookup only)
+        tree = tree_defaults(device, "tree", depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
         grid = SweepGrid(parse_int_list(sweep_steps, "--sweep-steps"), parse_int_list(sweep_depth, "--sweep-depth"),
                          parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
                           target=target, draft=draft, dtype=dtype, device=device, weights=weights,
                           draft_weights=draft_weights, methods=parse_methods(methods),
-                          steps=steps, depth=depth, topk=topk, tokens=tokens, lookup_tokens=lookup_tokens,
-                          lookup=lookup, min_prob=min_prob,
+                          steps=steps, lookup_tokens=lookup_tokens, **tree,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid, chat_template=chat_template, raw=raw)
         (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
@@ -234,6 +234,9 @@ def datagen(
     shard_samples: int = typer.Option(64, "--shard-samples", help="conversations per chunk/shard"),
     shard_tokens: int = typer.Option(65536, "--shard-tokens", help="max tokens per shard"),
     gen_batch: int = typer.Option(64, "--gen-batch", help="regeneration: prompts decoding at once"),
+    regen_weights: str = typer.Option("auto", "--regen-weights", help="regeneration: the engine's weights, as "
+                                      "--weights (auto: native for a GGUF on the CPU, the numerics eyas serves "
+                                      "with) | fp32 (the HF weights in --target-dtype)"),
     capture_tokens: int = typer.Option(8192, "--capture-tokens", help="padded tokens per capture forward"),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = default; 1 on a busy machine)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
@@ -255,8 +258,8 @@ def datagen(
                         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
                         device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
-                        gen_batch=gen_batch, capture_tokens=capture_tokens, threads=threads,
-                        chat_template=chat_template, raw=raw)
+                        gen_batch=gen_batch, regen_weights=regen_weights, capture_tokens=capture_tokens,
+                        threads=threads, chat_template=chat_template, raw=raw)
     with user_errors():
         m = run_datagen(cfg, command=" ".join(["eyas", *sys.argv[1:]]), log=typer.echo, progress=not quiet)
     for line in summary(m):

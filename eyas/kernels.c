@@ -274,20 +274,22 @@ void eyas_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int R, int I, int nth
 }
 
 /* qkv [B, S, (nh + 2 kvh) hd] bf16 from the fused projection; cos, sin [B, S, hd] (HF rotary, rotate-half form).
- * Rotates q and k, writes k and v into cache slots start..start+S-1, attends (eyas_attention) and writes
- * out [B, S, nh hd] bf16. qbuf, obuf: fp32 scratch of B*S*nh*hd. */
+ * Rotates q and k, writes k and v into cache slots start..start+S-1 (or, with slots and S = 1, row b's at slot
+ * slots[b] <= start: rows of different lengths in one cache, the mask saying which slots each row sees), attends
+ * (eyas_attention) and writes out [B, S, nh hd] bf16. qbuf, obuf: fp32 scratch of B*S*nh*hd. */
 void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
-                      int B, int S, int nh, int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride,
-                      float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads) {
+                      int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
+                      int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads) {
     const int half = hd / 2, width = (nh + 2 * kvh) * hd;
     for (int b = 0; b < B; b++)
         for (int s = 0; s < S; s++) {
+            const int64_t slot = slots ? slots[b] : start + s;
             const uint16_t *row = qkv + ((int64_t)b * S + s) * width;
             const float *cs = cos + ((int64_t)b * S + s) * hd, *sn = sin + ((int64_t)b * S + s) * hd;
             for (int h = 0; h < nh + kvh; h++) {
                 const uint16_t *src = row + h * hd;
                 float *dst = h < nh ? qbuf + (((int64_t)b * S + s) * nh + h) * hd
-                                    : kc + (((int64_t)b * kvh + (h - nh)) * maxlen + start + s) * hd;
+                                    : kc + (((int64_t)b * kvh + (h - nh)) * maxlen + slot) * hd;
                 for (int d = 0; d < hd; d++) {
                     const float x = from_bf16(src[d]);
                     const float rot = d < half ? -from_bf16(src[d + half]) : from_bf16(src[d - half]);
@@ -296,7 +298,7 @@ void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, f
             }
             for (int h = 0; h < kvh; h++) {
                 const uint16_t *src = row + (nh + kvh + h) * hd;
-                float *dst = vc + (((int64_t)b * kvh + h) * maxlen + start + s) * hd;
+                float *dst = vc + (((int64_t)b * kvh + h) * maxlen + slot) * hd;
                 for (int d = 0; d < hd; d++) dst[d] = from_bf16(src[d]);
             }
         }
@@ -458,7 +460,7 @@ void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, c
                     const uint8_t *const *wgu, const uint8_t *const *wd, const float *const *ln1,
                     const float *const *ln2, float eps, const float *cos, const float *sin, float *const *kc,
                     float *const *vc, int64_t maxlen, int B, int S, int nh, int kvh, int hd, int I, int start,
-                    const uint8_t *const *masks, const int64_t *mask_bstrides, float scale, float *const *store,
+                    const int64_t *slots, const uint8_t *const *masks, const int64_t *mask_bstrides, float scale, float *const *store,
                     int nthreads) {
     const int nqkv = (nh + 2 * kvh) * hd, no = nh * hd;
     uint16_t *h = malloc(sizeof(uint16_t) * (size_t)R * H), *qkv = malloc(sizeof(uint16_t) * (size_t)R * nqkv);
@@ -470,7 +472,7 @@ void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, c
         eyas_add_rms_bf16(x, i ? pend : NULL, ln1[i], h, R, H, eps, nthreads);
         if (store[i]) memcpy(store[i], x, sizeof(float) * (size_t)R * H);
         eyas_q4_matmul_bf16(h, wqkv[i], qkv, R, nqkv, H, nthreads);
-        eyas_rope_attend(qkv, cos, sin, kc[i], vc[i], maxlen, B, S, nh, kvh, hd, start, masks[i],
+        eyas_rope_attend(qkv, cos, sin, kc[i], vc[i], maxlen, B, S, nh, kvh, hd, start, slots, masks[i],
                          mask_bstrides[i], scale, qbuf, obuf, o, nthreads);
         eyas_q4_matmul_bf16(o, wo[i], ob, R, H, no, nthreads);
         eyas_add_rms_bf16(x, ob, ln2[i], h, R, H, eps, nthreads);

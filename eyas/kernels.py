@@ -66,12 +66,12 @@ def lib() -> ctypes.CDLL:
     so.eyas_add_rms_bf16.restype = None
     so.eyas_silu_mul_bf16.argtypes = [p, p, i32, i32, i32]
     so.eyas_silu_mul_bf16.restype = None
-    so.eyas_rope_attend.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32, p, i64, f32, p, p, p, i32]
+    so.eyas_rope_attend.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32, p, p, i64, f32, p, p, p, i32]
     so.eyas_rope_attend.restype = None
     so.eyas_q4_matmul_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
     so.eyas_q4_matmul_bf16.restype = None
     so.eyas_q4_layers.argtypes = [p, i32, i32, i32, p, p, p, p, p, p, f32, p, p, p, p, i64, i32, i32, i32, i32, i32,
-                                  i32, i32, p, p, f32, p, i32]
+                                  i32, i32, p, p, p, f32, p, i32]
     so.eyas_q4_layers.restype = None
     so.eyas_q8q8_matmul.argtypes = [p, p, p, p, i32, i32, i32, i32]
     so.eyas_q8q8_matmul.restype = None
@@ -156,6 +156,16 @@ def q4_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor
     return out.view(*x.shape[:-1], n)
 
 
+def _slots(slots: torch.Tensor | None, B: int, S: int) -> int | None:
+    """Per-row cache slots for the kernels: None, or int64 [B] with S = 1 (kept alive by the caller)."""
+    if slots is None:
+        return None
+    if S != 1 or slots.dtype != torch.int64 or tuple(slots.shape) != (B,) or not slots.is_contiguous():
+        raise KernelError(f"per-row slots need S = 1 and a contiguous int64 [{B}] tensor, found S={S}, "
+                          f"{slots.dtype} {tuple(slots.shape)}")
+    return slots.data_ptr()
+
+
 def _ptrs(ts) -> ctypes.Array:
     return (ctypes.c_void_p * len(ts))(*[None if t is None else t.data_ptr() for t in ts])
 
@@ -174,9 +184,10 @@ class Q4Stack:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  start: int, masks: list[torch.Tensor | None], scale: float, want: set[int],
-                 store: dict[int, torch.Tensor]) -> torch.Tensor:
+                 store: dict[int, torch.Tensor], slots: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, H] fp32 (updated in place); cos/sin [B, S, hd]; k, v caches [L, B, kvh, max_len, hd];
-        per-layer masks. -> the final stream [B, S, H]; store[i] gets stream i for i in want."""
+        per-layer masks; slots int64 [B] (S = 1): row b's K/V go to slot slots[b] instead of `start`.
+        -> the final stream [B, S, H]; store[i] gets stream i for i in want."""
         B, S, H = x.shape
         T = start + S
         uniq: dict[int, tuple[torch.Tensor | None, int]] = {}
@@ -189,7 +200,8 @@ class Q4Stack:
                 store[i] = torch.empty_like(x)
         lib().eyas_q4_layers(_ptr(x), B * S, H, self.L, *self.w, self.ln1, self.ln2, self.eps, _ptr(cos), _ptr(sin),
                              _ptrs([k[i] for i in range(self.L)]), _ptrs([v[i] for i in range(self.L)]), k.shape[3],
-                             B, S, self.nh, self.kvh, self.hd, self.I, start, _ptrs([m for m, _ in mk]),
+                             B, S, self.nh, self.kvh, self.hd, self.I, start, _slots(slots, B, S),
+                             _ptrs([m for m, _ in mk]),
                              (ctypes.c_int64 * self.L)(*[st for _, st in mk]), float(scale),
                              _ptrs([store.get(i) for i in range(self.L)]), torch.get_num_threads())
         return x
@@ -272,9 +284,10 @@ def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
 
 def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float, nh: int, kvh: int,
-                hd: int) -> torch.Tensor:
+                hd: int, slots: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [B, S, (nh+2kvh)hd] bf16; cos/sin [B, S, hd] fp32; one layer's cache [B, kvh, max_len, hd] fp32.
-    Writes the rotated k and v at slots start.. and returns attention out [B, S, nh*hd] bf16."""
+    Writes the rotated k and v at slots start.. (or row b's at slots[b], S = 1) and returns attention out
+    [B, S, nh*hd] bf16."""
     B, S, _ = qkv.shape
     T = start + S
     qbuf = torch.empty(B, S, nh, hd)
@@ -282,7 +295,8 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     out = torch.empty(B, S, nh * hd, dtype=torch.bfloat16)
     m, m_stride = _mask_bytes(mask, S, T)
     lib().eyas_rope_attend(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], B, S,
-                           nh, kvh, hd, start, None if m is None else _ptr(m), m_stride, float(scale), _ptr(qbuf),
+                           nh, kvh, hd, start, _slots(slots, B, S), None if m is None else _ptr(m), m_stride,
+                           float(scale), _ptr(qbuf),
                            _ptr(obuf), _ptr(out),
                            torch.get_num_threads())
     return out

@@ -297,9 +297,9 @@ class TargetModel:
         mask = self._mask(cache, S, T, tree_mask, attn_mask)
         rows = None
         if slots is not None:
-            if S != 1 or attn_mask is None or self.fused or tuple(slots.shape) != (B,):
-                raise ModelError(f"per-row slots need one new token per row, slots [{B}], an attn_mask and the "
-                                 f"unfused forward; found S={S}, slots {tuple(slots.shape)}")
+            if S != 1 or attn_mask is None or tuple(slots.shape) != (B,):
+                raise ModelError(f"per-row slots need one new token per row, slots [{B}] and an attn_mask; found "
+                                 f"S={S}, slots {tuple(slots.shape)}")
             rows = torch.arange(B, device=self.device)
         want = set(capture or [])
         # native: always the row-invariant kernel; fp32 asks for it for masked steps only (a causal prefill runs
@@ -321,7 +321,7 @@ class TargetModel:
             cos, sin = rope[None]
             masks = [window_masks.get(w, mask) for w in self.windows]
             x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), cache, start, masks, want,
-                                   store)
+                                   store, None if slots is None else slots.to(torch.int64).contiguous())
         for i, L in enumerate(self.layers if not self.fused else []):
             if i in want:
                 store[i] = x
@@ -402,14 +402,15 @@ class TargetModel:
         return out
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                      masks: list[torch.Tensor | None], want: set[int], store: dict[int, torch.Tensor]
-                      ) -> torch.Tensor:
-        """The decoder layers in native mode, a few calls each: x [B, S, H] fp32 -> stream L [B, S, H]."""
+                      masks: list[torch.Tensor | None], want: set[int], store: dict[int, torch.Tensor],
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers in native mode, a few calls each: x [B, S, H] fp32 -> stream L [B, S, H].
+        slots int64 [B] (S = 1): row b's K/V go to cache slot slots[b] (see forward)."""
         nat = self.native.layers
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = x.float().contiguous()  # updated in place by the kernels
         if self.q4_stack is not None:
-            return self.q4_stack(x, cos, sin, cache.k, cache.v, start, masks, self.scale, want, store)
+            return self.q4_stack(x, cos, sin, cache.k, cache.v, start, masks, self.scale, want, store, slots)
         pending = None  # the previous layer's MLP output, added by the next norm
         for i, L in enumerate(self.layers):
             h = kernels.add_rms_bf16(x, pending, L.ln1, self.eps)  # [B, S, H] bf16; x is now stream i
@@ -417,7 +418,7 @@ class TargetModel:
                 store[i] = x.clone()
             qkv = nat[i]["qkv"].mm_bf16(h)  # [B, S, (nh + 2 nkv) hd] bf16
             o = kernels.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], start, masks[i], self.scale, nh, nkv,
-                                    hd)
+                                    hd, slots)
             h = kernels.add_rms_bf16(x, nat[i]["o"].mm_bf16(o), L.ln2, self.eps)
             pending = nat[i]["d"].mm_bf16(kernels.silu_mul_bf16(nat[i]["gu"].mm_bf16(h)))
         return x + pending.float()

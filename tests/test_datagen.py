@@ -376,3 +376,34 @@ def test_zero_samples_is_an_error_but_a_resumed_run_that_has_samples_is_not(tmp_
     assert man["complete"] and man["skipped"] == {"no_assistant_turn": 3} and man["counts"]["rows"] == 3
     with pytest.raises(DatagenError, match="no samples"):  # a rerun of it is still the same failure
         run_datagen(_cfg(tmp_path / "zero", tiny_dir, only), command="d", **quiet)
+
+
+def test_native_engine_pool_matches_each_prompt_alone(tiny_dir):
+    """Regeneration on native weights (the whole decoder stack in one C call, per-row cache slots written by the
+    kernel): a prompt's reply in a refilled pool is the reply it gets alone, and plain decoding's."""
+    from eyas.model import TargetModel
+    from tests.tiny import tiny_native
+
+    t = load_target(str(tiny_dir))
+    eng = TargetModel(t.model, tiny_native(t.model))
+    assert eng.q4_stack is not None
+    tok = t.tokenizer
+    texts = ["hi", "Tell me a long story about a dragon and a castle", "What is 2+2?", "ok", "Name three colors"]
+    prompts = [tok(render(tok, [{"role": "user", "content": x}], add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for x in texts]
+    caps = [3, 17, 9, 12, 5]
+    stop = stop_token_ids(t)
+    full = engine_generate(eng, prompts, caps, stop, repetition_limit=0)
+    pooled = engine_generate(eng, prompts, caps, stop, repetition_limit=0, width=2)
+    for p, c, got, got2 in zip(prompts, caps, full, pooled, strict=True):
+        alone = engine_generate(eng, [p], [c], stop, repetition_limit=0)[0]
+        assert got == got2 == alone, (got, got2, alone)
+        cache = eng.new_cache(1, len(p) + c + 1)  # plain decoding: one row, causal, the KV cache grows by one
+        ids, out = list(p), []
+        for _ in range(len(got[0]) + (got[1] == "eos")):
+            logits = eng.forward(torch.tensor([ids[-1:] if out else ids]), torch.arange(len(ids) - (1 if out else
+                                 len(ids)), len(ids))[None], cache).logits[0, -1]
+            cache.length = len(ids)
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+        assert out[:len(got[0])] == got[0]

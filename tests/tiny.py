@@ -55,3 +55,34 @@ def gguf_bytes(arch: str, tensors: list[tuple[str, tuple[int, ...], int, int]] =
         off += (nbytes + 31) // 32 * 32
     out += bytes(-len(out) % 32)
     return out + bytes(off)
+
+
+def tiny_native(model):
+    """Native weights for a tiny llama: every decoder matrix rounded in place to a Q4_1 grid (per 32-block
+    w = d*q + m, q in 0..15) and packed for eyas's 4-bit kernel, as eyas.quant.load_native reads a GGUF: the
+    engine then runs the whole decoder stack as one C call (eyas.kernels.Q4Stack)."""
+    from eyas.quant import NativeWeights, QLinear, _pack
+    from eyas.target import decoder_parts
+
+    def q4_1(lin):
+        w = lin.weight.detach().float()
+        n, k = w.shape
+        blk = w.view(n, k // 32, 32)
+        m = blk.amin(-1)
+        d = (blk.amax(-1) - m) / 15
+        q = torch.where(d[..., None] > 0, (blk - m[..., None]) / d.clamp_min(1e-30)[..., None], 0).round().clamp(0, 15)
+        with torch.no_grad():
+            lin.weight.copy_((d[..., None] * q + m[..., None]).view(n, k))
+        return q.to(torch.int32).view(n, k), d, m
+
+    _, layers, _ = decoder_parts(model)
+    out = []
+    for layer in layers:
+        a, f = layer.self_attn, layer.mlp
+        parts = {c: q4_1(lin) for c, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj),
+                                             ("g", f.gate_proj), ("u", f.up_proj), ("d", f.down_proj))}
+        cat = {f: [torch.cat([parts[c][j] for c in f]) for j in range(3)] for f in ("qkv", "gu")}
+        out.append({"qkv": _pack("q8", "Q4_1", *cat["qkv"], None), "o": _pack("q8", "Q4_1", *parts["o"], None),
+                    "gu": _pack("q8", "Q4_1", *cat["gu"], None), "d": _pack("q8", "Q4_1", *parts["d"], None)})
+    w = model.get_output_embeddings().weight.detach().float().contiguous()
+    return NativeWeights(out, QLinear("f32", w.shape[0], w.shape[1], w, torch.empty(0), None), {"Q4_1": 7 * len(out)})

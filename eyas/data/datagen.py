@@ -24,6 +24,7 @@ import torch
 from ..errors import EyasError
 from ..files import atomic_write_json
 from ..layout import Layout, LayoutError, check_layouts
+from ..model import WEIGHTS
 from ..target import Target, capture, file_fingerprint, load_target, parse_dtype
 from ..template import (
     ChatTemplate,
@@ -46,7 +47,7 @@ from .conversations import (
     tokenize_conversation_checked,
     tokenize_raw,
 )
-from .regen import generate_replies, regen_engine, regenerate, stop_token_ids
+from .regen import generate_replies, regen_engine, regen_numerics, regenerate, stop_token_ids
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -108,6 +109,7 @@ class DatagenConfig:
     shard_samples: int = 64  # conversations per chunk (and at most per shard)
     shard_tokens: int = 65536  # a chunk's samples are split into shards of at most this many tokens
     gen_batch: int = 64  # prompts decoding at once
+    regen_weights: str = "auto"  # engine weights for regeneration (eyas.model.WEIGHTS; auto: native for a GGUF)
     gen_tokens: int = 65536  # KV-cache slots for generation (rows x longest prompt + new tokens): bounds memory
     capture_tokens: int = 8192  # padded tokens per capture forward: bounds activation memory
     threads: int = 0  # torch CPU threads (0 = torch's default); 1 is far faster on an oversubscribed machine
@@ -129,6 +131,8 @@ class DatagenConfig:
             (self.shard_samples >= 1, f"--shard-samples must be >= 1, got {self.shard_samples}"),
             (self.shard_tokens >= 1, f"--shard-tokens must be >= 1, got {self.shard_tokens}"),
             (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
+            (self.regen_weights in WEIGHTS, f"--regen-weights must be one of {', '.join(WEIGHTS)}, got "
+                                            f"{self.regen_weights!r}"),
             (self.capture_tokens >= 1, f"--capture-tokens must be >= 1, got {self.capture_tokens}"),
             (self.threads >= 0, f"--threads must be >= 0 (0 = torch's default), got {self.threads}"),
         ]
@@ -145,7 +149,8 @@ class DatagenConfig:
 
 # config keys that define the dataset's content: a rerun into the same folder must match them
 _IDENTITY_KEYS = ("source", "source_fingerprint", "max_len", "regenerate", "max_turns", "dtype", "target_dtype")
-_REGEN_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "repetition_limit")
+_REGEN_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "repetition_limit", "regen_weights")
+_LEGACY = {"regen_weights": "fp32"}  # manifests from before the key: what they ran
 
 
 def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[str, Any]:
@@ -154,7 +159,7 @@ def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[st
         "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
         "max_turns": cfg.max_turns, "repetition_limit": cfg.repetition_limit, "dtype": cfg.dtype,
         "target_dtype": cfg.target_dtype, "num": cfg.num, "shard_samples": cfg.shard_samples,
-        "shard_tokens": cfg.shard_tokens, "threads": torch.get_num_threads(),
+        "shard_tokens": cfg.shard_tokens, "threads": torch.get_num_threads(), "regen_weights": cfg.regen_weights,
     }
 
 
@@ -237,7 +242,8 @@ def _raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, st
     on_progress("regen raw")
     seed = (cfg.seed * 1_000_003 + prompts[0][0] * 1_009) % (2**63)
     t0 = time.perf_counter()
-    replies = generate_replies(target, [p for _, p in prompts], cfg, seed, stop_ids, regen_engine(target))
+    replies = generate_replies(target, [p for _, p in prompts], cfg, seed, stop_ids,
+                               regen_engine(target, cfg.regen_weights))
     stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
     for (row_id, prompt), (reply, why) in zip(prompts, replies, strict=True):
         stats["regenerated_replies"] += 1
@@ -338,10 +344,10 @@ def _refuse_mismatch(out: Path, m: dict[str, Any], layout: Layout, target_source
         problems.append(str(e))
     old = m.get("config", {})
     keys = _IDENTITY_KEYS + (_REGEN_KEYS if conf["regenerate"] or old.get("regenerate") else ())
-    diff = [k for k in keys if old.get(k) != conf[k]]
+    diff = [k for k in keys if old.get(k, _LEGACY.get(k)) != conf[k]]
     if diff:
         problems.append("config differs: " + "; ".join(
-            f"{k}: existing {old.get(k)!r}, this run {conf[k]!r}" for k in diff))
+            f"{k}: existing {old.get(k, _LEGACY.get(k))!r}, this run {conf[k]!r}" for k in diff))
     if not same_template(m.get("chat_template"), template):
         problems.append(f"chat template differs: existing {describe_record(m.get('chat_template'))}, this run "
                         f"{describe_record(template)} ({fix_for(m.get('chat_template'))} to resume)")
@@ -442,8 +448,8 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     except LayoutError as e:
         raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
     conf = _manifest_config(cfg, source, source_fp)
-    if cfg.regenerate:  # what wrote the replies; both run the HF weights in --target-dtype
-        conf["regen_engine"] = "hf-generate" if regen_engine(target) is None else "eyas-engine"
+    if cfg.regenerate:  # what wrote the replies: hf-generate, eyas-fp32 or eyas-native (--regen-weights)
+        conf["regen_engine"] = regen_numerics(regen_engine(target, cfg.regen_weights))
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:

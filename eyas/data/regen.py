@@ -7,8 +7,10 @@ once a quarter of the rows are done, so the batch does not keep computing finish
 every row from one generator seeded per batch, so a rerun repeats it. Families the engine forward does not
 cover fall back to Hugging Face `generate`.
 
-The engine runs the HF weights in --target-dtype (`--weights fp32`), whatever serving uses: at 16-64 rows a
-step is bound by compute, where fp32 matmuls beat the int4 kernel's bf16 path (192 vs 150 tok/s at 64 rows).
+Which weights the engine runs is `--regen-weights` (DatagenConfig.regen_weights, eyas.model.engine_model's
+modes): auto = native for a GGUF target on the CPU, the numerics eyas serves with, so the replies are the
+tokens `eyas generate` and `eyas serve` give; its 4-bit kernel shares each weight tile among 8 outputs and 4
+rows, which at 64 rows is ~2.5x the fp32 matmuls. fp32 runs the HF weights in --target-dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from itertools import groupby
 
 import torch
 
-from ..model import ModelError, TargetModel
+from ..model import ModelError, TargetModel, engine_model
 from ..sampling import warp
 from ..target import Target, end_token_ids
 from ..template import chat_ids
@@ -36,13 +38,27 @@ def stop_token_ids(target: Target) -> list[int]:
                          "regeneration could never stop: use --no-regenerate or fix the config")
 
 
-def regen_engine(target: Target) -> TargetModel | None:
-    """The engine forward regeneration runs on, or None when the family needs HF generate."""
+def regen_engine(target: Target, weights: str = "auto") -> TargetModel | None:
+    """The engine forward regeneration runs on in `weights` mode (eyas.model.WEIGHTS), or None when the
+    family needs HF generate."""
     m = target.model
     try:
+        if weights != "fp32":
+            tm = engine_model(target, weights)  # an explicit native mode that cannot run raises
+            if tm.native is not None:
+                return tm
         return TargetModel(m, kernel_attention=m.dtype == torch.float32 and m.device.type == "cpu")
     except ModelError:
+        if weights in ("native", "native-bf16"):
+            raise
         return None
+
+
+def regen_numerics(engine: TargetModel | None) -> str:
+    """What wrote the replies, for the manifest: hf-generate, eyas-fp32 (HF weights) or eyas-native."""
+    if engine is None:
+        return "hf-generate"
+    return "eyas-native" if engine.native is not None else "eyas-fp32"
 
 
 class _LoopWatch:
@@ -272,7 +288,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
     is dropped with everything after it (truncation would cut it anyway)."""
     tok = target.tokenizer
     stop_ids = stop_token_ids(target)
-    engine = regen_engine(target)
+    engine = regen_engine(target, cfg.regen_weights)
     msgs = [[dict(m) for m in c.messages] for c in convs]
     turns = [[i for i, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
     cut = [len(ms) for ms in msgs]  # messages kept per conversation
