@@ -73,9 +73,9 @@ def lib() -> ctypes.CDLL:
     so.eyas_q4_layers.argtypes = [p, i32, i32, i32, p, p, p, p, p, p, f32, p, p, p, p, i64, i32, i32, i32, i32, i32,
                                   i32, i32, p, p, p, f32, p, i32]
     so.eyas_q4_layers.restype = None
-    so.eyas_q8q8_matmul.argtypes = [p, p, p, p, i32, i32, i32, i32]
+    so.eyas_q8q8_matmul.argtypes = [p, p, p, i32, i32, i32, i32]
     so.eyas_q8q8_matmul.restype = None
-    so.eyas_draft_layer.argtypes = [p] * 15 + [f32, p, p, i64] + [i32] * 7 + [p, f32, p, i32]
+    so.eyas_draft_layer.argtypes = [p] * 11 + [f32, p, p, i64] + [i32] * 7 + [p, f32, p, i32]
     so.eyas_draft_layer.restype = None
     return so
 
@@ -113,17 +113,42 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     return out
 
 
-def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, act: str = "f32") -> torch.Tensor:
-    """x [..., K] fp32 @ (d * qw)^T for a Q8_0 weight qw int8 [N, K], d fp32 [N, K/32] -> [..., N] fp32.
-    act: f32 (fp32 activations) | q8 (activations quantized to 8 bits per row and 32-block: llama.cpp's
-    Q8_0 x Q8_0 dot, 2-4x fewer instructions)."""
+def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [..., K] fp32 @ (d * qw)^T for a Q8_0 weight qw int8 [N, K], d fp32 [N, K/32], fp32 activations
+    -> [..., N] fp32."""
     K = x.shape[-1]
     N = qw.shape[0]
     x2 = x.reshape(-1, K).contiguous().float()
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    fn = lib().eyas_q8q8_matmul if act == "q8" else lib().eyas_q8_matmul
-    fn(_ptr(x2), _ptr(qw), _ptr(d), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
+    lib().eyas_q8_matmul(_ptr(x2), _ptr(qw), _ptr(d), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
     return out.view(*x.shape[:-1], N)
+
+
+Q8_TILE_BYTES = 288  # one 8-output group x one 32-block: float d[8], 256 int8 weights (kernels.c)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K], d fp32 [N, K/32] (w = d*q) -> uint8 [ceil(N/8), K/32, 288] tiles interleaved by 8 outputs
+    (eyas/kernels.c: eyas_q8q8_matmul); N is padded with zero outputs."""
+    n, k = q.shape
+    nb, G = k // 32, (n + 7) // 8
+    pad = 8 * G - n
+    qb = torch.nn.functional.pad(q.to(torch.int8), (0, 0, 0, pad)).view(G, 8, nb, 8, 4)  # [G, j, b, c, e]
+    w = qb.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).view(G, nb, 256)  # byte 32c + 4j + e
+    ds = torch.nn.functional.pad(d.float(), (0, 0, 0, pad)).view(G, 8, nb).permute(0, 2, 1).contiguous()
+    return torch.cat([ds.view(torch.uint8).view(G, nb, 32), w], dim=-1).contiguous()
+
+
+def q8q8_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] fp32 @ W^T for an 8-bit W [n, K] packed by pack_q8, activations quantized to 8 bits per row
+    and 32-block (ggml's Q8_0 x Q8_0 dot) -> [..., n] fp32; a row's bits never depend on the other rows."""
+    K = x.shape[-1]
+    if tiles.shape[1] * 32 != K or tiles.shape[2] != Q8_TILE_BYTES or tiles.shape[0] != (n + 7) // 8:
+        raise KernelError(f"8-bit tiles {tuple(tiles.shape)} do not fit a [{n}, {K}] matrix")
+    x2 = x.reshape(-1, K).contiguous().float()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    lib().eyas_q8q8_matmul(_ptr(x2), _ptr(tiles), _ptr(out), x2.shape[0], n, K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
 
 
 Q4_TILE_BYTES = 192  # one 8-output group x one 32-block: float d[8], float m[8], 128 nibble bytes (kernels.c)
@@ -219,11 +244,10 @@ class DraftLayer:
         mats = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
         if any(not hasattr(x, "q") or x.bias is not None for x in mats):
             raise KernelError("the draft's one-call layer needs every matrix as an unbiased Q8Linear")
-        self.wqkv = torch.cat([a.q_proj.q, a.k_proj.q, a.v_proj.q]).contiguous()
-        self.dqkv = torch.cat([a.q_proj.d, a.k_proj.d, a.v_proj.d]).contiguous()
-        self.wgu = torch.cat([m.gate_proj.q, m.up_proj.q]).contiguous()
-        self.dgu = torch.cat([m.gate_proj.d, m.up_proj.d]).contiguous()
-        self.wo, self.dwo, self.wd, self.dwd = a.o_proj.q, a.o_proj.d, m.down_proj.q, m.down_proj.d
+        self.wqkv = pack_q8(torch.cat([a.q_proj.q, a.k_proj.q, a.v_proj.q]), torch.cat([a.q_proj.d, a.k_proj.d,
+                                                                                       a.v_proj.d]))
+        self.wgu = pack_q8(torch.cat([m.gate_proj.q, m.up_proj.q]), torch.cat([m.gate_proj.d, m.up_proj.d]))
+        self.wo, self.wd = a.o_proj.t, m.down_proj.t
         self.norms = [n.weight.detach().float().contiguous()
                       for n in (L.input_layernorm, L.hidden_norm, L.post_attention_layernorm)]
         self.eps = float(L.input_layernorm.eps)
@@ -248,8 +272,8 @@ class DraftLayer:
         e = emb.reshape(R, self.H).float().contiguous()
         m, _ = _mask_bytes(mask, R, start + R)
         out = torch.empty(R, self.H)
-        lib().eyas_draft_layer(_ptr(h), _ptr(e), _ptr(cos), _ptr(sin), _ptr(self.wqkv), _ptr(self.dqkv), _ptr(self.wo),
-                               _ptr(self.dwo), _ptr(self.wgu), _ptr(self.dgu), _ptr(self.wd), _ptr(self.dwd),
+        lib().eyas_draft_layer(_ptr(h), _ptr(e), _ptr(cos), _ptr(sin), _ptr(self.wqkv), _ptr(self.wo), _ptr(self.wgu),
+                               _ptr(self.wd),
                                *[_ptr(w) for w in self.norms], self.eps, _ptr(k_cache), _ptr(v_cache),
                                k_cache.shape[2], R, self.H, self.nh, self.kvh, self.hd, self.I, start, _ptr(m),
                                self.scale, _ptr(out), torch.get_num_threads())

@@ -50,7 +50,7 @@ class QLinear:
     n: int
     k: int
     w: torch.Tensor  # q4: uint8 [N/8, K/32, 192] (kernels.pack_q4); int4: from _convert_weight_to_int4pack_for_cpu;
-    # q8: int8 [N, K]
+    # q8: act q8 uint8 [N/8, K/32, 288] (kernels.pack_q8), act f32 int8 [N, K]
     scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
     bias: torch.Tensor | None = None
     act: str = "f32"  # q8 kind: activations in fp32 or quantized to 8 bits (kernels.q8_matmul)
@@ -73,7 +73,8 @@ class QLinear:
         if self.kind in ("q4", "int4"):
             y = self.mm_bf16(x2.to(torch.bfloat16)).float()
         elif self.kind == "q8":
-            y = kernels.q8_matmul(x2, self.w, self.scales, self.act)
+            y = (kernels.q8q8_matmul(x2, self.w, self.n) if self.act == "q8"
+                 else kernels.q8_matmul(x2, self.w, self.scales))
         else:
             y = kernels.f32_matmul(x2, self.w)
         if self.bias is not None:
@@ -150,7 +151,9 @@ def _pack(act: str, kind: str, q, d, m, bias) -> QLinear:
 
     n, k = q.shape
     if kind == "Q8_0":
-        return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias, "q8" if act == "q8" else "f32")
+        if act == "q8":  # 8-bit activations: tiles interleaved by 8 outputs (kernels.pack_q8)
+            return QLinear("q8", n, k, kernels.pack_q8(q, d), torch.empty(0), bias, "q8")
+        return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias, "f32")
     if act == "q8":  # the file's exact d and m, in fp32
         return QLinear("q4", n, k, kernels.pack_q4(q, d, m), torch.empty(0), bias)
     w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
@@ -253,13 +256,16 @@ class Q8Linear(torch.nn.Module):
         q = torch.where(d[..., None] > 0, blk / d.clamp_min(1e-30)[..., None], torch.zeros_like(blk))
         self.register_buffer("q", q.round().clamp(-127, 127).to(torch.int8).view(n, k))
         self.register_buffer("d", d.contiguous())
+        from . import kernels
+
+        self.register_buffer("t", kernels.pack_q8(self.q, self.d), persistent=False)  # what the kernel reads
         self.bias = None if lin.bias is None else torch.nn.Parameter(lin.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = k, n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from . import kernels
 
-        y = kernels.q8_matmul(x, self.q, self.d, "q8")
+        y = kernels.q8q8_matmul(x, self.t, self.out_features)
         return y if self.bias is None else y + self.bias
 
 
