@@ -354,7 +354,7 @@ static inline void q4_store(__m256 acc, uint16_t *o, int nout) {
     for (int j = 0; j < nout; j++) o[j] = to_bf16(a[j]);
 }
 
-/* R = 4, 2 or 1 rows (r0..) against one 8-output group, every accumulator in its own register: lane j of
+/* R = 1..4 rows (r0..) against one 8-output group, every accumulator in its own register: lane j of
  * acc_i = row r0 + i, output 8g + j. Each row's sequence is the same whatever R. */
 static inline __attribute__((always_inline)) void q4_rows(const uint8_t *tiles, int nb, const int8_t *xq,
                                                           const float *dx, const float *sx, int r0, int K,
@@ -433,11 +433,12 @@ void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out,
             uint16_t *og = out + 8 * g;
             int r = 0;
 #ifdef EYAS_Q4_AVX2
-            /* rows in groups of 4, then 2, then 1 (each group shares the unpacked nibbles); a row's own
-             * sequence is the same in every group */
+            /* rows in groups of 4, then the 1-3 left in one group (each group shares the unpacked nibbles); a
+             * row's own sequence is the same in every group */
             for (; r + 4 <= M; r += 4) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 4);
-            for (; r + 2 <= M; r += 2) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 2);
-            for (; r < M; r++) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 1);
+            if (M - r == 3) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 3);
+            if (M - r == 2) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 2);
+            if (M - r == 1) q4_rows(tg, nb, xq, dx, sx, r, K, og + (int64_t)r * N, N, nout, 1);
 #else
             for (; r < M; r++)
                 q4_row_scalar(tg, nb, xq + (int64_t)r * K, dx + (int64_t)r * nb, sx + (int64_t)r * nb,
@@ -510,7 +511,7 @@ static inline void q8_store(__m256 acc, float *o, int nout) {
     for (int j = 0; j < nout; j++) o[j] = a[j];
 }
 
-/* R = 4, 2 or 1 rows (r0..) against one 8-output group; lane j of acc_i = row r0 + i, output 8g + j */
+/* R = 1..4 rows (r0..) against one 8-output group; lane j of acc_i = row r0 + i, output 8g + j */
 static inline __attribute__((always_inline)) void q8_rows(const uint8_t *tiles, int nb, const int8_t *xq,
                                                           const float *dx, int r0, int K, float *out,
                                                           int64_t ostride, int nout, const int R) {
@@ -574,8 +575,9 @@ void eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, i
             int r = 0;
 #ifdef EYAS_Q4_AVX2
             for (; r + 4 <= M; r += 4) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 4);
-            for (; r + 2 <= M; r += 2) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 2);
-            for (; r < M; r++) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 1);
+            if (M - r == 3) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 3);
+            if (M - r == 2) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 2);
+            if (M - r == 1) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 1);
 #else
             for (; r < M; r++)
                 q8_row_scalar(tg, nb, xq + (int64_t)r * K, dx + (int64_t)r * nb, og + (int64_t)r * N, nout);
