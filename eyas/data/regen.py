@@ -10,7 +10,8 @@ cover fall back to Hugging Face `generate`.
 Which weights the engine runs is `--regen-weights` (DatagenConfig.regen_weights, eyas.model.engine_model's
 modes): auto = native for a GGUF target on the CPU, the numerics eyas serves with, so the replies are the
 tokens `eyas generate` and `eyas serve` give; its 4-bit kernel shares each weight tile among 8 outputs and 4
-rows, which at 64 rows is ~2.5x the fp32 matmuls. fp32 runs the HF weights in --target-dtype.
+rows (benchmarks/bench_datagen.py: ~1.9x the fp32 weights end to end at 64 rows). fp32 runs the HF weights in
+--target-dtype.
 """
 
 from __future__ import annotations
