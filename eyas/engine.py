@@ -84,9 +84,10 @@ class SamplingParams:
             raise EngineError("stop strings must be non-empty")
 
 
-# The tree generate and serve draft when none is given, per device (measured: docs/RESULTS.md, session 6). On a
-# 2-core CPU each verified row costs ~40% of a decode step, so only a small pruned tree plus lookup comes near
-# plain decoding with today's draft; a GPU verifies dozens of rows for about the price of one.
+# The tree generate, serve and bench draft when none is given, per device (measured: docs/RESULTS.md, sessions
+# 6-7). On a 2-core CPU each verified row costs ~10-25% of a decode step and a draft step ~15%, so only a small
+# pruned tree plus lookup comes near plain decoding with today's draft; a GPU verifies dozens of rows for about
+# the price of one.
 TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
                  "cuda": {"depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}}
 
