@@ -124,6 +124,14 @@ def q8_matmul(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     return out.view(*x.shape[:-1], N)
 
 
+def _tile_lanes(s: torch.Tensor, pad: int) -> torch.Tensor:
+    """Per-block scales [N, nb] fp32 -> bytes [ceil(N/8), nb, 32] as a tile stores them: output j's float at byte
+    4j; the pad outputs get 0."""
+    s = torch.nn.functional.pad(s.float(), (0, 0, 0, pad))
+    G, nb = s.shape[0] // 8, s.shape[1]
+    return s.view(G, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8).view(G, nb, 32)
+
+
 Q8_TILE_BYTES = 288  # one 8-output group x one 32-block: float d[8], 256 int8 weights (kernels.c)
 
 
@@ -135,8 +143,7 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     pad = 8 * G - n
     qb = torch.nn.functional.pad(q.to(torch.int8), (0, 0, 0, pad)).view(G, 8, nb, 8, 4)  # [G, j, b, c, e]
     w = qb.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).view(G, nb, 256)  # byte 32c + 4j + e
-    ds = torch.nn.functional.pad(d.float(), (0, 0, 0, pad)).view(G, 8, nb).permute(0, 2, 1).contiguous()
-    return torch.cat([ds.view(torch.uint8).view(G, nb, 32), w], dim=-1).contiguous()
+    return torch.cat([_tile_lanes(d, pad), w], dim=-1).contiguous()
 
 
 def q8q8_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
@@ -162,11 +169,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     pad = 8 * G - n
     q8 = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(G, 8, nb, 2, 4, 4)  # [G, j, b, half, p, e]
     nib = (q8[:, :, :, 0] | (q8[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(G, nb, 128)  # byte 32p + 4j + e
-
-    def lanes(s: torch.Tensor) -> torch.Tensor:  # [N, nb] fp32 -> bytes [G, nb, 32], output j's float at 4j
-        s = torch.nn.functional.pad(s.float(), (0, 0, 0, pad)).view(G, 8, nb).permute(0, 2, 1).contiguous()
-        return s.view(torch.uint8).view(G, nb, 32)
-    return torch.cat([lanes(d), lanes(m), nib], dim=-1).contiguous()
+    return torch.cat([_tile_lanes(d, pad), _tile_lanes(m, pad), nib], dim=-1).contiguous()
 
 
 def q4_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ class QLinear:
     # q8: act q8 uint8 [N/8, K/32, 288] (kernels.pack_q8), act f32 int8 [N, K]
     scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
     bias: torch.Tensor | None = None
-    act: str = "f32"  # q8 kind: activations in fp32 or quantized to 8 bits (kernels.q8_matmul)
+    act: str = "f32"  # q8 kind: fp32 activations (kernels.q8_matmul) or 8-bit ones (kernels.q8q8_matmul)
 
     def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """4-bit kinds only: x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
