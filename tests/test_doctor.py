@@ -246,6 +246,29 @@ def test_infer_layout_api(pair):
     assert r2["chosen"].startswith("vllm reading")
 
 
+def test_ties_go_to_the_simplest_explanation():
+    from eyas.doctor.inference import LayoutScore
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.rand(2000, generator=g) * 5
+    noise = lambda: base + 0.01 * torch.randn(2000, generator=g)  # noqa: E731
+    rows = {(1, 15, 27): noise() - 0.001, (2, 15, 27): noise(), (3, 16, 28): base + 0.3, (2, 14, 27): noise()}
+    scores = [LayoutScore(list(k), str(k), 0.3, float(v.mean())) for k, v in sorted(rows.items(),
+                                                                                   key=lambda kv: float(kv[1].mean()))]
+    r = LayoutRanking(scores, tokens=2000, rows=rows)
+    assert r.best.indices == [1, 15, 27] and not r.worse([2, 15, 27], [1, 15, 27])[0]
+    # recorded within noise of the lowest loss: the recorded layout is the verdict
+    assert r.simplest_among_ties([2, 15, 27]).best.indices == [2, 15, 27]
+    # a shifted record: the whole-layout shift back, not a one-index variant that only noise prefers
+    s = r.simplest_among_ties([3, 16, 28])
+    assert s.best.indices == [2, 15, 27] and len(s) == len(r) and s.rows.keys() == r.rows.keys()
+    assert r.simplest_among_ties([4, 17, 29], bases=[[1, 15, 27]]).best.indices == [1, 15, 27]  # a base
+    # beyond noise, the loss decides
+    rows[(1, 15, 27)] = base - 0.2
+    r = LayoutRanking(sorted(scores, key=lambda x: float(rows[tuple(x.indices)].mean())), rows=rows)
+    assert r.simplest_among_ties([2, 15, 27]).best.indices == [1, 15, 27]
+
+
 def test_layout_candidates_cover_the_brief():
     c = dict((tuple(i), lab) for i, lab in layout_candidates([2, 15, 27], 30, 3))
     assert "recorded" in c[(2, 15, 27)] and "default" in c[(2, 15, 27)]

@@ -7,6 +7,7 @@ Checks (each a named `Check` with status pass/warn/fail/skip, the numbers behind
   config_hidden    config.json `target_hidden_size` present and right (engines fall back to hidden_size)
   config_ids       which stream indices SGLang and vLLM capture when they read config.json (eyas.doctor.engines)
   data_layout      (--data) which stream each stored feature slice really holds, measured against the target
+                   through datagen's capture path (the numerics the shards were stored in)
   accuracy         per-step held-out accuracy: stored shards (training path) vs features captured fresh
                    through the serving path (the engine's forward; HF hooks for a family it does not cover)
                    vs the training-time metric; skew > 2 points
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from ..draft import DraftCheckpoint, Eagle3Draft
+from ..layout import default_aux_indices
 from .engines import engine_views
 from .identity import _read_config, check_identity
 from .inference import (
@@ -47,6 +49,7 @@ from .inference import (
     _rank,
     _score,
     as_samples,
+    capture_path_streams,
     conversation_samples,
     layout_candidates,
     shard_samples,
@@ -295,7 +298,8 @@ def _check_norms(recorded: dict[str, float], fresh: list[_Fresh], samples: list[
 
 def _check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, streams: dict[int, torch.Tensor],
                        L: int) -> Check:
-    """Which stream each stored slice of `sample` holds: relative error against every fresh stream 0..L."""
+    """Which stream each stored slice of `sample` holds: relative error against every fresh stream 0..L,
+    captured the way datagen captured the shards (capture_path_streams)."""
     from ..layout import LayoutError, check_layouts
 
     lines = []
@@ -484,7 +488,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     serving = Serving(target, weights)
     meta["serving_path"] = serving.path
     need = {k for idx, _ in cands for k in idx} | set(recorded)
-    fresh = _fresh(serving, draft, target, evs, need, all_streams_first=shard_set is not None)  # ONE per sample
+    fresh = _fresh(serving, draft, target, evs, need)  # ONE per sample
 
     serve = _score(draft, target, [torch.cat([f.streams[k] for k in recorded], -1) for f in fresh],
                    [f.final for f in fresh], evs, K, [f.labels for f in fresh], want_logits=True)
@@ -496,10 +500,14 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     checks.append(_check_accuracy(serve, train, metric[:K] if metric else None, rows, serving.path,
                                   paired=train is not None, caveat=meta.get("caveat")))
     rank = _rank(draft, target, evs, fresh, cands, keep=[recorded, *configured.values()])
+    dflt = default_aux_indices(L)
+    bases = [*configured.values(), *([dflt] if len(dflt) == len(recorded) else [])]
+    rank = rank.simplest_among_ties(recorded, bases)
     checks.append(_check_layout(rank, recorded, L, configured))
     checks.append(_check_norms(ckpt.layout.norms, fresh, evs, recorded, L, _recorded_length(man, shard_set)))
     if shard_set is not None:
-        checks.append(_check_data_layout(shard_set.layout, ckpt, evs[0], fresh[0].streams, L))
+        captured = capture_path_streams(target, evs[0].input_ids)
+        checks.append(_check_data_layout(shard_set.layout, ckpt, evs[0], captured, L))
     checks.append(_check_head(draft, serve, rank))
     acc = {"steps": K, "serving": serve, "training": train, "training_time_metric": metric,
            "serving_path": serving.short}
