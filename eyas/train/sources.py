@@ -118,7 +118,9 @@ class ShardSource:
                 "data_tokens": self.data_tokens, "kept_tokens": self.kept_tokens,
                 "skipped": self.skipped,
                 "target_source": self.set.manifests[0].get("target_source"),
-                "config": self.set.manifests[0].get("config")}
+                "config": self.set.manifests[0].get("config"),
+                "configs": [m.get("config") for m in self.set.manifests],  # one per folder, in folder order
+                "folder_tokens": [int((m.get("counts") or {}).get("tokens", 0)) for m in self.set.manifests]}
 
     def groups(self) -> list[tuple[int, int]]:
         """(group id, bytes) per shard: the planner shuffles whole shards, then samples within windows."""
