@@ -1,14 +1,19 @@
-"""Held-out accuracy of eyas drafts on shard folders' held-out rows, side by side.
+"""Held-out accuracy of eyas drafts on shard folders' held-out rows and on a bench's own replies, side by side.
 
 Each --data folder's held-out rows (the split training uses: --heldout-pct of the source rows, by row id, the
 same rows in every folder) are scored with the training loop's own evaluation (TTT steps 0..N-1, fp32). With
 a folder of regenerated replies this is the accuracy on the target's own replies, the figure acceptance
 follows when serving.
 
-    .venv/bin/python benchmarks/eval_draft.py --draft default --draft runs/recipe/train-x/draft \\
-        --data runs/recipe/data-regen [--data runs/mix/data-regen] [--ttt-steps 3] [--threads 2]
+--bench mt-bench: the target's greedy replies to the bench prompts (eyas plain decoding, the default weights:
+exactly the tokens `eyas bench` verifies), each draft scored on them through the doctor's serving path (the
+engine's forward captures the features, ttt_forward predicts): step-0 here is the draft's top-1 acceptance
+in a chain-1 bench run on the same prompts, without timing anything.
 
-Prints one row per (draft, folder) and writes --out (JSON) when given.
+    .venv/bin/python benchmarks/eval_draft.py --draft default --draft runs/recipe/train-x/draft \\
+        --data runs/recipe/data-regen [--data runs/mix/data-regen] [--bench mt-bench --limit 8] [--threads 2]
+
+Prints one row per (draft, folder or bench) and writes --out (JSON) when given.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from eyas.train.sources import ShardSource
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", action="append", required=True, help="eyas draft folder or 'default' (repeatable)")
-    ap.add_argument("--data", action="append", required=True, help="shard folder (repeatable)")
+    ap.add_argument("--data", action="append", default=[], help="shard folder (repeatable)")
+    ap.add_argument("--bench", default=None, help="score on the target's own replies to this bench's prompts")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--heldout-pct", type=float, default=5.0)
     ap.add_argument("--max-len", type=int, default=2048)
@@ -49,9 +57,42 @@ def main() -> None:
             rows.append({"draft": spec, "data": folder, **m})
             acc = " / ".join(f"{x:.3f}" for x in m["heldout_acc"])
             print(f"{spec:50s} {folder:36s} held-out acc {acc}  ({m['heldout_rows'][0]} positions)", flush=True)
+    if a.bench:
+        rows += bench_rows(target, a)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def bench_rows(target, a) -> list[dict]:
+    from eyas.bench.prompts import load_prompts
+    from eyas.bench.run import prompt_ids
+    from eyas.doctor.inference import Serving, _fresh, _prepare, _score, as_samples
+    from eyas.engine import Engine, SamplingParams, SpecParams
+
+    prompts = load_prompts(a.bench, a.limit)
+    eng = Engine(target, None, SpecParams(method="plain"))
+    samples = []
+    for ids in prompt_ids(target, prompts):
+        reply = eng.generate(ids, SamplingParams(max_new_tokens=a.max_new_tokens)).token_ids
+        full = torch.tensor(ids + reply)
+        mask = torch.zeros_like(full, dtype=torch.bool)
+        mask[len(ids):] = True  # the reply tokens, as tokenize_conversation marks an assistant turn
+        samples.append((full, mask))
+    evs, serving, rows = as_samples(samples), Serving(target), []
+    for spec in a.draft:
+        d = load_draft(spec)
+        draft = _prepare(d.model, target)
+        idx = list(d.layout.aux_indices)
+        fresh = _fresh(serving, draft, target, evs, set(idx))
+        r = _score(draft, target, [torch.cat([f.streams[k] for k in idx], -1) for f in fresh],
+                   [f.final for f in fresh], evs, a.ttt_steps, [f.labels for f in fresh])
+        name = f"{a.bench} x{len(evs)} own replies"
+        rows.append({"draft": spec, "data": name, "heldout_acc": r["acc"], "heldout_rows": r["count"],
+                     "serving_path": serving.path})
+        acc = " / ".join(f"{x:.3f}" for x in r["acc"])
+        print(f"{spec:50s} {name:36s} acc {acc}  ({r['count'][0]} positions)", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
