@@ -106,8 +106,7 @@ def _pct(x: float) -> str:
 
 
 def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorded_metric: list[float] | None,
-                    recorded_rows: list[int] | None, serving_path: str, paired: bool,
-                    caveat: str | None = None) -> Check:
+                    recorded_rows: list[int] | None, serving_path: str, paired: bool) -> Check:
     s_acc = serve["acc"]
     nums: dict[str, Any] = {"serving_acc": s_acc, "serving_count": serve["count"], "serving_path": serving_path}
     lines = [f"serving path ({serving_path}, fresh features): " + ", ".join(_pct(a) for a in s_acc)]
@@ -143,8 +142,7 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
             return Check("accuracy", "warn",
                          f"possible training/serving skew: step-0 held-out accuracy {_pct(m0)} at training vs "
                          f"{_pct(v0)} now through {serving_path} ({gap:+.1f} points, SE {se:.1f}); other "
-                         "samples than the training run's held-out set, so the data distribution may differ"
-                         + (f" ({caveat})" if caveat else ""),
+                         "samples than the training run's held-out set, so the data distribution may differ",
                          numbers=nums, details=lines,
                          fix="pass --data SHARDS (the training data) for a paired test on the same tokens")
         return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through {serving_path} vs "
@@ -499,7 +497,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     metric = (man.get("metrics") or {}).get("heldout_acc")
     rows = (man.get("metrics") or {}).get("heldout_rows")
     checks.append(_check_accuracy(serve, train, metric[:K] if metric else None, rows, serving.path,
-                                  paired=train is not None, caveat=meta.get("caveat")))
+                                  paired=train is not None))
     rank = _rank(draft, target, evs, fresh, cands, keep=[recorded, *configured.values()])
     dflt = default_aux_indices(L)
     bases = [*configured.values(), *([dflt] if len(dflt) == len(recorded) else [])]
