@@ -228,14 +228,12 @@ def _regenerated(convs: list, target, config: dict[str, Any] | None, n: int, max
     training data's settings (eyas.data.regen.regenerate: greedy or sampled, the same loop stop), replies
     capped by the samples' max_len: the doctor scores only that many tokens."""
     from collections import Counter
-    from dataclasses import fields
 
     from ..data.datagen import DatagenConfig
     from ..data.regen import regenerate
 
-    known = {f.name for f in fields(DatagenConfig)}
-    keep = ("temperature", "top_p", "seed", "max_new_tokens", "max_turns", "repetition_limit", "regen_weights")
-    given = {k: v for k, v in (config or {}).items() if k in keep and k in known and v is not None}
+    keep = ("temperature", "top_p", "seed", "max_new_tokens", "repetition_limit", "regen_weights")  # regenerate's
+    given = {k: v for k, v in (config or {}).items() if k in keep and v is not None}
     cfg = DatagenConfig(out="", max_len=max_len, **given)  # generation settings only: nothing is written
     pick = sorted({round(i * len(convs) / min(n, len(convs))) for i in range(min(n, len(convs)))})
     new = regenerate(target, [convs[i] for i in pick], cfg, Counter(),
