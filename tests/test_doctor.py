@@ -246,6 +246,30 @@ def test_infer_layout_api(pair):
     assert r2["chosen"].startswith("vllm reading")
 
 
+def _unpaired(per: list[tuple[int, int]], metric: float = 0.40, rows: int = 20000):
+    """_check_accuracy without stored features: per-conversation (correct, count) at step 0 vs a recorded
+    training-time metric."""
+    from eyas.doctor.checks import _check_accuracy
+
+    c, n = sum(x for x, _ in per), sum(y for _, y in per)
+    serve = {"acc": [c / n], "count": [n], "sample_correct": [[x] for x, _ in per],
+             "sample_count": [[y] for _, y in per]}
+    return _check_accuracy(serve, None, [metric], [rows], "test path", paired=False)
+
+
+def test_unpaired_accuracy_uses_the_spread_between_conversations():
+    # 6 conversations at 33% (2,000 positions): 7 points below the training metric, far beyond
+    # both the binomial SE (~1.1) and the spread between conversations (none here) -> skew warning
+    assert _unpaired([(110, 333)] * 6).status == "warn"
+    # the same pooled 33% from conversations at 15..50%: within 2 SE over conversations -> no warning,
+    # although a binomial SE over the 2,000 positions alone would have warned
+    spread = [(50, 333), (167, 333), (60, 333), (150, 333), (80, 333), (153, 333)]
+    c = _unpaired(spread)
+    assert c.status == "pass" and c.numbers["gap_se_points"] > 3.4, c.numbers
+    # serving far better than at training (other, easier samples) is no sign of skew
+    assert _unpaired([(180, 333)] * 6).status == "pass"
+
+
 def test_ties_go_to_the_simplest_explanation():
     from eyas.doctor.inference import LayoutScore
 

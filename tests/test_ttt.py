@@ -91,7 +91,10 @@ def test_loss_and_accuracy_definition(target):
         assert out.step_count[j] == ok.sum()
         assert torch.allclose(out.step_loss[j], ce[ok].mean(), atol=1e-5)
         pred = draft_ids[lg.argmax(-1)]
-        assert out.step_correct[j] == ((pred == top[:, 1 + j:1 + j + n]) & ok).sum()
+        hit = (pred == top[:, 1 + j:1 + j + n]) & ok
+        assert out.step_correct[j] == hit.sum()
+        assert out.row_correct[:, j].tolist() == hit.sum(1).tolist()  # per sample, for a per-conversation SE
+        assert out.row_count[:, j].tolist() == ok.sum(1).tolist()
         total = total + 0.8 ** j * ce[ok].mean()
     assert torch.allclose(out.loss, total, atol=1e-5)
     assert torch.equal(out.step_count, step_counts(mask, steps))

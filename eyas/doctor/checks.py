@@ -105,6 +105,24 @@ def _pct(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
 
 
+def _conversation_var(scored: dict[str, Any], step: int) -> float:
+    """Variance of a pooled accuracy (sum correct / sum count) over conversations: positions within one
+    conversation are correlated (some replies are far more predictable than others), so the binomial variance
+    over positions understates the spread between sample sets; this is the cluster (ratio-estimator) variance
+    over conversations, never below the binomial one."""
+    c = [row[step] for row in scored["sample_correct"]]
+    n = [row[step] for row in scored["sample_count"]]
+    k, total = sum(1 for x in n if x), sum(n)
+    if not total:
+        return 0.0
+    p = sum(c) / total
+    binomial = p * (1 - p) / total
+    if k < 2:
+        return binomial
+    cluster = k / (k - 1) * sum((ci - p * ni) ** 2 for ci, ni in zip(c, n, strict=True)) / total ** 2
+    return max(cluster, binomial)
+
+
 def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorded_metric: list[float] | None,
                     recorded_rows: list[int] | None, serving_path: str, paired: bool) -> Check:
     s_acc = serve["acc"]
@@ -133,20 +151,24 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
                      f"{_pct(s_acc[0])} (fresh, serving path) on the same tokens; steps: "
                      + ", ".join(_pct(a) for a in s_acc), numbers=nums, details=lines)
     if recorded_metric:
-        m0, v0, n0 = recorded_metric[0], s_acc[0], serve["count"][0]
+        m0, v0 = recorded_metric[0], s_acc[0]
         rows = (recorded_rows or [0])[0]
-        se = 100 * math.sqrt(v0 * (1 - v0) / max(n0, 1) + (m0 * (1 - m0) / rows if rows else 0.0))
+        se = 100 * math.sqrt(_conversation_var(serve, 0) + (m0 * (1 - m0) / rows if rows else 0.0))
         gap = 100 * (m0 - v0)
         nums.update(gap_points=round(gap, 2), gap_se_points=round(se, 2))
-        if abs(gap) > SKEW_POINTS and abs(gap) > 2 * se:
+        # one-sided: a miswiring only ever costs accuracy, and other samples than the training run's
+        # held-out set may well be easier (the paired branch above is two-sided: same tokens there)
+        if gap > SKEW_POINTS and gap > 2 * se:
             return Check("accuracy", "warn",
                          f"possible training/serving skew: step-0 held-out accuracy {_pct(m0)} at training vs "
-                         f"{_pct(v0)} now through {serving_path} ({gap:+.1f} points, SE {se:.1f}); other "
+                         f"{_pct(v0)} now through {serving_path} ({gap:+.1f} points, SE {se:.1f} over conversations); "
+                         "other "
                          "samples than the training run's held-out set, so the data distribution may differ",
                          numbers=nums, details=lines,
                          fix="pass --data SHARDS (the training data) for a paired test on the same tokens")
         return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through {serving_path} vs "
-                     f"{_pct(m0)} at training ({gap:+.1f} points, SE {se:.1f})", numbers=nums, details=lines)
+                     f"{_pct(m0)} at training (training minus now {gap:+.1f} points, SE {se:.1f} over "
+                     "conversations; only a drop would point to skew)", numbers=nums, details=lines)
     return Check("accuracy", "skip",
                  f"serving-path held-out accuracy per step: {', '.join(_pct(a) for a in s_acc)} (no training-path "
                  "features or training-time metric to compare with)", numbers=nums, details=lines,

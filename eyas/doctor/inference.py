@@ -380,13 +380,16 @@ def _entropy(p: torch.Tensor) -> torch.Tensor:
 def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[torch.Tensor],
            samples: list[EvalSample], steps: int, labels: list[Any] | None = None,
            want_logits: bool = False, want_rows: bool = False) -> dict[str, Any]:
-    """Per-step correct/count of ttt_forward over samples (right-padded batches); with want_logits also the
-    step-0 entropy of the draft's and the target's distributions over the draft vocab, as a share of log Vd;
-    with want_rows (needs labels) the step-0 cross-entropy of every scored position, in a fixed order
-    ("rows" [tokens] fp32; "loss" their mean)."""
+    """Per-step correct/count of ttt_forward over samples (right-padded batches), also per sample
+    ("sample_correct"/"sample_count" [samples][steps], for a standard error over conversations); with
+    want_logits also the step-0 entropy of the draft's and the target's distributions over the draft
+    vocab, as a share of log Vd; with want_rows (needs labels) the step-0 cross-entropy of every scored
+    position, in a fixed order ("rows" [tokens] fp32; "loss" their mean)."""
     rows: list[torch.Tensor] = []
     correct = torch.zeros(steps, dtype=torch.long)
     count = torch.zeros(steps, dtype=torch.long)
+    per_correct = torch.zeros(len(samples), steps, dtype=torch.long)
+    per_count = torch.zeros_like(per_correct)
     ent_d = ent_t = 0.0
     ent_n = 0
     dev = draft.fc.weight.device
@@ -404,6 +407,8 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
                         labels=lab, return_logits=want_logits or want_rows)
         correct += o.step_correct.cpu()
         count += o.step_count.cpu()
+        per_correct[group] = o.row_correct.cpu()
+        per_count[group] = o.row_count.cpu()
         if want_rows and o.logits and lab is not None:
             valid = step_valid(mask, 1)[0]  # [B, S-1]
             ce = -(lab[0][:, 1:] * torch.log_softmax(o.logits[0].float(), -1)).sum(-1)  # [B, S-1]
@@ -415,7 +420,8 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
                 ent_t += float(_entropy(lab[0][:, 1:][valid]).sum())
                 ent_n += int(valid.sum())
     acc = [(int(c) / int(n)) if n else float("nan") for c, n in zip(correct, count, strict=True)]
-    out = {"correct": correct.tolist(), "count": count.tolist(), "acc": acc}
+    out = {"correct": correct.tolist(), "count": count.tolist(), "acc": acc,
+           "sample_correct": per_correct.tolist(), "sample_count": per_count.tolist()}
     if want_rows:
         out["rows"] = torch.cat(rows) if rows else torch.zeros(0)
         out["loss"] = float(out["rows"].mean()) if out["rows"].numel() else float("nan")

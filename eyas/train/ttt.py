@@ -38,6 +38,8 @@ class TTTOutput:
     step_count: torch.Tensor  # [steps] long: valid rows per step
     step_loss_sum: torch.Tensor = None  # [steps] summed CE per step (detached), for exact aggregation
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, S_j, Vd] when return_logits
+    row_correct: torch.Tensor = None  # [B, steps] long: step_correct per batch row (per conversation)
+    row_count: torch.Tensor = None  # [B, steps] long: step_count per batch row
 
 
 @torch.no_grad()
@@ -164,7 +166,9 @@ def ttt_forward(draft: Eagle3Draft, aux: torch.Tensor, final: torch.Tensor, inpu
     diag_v: list[torch.Tensor] = []
     loss = aux.new_zeros((), dtype=torch.float32)
     zero = torch.zeros(steps, device=device)
-    step_sum, step_correct, step_count = zero.clone(), zero.clone().long(), zero.clone().long()
+    step_sum = zero.clone()
+    row_correct = torch.zeros(B, steps, dtype=torch.long, device=device)
+    row_count = torch.zeros_like(row_correct)
     logits_out: list[torch.Tensor] = []
     for j in range(steps):
         n = S - 1 - j  # rows 0..n-1 have an input token x_{t+1+j}
@@ -189,10 +193,11 @@ def ttt_forward(draft: Eagle3Draft, aux: torch.Tensor, final: torch.Tensor, inpu
         loss = loss + (STEP_DECAY ** j) * ce_sum / denom[j]
         with torch.no_grad():
             pred = draft.draft_to_target(logits.argmax(-1))
-            step_correct[j] = ((pred == top[:, 1 + j:1 + j + n]) & ok).sum()
-            step_count[j] = ok.sum()
+            row_correct[:, j] = ((pred == top[:, 1 + j:1 + j + n]) & ok).sum(1)
+            row_count[:, j] = ok.sum(1)
             step_sum[j] = ce_sum.detach()
         hidden = out  # fed back, no fc
+    step_correct, step_count = row_correct.sum(0), row_count.sum(0)  # [steps]
     step_loss = step_sum / step_count.clamp_min(1)
     return TTTOutput(loss=loss, step_loss=step_loss, step_correct=step_correct, step_count=step_count,
-                     step_loss_sum=step_sum, logits=logits_out)
+                     step_loss_sum=step_sum, logits=logits_out, row_correct=row_correct, row_count=row_count)
