@@ -7,6 +7,11 @@ by call on the same random 4-bit matrix and activations; medians and B/A per row
 
     python benchmarks/kernel_ab.py --b /tmp/kernels-variant.c [--rows 1,2,4,8] [--n 3072 --k 576] [--threads 1]
     python benchmarks/kernel_ab.py --rev HEAD~1
+    python benchmarks/kernel_ab.py --b VARIANT.c --cold-mb 128 --threads 2   # weights streamed from DRAM
+
+By default every call reuses one matrix, which then sits in L2/L3: that measures the arithmetic. A decode step
+reads ~126 MB of weights once, more than the L3, so --cold-mb N cycles the calls over distinct matrices
+totalling N MB: that measures how well the kernel overlaps its arithmetic with streaming the weights.
 
 It also checks that both builds give the same bits (a kernel change must not change the numerics unless it
 means to: the lossless tests compare against plain decoding in the same build, not across builds).
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--cold-mb", type=float, default=0.0, help="cycle over distinct matrices totalling this much")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="eyas-ab-"))
     b_src = Path(a.b) if a.b else tmp / "b.c"
@@ -60,6 +66,9 @@ def main() -> None:
     n, k = a.n, a.k
     d = torch.rand(n, k // 32) * 0.01
     tiles = pack_q4(torch.randint(0, 16, (n, k)), d, -8 * d)
+    copies = max(1, int(a.cold_mb * 2**20 / tiles.numel() / tiles.element_size()))
+    mats = [tiles] + [tiles.clone() for _ in range(copies - 1)]  # same values: same bits expected
+    print(f"{len(mats)} matrix copies of {tiles.numel() * tiles.element_size() / 2**20:.2f} MB", flush=True)
     for m in [int(r) for r in a.rows.split(",")]:
         x = torch.randn(m, k).to(torch.bfloat16)
         outs = {v: torch.empty(m, n, dtype=torch.bfloat16) for v in libs}
@@ -68,8 +77,9 @@ def main() -> None:
             for v in ("A", "B") if it % 2 else ("B", "A"):
                 so, o = libs[v], outs[v]
                 t0 = time.perf_counter()
-                for _ in range(a.calls):
-                    so.eyas_q4_matmul_bf16(x.data_ptr(), tiles.data_ptr(), o.data_ptr(), m, n, k, a.threads)
+                for c in range(a.calls):
+                    w = mats[(it * a.calls + c) % len(mats)]
+                    so.eyas_q4_matmul_bf16(x.data_ptr(), w.data_ptr(), o.data_ptr(), m, n, k, a.threads)
                 ts[v].append((time.perf_counter() - t0) / a.calls)
         ma, mb = statistics.median(ts["A"]), statistics.median(ts["B"])
         same = torch.equal(outs["A"], outs["B"])
