@@ -32,6 +32,8 @@ TreeTokensOpt = typer.Option(None, "--tokens", help="tree: tokens verified per r
                              "(default 3 on the CPU, 16 on CUDA)")
 TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
                              "(0 = off; default 4 on the CPU, 0 on CUDA)")
+MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
+              "before; --lookup tokens) | plain (default tree; plain with --draft none)")
 TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
                               "probability reaches this (default 0.35 on the CPU, 0 on CUDA)")
 
@@ -271,7 +273,7 @@ def serve(
     target: str = TargetOpt,
     draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
                               "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
-    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
+    method: str = typer.Option(None, "--method", help=MethodHelp),
     steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
     depth: int = TreeDepthOpt,
     topk: int = TreeTopkOpt,
@@ -542,7 +544,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template (base "
                              "models; the tokenizer's own BOS rule applies)"),
     chat_template: str = ChatTemplateOpt,
-    method: str = typer.Option(None, "--method", help="tree | chain | plain (default tree; plain with --draft none)"),
+    method: str = typer.Option(None, "--method", help=MethodHelp),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
     depth: int = TreeDepthOpt,
     topk: int = TreeTopkOpt,
@@ -577,7 +579,7 @@ def generate(
              "pass --chat-template NAME if the target has none)")
     if method is None:
         method = "plain" if draft == "none" else "tree"
-    if method in ("tree", "chain") and draft == "none":
+    if method in eng.DRAFT_METHODS and draft == "none":
         fail(f"--method {method} needs a draft: pass --draft PATH, 'default' or 'random', or use --method plain")
     with user_errors():
         msgs = None
@@ -595,8 +597,8 @@ def generate(
         params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()
-        spec.validate(None if method == "plain" else 1 << 30)  # bad shapes fail before anything loads
-        if method != "plain":
+        spec.validate(1 << 30 if method in eng.DRAFT_METHODS else None)  # bad shapes fail before anything loads
+        if method in eng.DRAFT_METHODS:
             check_default_draft(draft)
         choice = resolve_template(chat_template, raw)
         check_engine_family(target, "eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench "
@@ -604,7 +606,7 @@ def generate(
         require_template(target, choice)  # a base model without a template: say what to pass, before loading
         tgt = load_target(target, dtype=dtype, device=device)
         use_template(tgt, choice)  # before the engine reads the end-of-turn tokens
-        ckpt = None if method == "plain" else resolve_draft(draft, tgt)
+        ckpt = resolve_draft(draft, tgt) if method in eng.DRAFT_METHODS else None
         mismatch = draft_template_warning(ckpt.manifest, tgt.chat_template) if ckpt is not None else None
         if mismatch:
             warn(mismatch)

@@ -46,7 +46,8 @@ from .template import chat_ids, missing_template_message
 from .text import stop_cut
 
 DRAFT_WEIGHTS = ("auto", "q8", "fp32")
-METHODS = ("tree", "chain", "plain")
+METHODS = ("tree", "chain", "lookup", "plain")
+DRAFT_METHODS = ("tree", "chain")  # the methods an EAGLE-3 draft proposes for (lookup and plain load none)
 MIN_TEMPERATURE = 1e-6
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # torch generators take a 64-bit seed
 
@@ -99,12 +100,14 @@ def tree_defaults(device: str, method: str, **given) -> dict:
     base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
     if method == "plain":
         base = {**base, "lookup": 0, "min_prob": 0.0}
+    if method == "lookup":  # the lookup chain alone: as long as the CPU's merged one (2-5 measure alike)
+        base = {**base, "lookup": TREE_DEFAULTS["cpu"]["lookup"], "min_prob": 0.0}
     return {k: base[k] if given.get(k) is None else given[k] for k in base}
 
 
 @dataclass
 class SpecParams:
-    method: str = "tree"  # tree | chain | plain
+    method: str = "tree"  # tree | chain | lookup (the lookup chain alone: no draft) | plain
     steps: int = 4  # chain: draft steps per round (verifies steps + 1 tokens)
     depth: int = 4  # tree: draft depth
     topk: int = 4  # tree: children per expanded node and frontier width
@@ -121,6 +124,8 @@ class SpecParams:
         """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""
         if self.method == "chain":
             return self.steps, 1, self.steps + 1
+        if self.method == "lookup":
+            return 0, 1, 1  # the root; the lookup chain comes on top
         return self.depth, self.topk, self.tokens
 
     def validate(self, draft_vocab: int | None) -> None:
@@ -138,6 +143,13 @@ class SpecParams:
             if self.lookup:
                 raise EngineError("lookup candidates are merged into a draft's tree: use method tree or chain "
                                   "with --lookup, or --lookup 0 with method plain")
+            return
+        if self.method == "lookup":
+            if self.lookup < 1:
+                raise EngineError("method lookup verifies the lookup chain alone: give it --lookup 1 or more")
+            if self.min_prob:
+                raise EngineError("--min-prob filters a draft's candidates; method lookup drafts nothing: "
+                                  "drop --min-prob")
             return
         if draft_vocab is None:
             raise EngineError(f"method {self.method!r} needs an EAGLE-3 draft; pass a draft (--draft PATH or "
@@ -250,6 +262,10 @@ class _Tree:
     q: list[torch.Tensor | None]  # per node: draft distribution (target vocab) it was sampled from, or None
     lookup: list[bool] = field(default_factory=list)  # per node: proposed by lookup only
 
+    @staticmethod
+    def rooted(root: int) -> _Tree:
+        return _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None], lookup=[False])
+
     def add(self, parent: int, token: int, q: torch.Tensor | None = None, lookup: bool = False) -> int:
         i = len(self.tokens)
         self.tokens.append(token)
@@ -304,6 +320,11 @@ class Engine:
     def speculative(self) -> bool:
         return self.spec.method != "plain"
 
+    @property
+    def drafts(self) -> bool:
+        """An EAGLE-3 draft proposes (tree, chain); method lookup verifies the lookup chain alone."""
+        return self.spec.method in DRAFT_METHODS
+
     # -- public API --------------------------------------------------------------------------------
     def generate(self, input_ids: list[int], params: SamplingParams | None = None) -> GenResult:
         for _ in self.stream(input_ids, params):
@@ -352,7 +373,7 @@ class _Run:
         self.log_min_prob = math.log(mp) if mp > 0 else -math.inf  # compared with cumulative draft log-probs
         self.dev = eng.device
         self.cache: KVCache = eng.model.new_cache(1, max_len)
-        if eng.speculative:
+        if eng.drafts:
             d = eng.draft.config
             dlen = max_len + max(depth - 1, 0) * topk + 1
             shape = (1, d.num_key_value_heads, dlen, d.head_dim)
@@ -385,13 +406,13 @@ class _Run:
         n = len(self.prompt)
         ids = torch.tensor([self.prompt], device=self.dev)
         pos = torch.arange(n, device=self.dev)[None]
-        fo = e.model.forward(ids, pos, self.cache, capture=e.aux_indices if e.speculative else None, logits="last")
+        fo = e.model.forward(ids, pos, self.cache, capture=e.aux_indices if e.drafts else None, logits="last")
         self.cache.length = n
         root = self.pick(fo.logits[0, -1])
         _sync(self.dev)
         st.prefill_s = time.perf_counter() - t0
         st.target_forwards = 1
-        if e.speculative:
+        if e.drafts:
             feats, rows_tokens = fo.aux, self.prompt[1:] + [root]  # [1, n, nA*H]; row t uses x_{t+1}
         new = self.commit([root])
         if new:
@@ -408,15 +429,16 @@ class _Run:
                 accepted = [root]
             else:
                 t1 = time.perf_counter()
-                tree = self.draft_tree(feats, rows_tokens, root)
+                tree = self.draft_tree(feats, rows_tokens, root) if e.drafts else _Tree.rooted(root)
                 if e.spec.lookup:
                     self.merge_lookup(tree)
                 _sync(self.dev)
                 t2 = time.perf_counter()
                 path, bonus, fo = self.verify(tree)
-                feats = fo.aux[:, path]  # [1, len(path), nA*H] features at the accepted positions
                 accepted = [tree.tokens[i] for i in path[1:]] + [bonus]
-                rows_tokens = accepted
+                if e.drafts:
+                    feats = fo.aux[:, path]  # [1, len(path), nA*H] features at the accepted positions
+                    rows_tokens = accepted
                 root = bonus
                 _sync(self.dev)
                 st.draft_s += t2 - t1
@@ -559,7 +581,7 @@ class _Run:
                        key=lambda i: (-sc[i], depth_of[i], i))[: self.ntok - 1]
         order.sort(key=lambda i: (depth_of[i], -sc[i], i))
         tree_idx = {-1: 0}
-        tree = _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None], lookup=[False])
+        tree = _Tree.rooted(root)
         for i in order:
             if par[i] not in tree_idx:
                 raise AssertionError("tree selection dropped a parent")  # impossible: scores never rise with depth
@@ -596,7 +618,8 @@ class _Run:
             mask[i, i] = True
         ids = torch.tensor([tree.tokens], device=dev)
         pos = (torch.tensor(tree.depths, device=dev) + n)[None]
-        fo = e.model.forward(ids, pos, self.cache, tree_mask=mask.to(dev), capture=e.aux_indices, logits="all")
+        fo = e.model.forward(ids, pos, self.cache, tree_mask=mask.to(dev), capture=e.aux_indices if e.drafts else None,
+                             logits="all")
         logits = fo.logits[0]  # [S, V]
         path = [0]
         cur = 0

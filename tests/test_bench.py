@@ -164,6 +164,9 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
         assert (m[name]["identical"], m[name]["compared"]) == (2, 2), m[name]["mismatches"]
         assert len(m[name]["accept_per_depth"]) == 3
         assert 0.0 <= m[name]["draft_overhead"] < 1.0
+    for name in ("tree-lookup", "lookup"):  # lookup alone loads no draft and is checked lossless too
+        assert (m[name]["identical"], m[name]["compared"]) == (2, 2), m[name]["mismatches"]
+    assert m["lookup"]["draft_s"] < m["tree"]["draft_s"]
     for name in ("hf-greedy", "hf-lookup"):  # computed, whatever HF's numerics give
         assert m[name]["compared"] == 2 and 0 <= m[name]["identical"] <= 2
     assert m["plain"]["tau"] == 1.0 and m["hf-greedy"]["tau"] == 1.0
@@ -175,6 +178,7 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
     assert set(saved["weights"]) == set(eyas_methods)
     assert all(w["target"] == "fp32" and "not a GGUF target" in w["note"] for w in saved["weights"].values())
     assert saved["weights"]["plain"]["draft"] is None and saved["weights"]["tree"]["draft"] == "fp32"
+    assert saved["weights"]["lookup"]["draft"] is None
 
     # --resume with everything done reruns nothing and gives the same rows
     cfg.resume = True

@@ -151,6 +151,29 @@ def test_lookup_merged_tree_is_lossless_and_accepted(tiny, trained):
             assert proposed > 0 and accepted > 0, (spec, proposed, accepted)
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_lookup_method_verifies_the_chain_alone_and_stays_lossless(tiny, n):
+    """Method lookup: no draft (none is loaded, no features are captured), the root plus the lookup chain
+    verified each round; greedy output identical to plain, and the looping prompts get lookup tokens accepted."""
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    eng = Engine(tiny, None, SpecParams("lookup", lookup=n))
+    assert eng.speculative and not eng.drafts
+    proposed = accepted = 0
+    for p in PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10] * 6]:
+        ref = greedy(plain, p, 60)
+        res = eng.generate(p, SamplingParams(max_new_tokens=60))
+        assert res.token_ids == ref, p
+        st = res.stats
+        assert st.draft_s < 0.05 * st.total_s + 1e-3  # no draft model runs: only the lookup search
+        assert len(st.accepted_per_depth) == n and st.lookup_accepted == sum(st.accepted_per_depth)
+        # every round commits its accepted lookup tokens plus one (the last round's may be cut at the limit)
+        assert st.new_tokens == len(ref) and st.rounds + st.lookup_accepted >= len(ref) - 1
+        assert st.rounds <= len(ref) - 1 - (st.lookup_accepted > 0)
+        proposed += st.lookup_proposed
+        accepted += st.lookup_accepted
+    assert proposed > 0 and accepted > 0, (proposed, accepted)
+
+
 def test_min_prob_shrinks_unsure_rounds_and_stays_lossless(tiny, trained):
     """--min-prob: candidates below the cumulative draft probability are not verified. Output stays identical to
     plain; a high threshold verifies fewer rows (rounds of the root alone count as rounds without proposals),
@@ -178,6 +201,10 @@ def test_lookup_needs_a_draft_method(tiny):
         Engine(tiny, None, SpecParams(method="plain", lookup=4))
     with pytest.raises(EngineError, match="lookup -1 must be >= 0"):
         Engine(tiny, random_draft(tiny), SpecParams("tree", lookup=-1))
+    with pytest.raises(EngineError, match="give it --lookup 1 or more"):
+        Engine(tiny, None, SpecParams("lookup", lookup=0))
+    with pytest.raises(EngineError, match="method lookup drafts nothing"):
+        Engine(tiny, None, SpecParams("lookup", lookup=4, min_prob=0.3))
 
 
 def test_max_new_tokens_boundaries(tiny, trained):
@@ -278,8 +305,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("spec", [SpecParams("chain", steps=2), SpecParams("tree", depth=2, topk=3, tokens=7),
-                                  SpecParams("tree", depth=2, topk=3, tokens=7, lookup=3)],
-                         ids=["chain", "tree", "tree-lookup"])
+                                  SpecParams("tree", depth=2, topk=3, tokens=7, lookup=3),
+                                  SpecParams("lookup", lookup=3)],
+                         ids=["chain", "tree", "tree-lookup", "lookup"])
 def test_sampling_matches_plain_distribution(tiny, trained, spec):
     """Joint distribution of the first two tokens of 1500 seeded speculative runs vs the exact plain-sampling
     distribution (computed from the target's logits): Pearson chi-square must not reject at p < 1e-6. Under
@@ -290,6 +318,8 @@ def test_sampling_matches_plain_distribution(tiny, trained, spec):
     # with lookup, a prompt where the last token t was followed by (almost) every token once: whatever x1 is,
     # (t, x1) occurred, so a lookup candidate for x2 is always proposed (and judged by rejection sampling)
     prompt = PROMPTS[0] if not spec.lookup else [x for v in range(3, VOCAB - 2) for x in (9, v)] + [9]
+    if spec.method == "lookup":  # no draft: a prompt whose looping greedy text makes lookup's guesses likely
+        prompt = [1, 3] + greedy(Engine(tiny, None, SpecParams(method="plain")), [1, 3], 24)
     sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95, max_new_tokens=2)
     exact = exact_first_two(tiny, prompt, sp).reshape(-1)
     eng = Engine(tiny, trained, spec)
@@ -303,7 +333,8 @@ def test_sampling_matches_plain_distribution(tiny, trained, spec):
         accepted += res.stats.accepted_per_depth[0]
         lookup += res.stats.lookup_proposed
     assert not spec.lookup or lookup > 0, "no lookup candidate was proposed; the test would not exercise them"
-    assert accepted > n * 0.2, "the draft is hardly ever accepted; the test would not exercise acceptance"
+    accepted_by = "lookup" if spec.method == "lookup" else "the draft"
+    assert accepted > n * 0.2, f"{accepted_by} is hardly ever accepted; the test would not exercise acceptance"
     assert chi2_pvalue(counts, exact.double()) > 1e-6
 
 
@@ -426,6 +457,10 @@ def test_generate_cli(tmp_path, tiny):
     assert spec.exit_code == 0, spec.output
     assert ref.text in spec.output and "tau " in spec.output and "acceptance per depth: d1=" in spec.output
     assert "weights: target fp32, draft fp32 (" in spec.output
+    lk = runner.invoke(app, base + ["--method", "lookup", "--lookup", "3"])  # --draft default: not loaded
+    assert lk.exit_code == 0, lk.output
+    assert "[lookup] " in lk.output and ref.text in lk.output and "tau " in lk.output
+    assert "weights: target fp32 (" in lk.output  # no draft weights: none was loaded
     forced = runner.invoke(app, base + ["--draft", "none", "--weights", "fp32"])
     assert forced.exit_code == 0 and "weights: target fp32\n" in forced.output, forced.output  # asked for: no note
     cases = [(["--draft", "none", "--method", "tree"], "needs a draft"),

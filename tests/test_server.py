@@ -200,6 +200,8 @@ def test_exposure_warning_and_cli_flags():
     assert r.exit_code == 2 and "needs a draft" in r.output
     r = CliRunner().invoke(cli_app, ["serve", "--method", "beam"])
     assert r.exit_code == 2 and "beam" in r.output
+    r = CliRunner().invoke(cli_app, ["serve", "--method", "lookup", "--lookup", "0"])
+    assert r.exit_code == 2 and "give it --lookup 1 or more" in r.output
 
 
 # ---- the served API -------------------------------------------------------------------------------

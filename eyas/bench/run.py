@@ -38,10 +38,11 @@ from ..template import ChatTemplate, draft_template_warning, raw_ids, require_te
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 
-METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "hf-lookup")
+METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "lookup", "hf-lookup")
 OPTIONAL_METHODS = ("llama-cpp",)  # peers outside the default install: asked for by name, skipped when absent
-ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup")
-SPEC_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
+ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup", "lookup")
+DRAFT_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
+SPEC_METHODS = (*DRAFT_METHODS, "lookup")  # speculative, so checked lossless; lookup: the lookup chain alone
 HF_METHODS = ("hf-greedy", "hf-lookup")
 PEER_METHODS = (*HF_METHODS, "llama-cpp")  # other engines: compared for speed, not expected to be token-identical
 WARMUP_TOKENS = 16
@@ -103,7 +104,7 @@ class BenchConfig:
     topk: int = 4
     tokens: int = 16
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
-    lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
+    lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round; lookup: the chain
     min_prob: float = 0.0  # chain/tree: verify only candidates with at least this cumulative draft probability
     threads: int | None = None
     out: str | None = None
@@ -397,7 +398,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     methods = list(summ)
     setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
                "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
-               "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
+               "lookup": f"{cfg.get('lookup', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
@@ -508,10 +509,11 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
             from ..engine import Engine, SpecParams
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
-                              topk=cfg.topk, tokens=cfg.tokens, lookup=cfg.lookup if m == "tree-lookup" else 0,
+                              topk=cfg.topk, tokens=cfg.tokens,
+                              lookup=cfg.lookup if m in ("tree-lookup", "lookup") else 0,
                               weights=cfg.weights, draft_weights=cfg.draft_weights,
-                              min_prob=cfg.min_prob if m in SPEC_METHODS else 0.0)
-            runners[m] = engine_runner(Engine(target, draft if m in SPEC_METHODS else None, spec), end_ids,
+                              min_prob=cfg.min_prob if m in DRAFT_METHODS else 0.0)
+            runners[m] = engine_runner(Engine(target, draft if m in DRAFT_METHODS else None, spec), end_ids,
                                        target.device)
     return runners
 
@@ -674,12 +676,12 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
     choice = bench_template(cfg, prompts)
-    if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
+    if draft is None and any(m in DRAFT_METHODS for m in cfg.methods):
         check_default_draft(cfg.draft, SKIP_SPEC)
     if target is None and any(m in ENGINE_METHODS for m in cfg.methods):
         check_engine_family(cfg.target, f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY)
     target = bench_target(cfg, choice, target)
-    if draft is None and any(m in SPEC_METHODS for m in cfg.methods):
+    if draft is None and any(m in DRAFT_METHODS for m in cfg.methods):
         draft = resolve_draft(cfg.draft, target)
     mismatch = template_warning(draft, target, progress)
     end_ids = stop_ids(target)

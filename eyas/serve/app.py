@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine import EngineError, SamplingParams, chat_input_ids
+from ..engine import DRAFT_METHODS, EngineError, SamplingParams, chat_input_ids
 from ..errors import EyasError
 from ..template import ChatTemplate, TemplateError, draft_template_warning, raw_ids, use_template
 from . import openai_schema as oai
@@ -365,7 +365,7 @@ def resolve_method(method: str | None, draft: str) -> str:
     if method == "plain" and draft != "none":
         raise ServeError(f"--method plain decodes without a draft, but --draft {draft} was given; "
                          "pass --draft none, or --method tree|chain to use the draft")
-    if method in ("tree", "chain") and draft == "none":
+    if method in DRAFT_METHODS and draft == "none":
         raise ServeError(f"--method {method} needs a draft: pass --draft DIR (an eyas draft folder), 'default' or "
                          "'random' (untrained: the plumbing, not the speed), or use --method plain")
     return method
@@ -386,9 +386,8 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     method = resolve_method(method, draft)
     tree = tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
     spec = SpecParams(method=method, weights=weights, **({"steps": steps} if steps is not None else {}), **tree)
-    if method not in ("tree", "chain", "plain"):
-        spec.validate(None)  # raises EngineError naming the choices
-    if method != "plain":
+    spec.validate(1 << 30 if method in DRAFT_METHODS else None)  # bad flags fail before anything loads
+    if method in DRAFT_METHODS:
         check_default_draft(draft, "--draft none for plain decoding")
     check_engine_family(target_spec, "eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it "
                         "for an engine that serves this family")
@@ -397,7 +396,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
         use_template(target, chat_template or ChatTemplate("tokenizer"))
     except TemplateError:
         pass  # no template: chat requests get a 400 naming the fix; completions work
-    ckpt = None if method == "plain" else resolve_draft(draft, target)
+    ckpt = resolve_draft(draft, target) if method in DRAFT_METHODS else None
     return Engine(target, ckpt, spec), target, method
 
 
