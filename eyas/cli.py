@@ -31,7 +31,7 @@ TreeTopkOpt = typer.Option(None, "--topk", help="tree: children per expanded nod
 TreeTokensOpt = typer.Option(None, "--tokens", help="tree: tokens verified per round, root included "
                              "(default 3 on the CPU, 16 on CUDA)")
 TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
-                             "(0 = off; default 4 on the CPU, 0 on CUDA)")
+                             "(0 = off; default 4 on the CPU, 0 on CUDA; method lookup: the chain's length, default 3)")
 MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
               "before; --lookup tokens) | plain (default tree; plain with --draft none)")
 TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
@@ -133,15 +133,17 @@ def bench(
     from .engine import tree_defaults
 
     with user_errors():
-        # the tree generate and serve use on this device, unless given (lookup applies to tree-lookup only)
+        # the tree generate and serve use on this device, unless given; --lookup sets tree-lookup's merged
+        # candidates and method lookup's chain alike
         tree = tree_defaults(device, "tree", depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
+        alone = tree_defaults(device, "lookup", lookup=lookup)["lookup"]
         grid = SweepGrid(parse_int_list(sweep_steps, "--sweep-steps"), parse_int_list(sweep_depth, "--sweep-depth"),
                          parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
                           target=target, draft=draft, dtype=dtype, device=device, weights=weights,
                           draft_weights=draft_weights, methods=parse_methods(methods),
-                          steps=steps, lookup_tokens=lookup_tokens, **tree,
+                          steps=steps, lookup_tokens=lookup_tokens, lookup_alone=alone, **tree,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid, chat_template=chat_template, raw=raw)
         (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
@@ -313,7 +315,7 @@ def serve(
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
-    desc = used if used == "plain" else f"{used}, draft {draft}"
+    desc = f"{used}, draft {draft}" if engine.drafts else f"{used}, no draft"
     typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
     srv.run(app_, host, port, log_level=log_level)
 

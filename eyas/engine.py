@@ -93,6 +93,12 @@ TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_p
                  "cuda": {"depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}}
 
 
+# method lookup's chain length (any device): replaying 80 MT-bench and 40 HumanEval plain outputs with this
+# session's native row costs (benchmarks/lookup_sim.py), lengths 2 and 3 tie for the best speedup (1.19x / 1.32x
+# over the first 128 / 256 tokens of MT-bench replies) and 3 accepts more per round; 4 loses 2-3%, 8 about 15%.
+LOOKUP_ALONE = 3
+
+
 def tree_defaults(device: str, method: str, **given) -> dict:
     """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`; plain
     decoding drafts nothing, so its lookup and min-prob default to off (a given value is kept, and refused by
@@ -100,8 +106,8 @@ def tree_defaults(device: str, method: str, **given) -> dict:
     base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
     if method == "plain":
         base = {**base, "lookup": 0, "min_prob": 0.0}
-    if method == "lookup":  # the lookup chain alone: as long as the CPU's merged one (2-5 measure alike)
-        base = {**base, "lookup": TREE_DEFAULTS["cpu"]["lookup"], "min_prob": 0.0}
+    if method == "lookup":
+        base = {**base, "lookup": LOOKUP_ALONE, "min_prob": 0.0}
     return {k: base[k] if given.get(k) is None else given[k] for k in base}
 
 

@@ -354,7 +354,7 @@ def test_sampling_is_reproducible_with_seed(tiny, trained):
     (SpecParams("tree", depth=3, topk=0, tokens=4), "topk 0 < 1"),
     (SpecParams("tree", depth=3, topk=2, tokens=1), "tokens 1 < 2"),
     (SpecParams("tree", depth=2, topk=200, tokens=10), "exceeds the draft vocabulary"),
-    (SpecParams("beam"), "expected one of tree, chain, plain"),
+    (SpecParams("beam"), "expected one of tree, chain, lookup, plain"),
 ])
 def test_inconsistent_spec_params_raise(tiny, spec, match):
     with pytest.raises(EngineError, match=match):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
+from ..engine import LOOKUP_ALONE
 from ..errors import EyasError
 from ..files import atomic_write, atomic_write_json
 from ..model import check_engine_family
@@ -104,7 +105,8 @@ class BenchConfig:
     topk: int = 4
     tokens: int = 16
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
-    lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round; lookup: the chain
+    lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
+    lookup_alone: int = LOOKUP_ALONE  # method lookup: the chain's length
     min_prob: float = 0.0  # chain/tree: verify only candidates with at least this cumulative draft probability
     threads: int | None = None
     out: str | None = None
@@ -122,7 +124,8 @@ class BenchConfig:
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                "draft_weights", "methods",
-               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "min_prob", "chat_template", "raw")
+               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "lookup_alone", "min_prob",
+               "chat_template", "raw")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                      "sweep_limit", "grid", "chat_template", "raw")
 
@@ -398,7 +401,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     methods = list(summ)
     setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
                "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
-               "lookup": f"{cfg.get('lookup', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
+               "lookup": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
@@ -510,7 +513,7 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
 
             spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
                               topk=cfg.topk, tokens=cfg.tokens,
-                              lookup=cfg.lookup if m in ("tree-lookup", "lookup") else 0,
+                              lookup={"tree-lookup": cfg.lookup, "lookup": cfg.lookup_alone}.get(m, 0),
                               weights=cfg.weights, draft_weights=cfg.draft_weights,
                               min_prob=cfg.min_prob if m in DRAFT_METHODS else 0.0)
             runners[m] = engine_runner(Engine(target, draft if m in DRAFT_METHODS else None, spec), end_ids,
