@@ -323,7 +323,8 @@ void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, f
  * short for the hardware prefetcher to keep DRAM busy: ask for the tile 8 tiles ahead (the next group's tiles
  * follow this group's, so the distance runs on across groups). benchmarks/kernel_ab.py --cold-mb 128: 1 / 2 / 4
  * / 8 rows at 0.92 / 0.88 / 0.95 / 0.98 of the time without it (4 tiles ahead: 0.94 / 0.93 / 0.97 / 0.97,
- * 16: 0.93 / 0.89 / 0.94 / 0.99); a prefetch never changes a result. */
+ * 16: 0.93 / 0.89 / 0.94 / 0.99); only a call's first group of rows asks (the others find the tiles in L1).
+ * A prefetch never changes a result. */
 #define PREFETCH_TILES 8
 static inline void prefetch_ahead(const uint8_t *t, int tile) {
     for (int off = 0; off < tile; off += 64) __builtin_prefetch(t + PREFETCH_TILES * tile + off, 0, 3);
