@@ -1,4 +1,5 @@
-"""Lossless speculative decoding with an EAGLE-3 draft: plain, chain and EAGLE-2 dynamic tree, one KV cache.
+"""Lossless speculative decoding with an EAGLE-3 draft: plain, chain and EAGLE-2 dynamic tree, one KV cache;
+and method lookup, which verifies the lookup chain (eyas.lookup) alone, with no draft.
 
 One round (target cache holds x_0..x_{n-1}; the root x_n is accepted but not yet run by the target):
   1. draft step 0 over the rows accepted since the last round (fc(features), next token, position = row),
