@@ -103,7 +103,7 @@ LOOKUP_ALONE = 3
 def tree_defaults(device: str, method: str, **given) -> dict:
     """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`; plain
     decoding drafts nothing, so its lookup and min-prob default to off (a given value is kept, and refused by
-    SpecParams.validate)."""
+    SpecParams.validate); method lookup's chain defaults to LOOKUP_ALONE tokens, its min-prob to off."""
     base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
     if method == "plain":
         base = {**base, "lookup": 0, "min_prob": 0.0}
