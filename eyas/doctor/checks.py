@@ -162,8 +162,7 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
             return Check("accuracy", "warn",
                          f"possible training/serving skew: step-0 held-out accuracy {_pct(m0)} at training vs "
                          f"{_pct(v0)} now through {serving_path} ({gap:+.1f} points, SE {se:.1f} over conversations); "
-                         "other "
-                         "samples than the training run's held-out set, so the data distribution may differ",
+                         "other samples than the training run's held-out set, so the data distribution may differ",
                          numbers=nums, details=lines,
                          fix="pass --data SHARDS (the training data) for a paired test on the same tokens")
         return Check("accuracy", "pass", f"step-0 held-out accuracy {_pct(v0)} through {serving_path} vs "

@@ -386,8 +386,6 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
     vocab, as a share of log Vd; with want_rows (needs labels) the step-0 cross-entropy of every scored
     position, in a fixed order ("rows" [tokens] fp32; "loss" their mean)."""
     rows: list[torch.Tensor] = []
-    correct = torch.zeros(steps, dtype=torch.long)
-    count = torch.zeros(steps, dtype=torch.long)
     per_correct = torch.zeros(len(samples), steps, dtype=torch.long)
     per_count = torch.zeros_like(per_correct)
     ent_d = ent_t = 0.0
@@ -405,8 +403,6 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
             lab = (_pad([labels[i][0][0] for i in group], S), _pad([labels[i][1][0] for i in group], S))
         o = ttt_forward(draft, aux, fin, ids, mask, target.final_norm(), target.lm_head(), steps,
                         labels=lab, return_logits=want_logits or want_rows)
-        correct += o.step_correct.cpu()
-        count += o.step_count.cpu()
         per_correct[group] = o.row_correct.cpu()
         per_count[group] = o.row_count.cpu()
         if want_rows and o.logits and lab is not None:
@@ -419,6 +415,7 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
                 ent_d += float(_entropy(torch.softmax(o.logits[0][valid].float(), -1)).sum())
                 ent_t += float(_entropy(lab[0][:, 1:][valid]).sum())
                 ent_n += int(valid.sum())
+    correct, count = per_correct.sum(0), per_count.sum(0)  # [steps]
     acc = [(int(c) / int(n)) if n else float("nan") for c, n in zip(correct, count, strict=True)]
     out = {"correct": correct.tolist(), "count": count.tolist(), "acc": acc,
            "sample_correct": per_correct.tolist(), "sample_count": per_count.tolist()}
