@@ -34,6 +34,9 @@ TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged in
                              "(0 = off; default 4 on the CPU, 0 on CUDA; method lookup: the chain's length, default 3)")
 MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
               "before; --lookup tokens) | plain (default tree; plain with --draft none)")
+NgramOpt = typer.Option("auto", "--ngram", help="n-gram table (eyas ngram) proposing where context lookup finds "
+                        "nothing, with method lookup or --lookup > 0: auto (the bundled one when counted for this "
+                        "target) | default | none | PATH")
 TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
                               "probability reaches this (default 0.35 on the CPU, 0 on CUDA)")
 
@@ -108,6 +111,7 @@ def bench(
     tokens: int = TreeTokensOpt,
     lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
     lookup: int = TreeLookupOpt,
+    ngram: str = NgramOpt,
     min_prob: float = TreeMinProbOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
     out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
@@ -143,7 +147,7 @@ def bench(
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
                           target=target, draft=draft, dtype=dtype, device=device, weights=weights,
                           draft_weights=draft_weights, methods=parse_methods(methods),
-                          steps=steps, lookup_tokens=lookup_tokens, lookup_alone=alone, **tree,
+                          steps=steps, lookup_tokens=lookup_tokens, lookup_alone=alone, ngram=ngram, **tree,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid, chat_template=chat_template, raw=raw)
         (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
@@ -281,6 +285,7 @@ def serve(
     topk: int = TreeTopkOpt,
     tokens: int = TreeTokensOpt,
     lookup: int = TreeLookupOpt,
+    ngram: str = NgramOpt,
     min_prob: float = TreeMinProbOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
@@ -309,13 +314,15 @@ def serve(
 
         choice = resolve_template(chat_template)  # a bad flag fails before the model loads
         engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
-                                             lookup, weights, min_prob, chat_template=choice)
+                                             lookup, weights, min_prob, chat_template=choice, ngram=ngram)
         for w in srv.template_warnings(engine, tgt):
             warn(w)
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
     desc = f"{used}, draft {draft}" if engine.drafts else f"{used}, no draft"
+    if engine.ngram is not None:
+        desc += f", n-gram table ({len(engine.ngram)} contexts)"
     typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
     srv.run(app_, host, port, log_level=log_level)
 
@@ -552,6 +559,7 @@ def generate(
     topk: int = TreeTopkOpt,
     tokens: int = TreeTokensOpt,
     lookup: int = TreeLookupOpt,
+    ngram: str = NgramOpt,
     min_prob: float = TreeMinProbOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -570,6 +578,7 @@ def generate(
     from . import engine as eng
     from .draft import check_default_draft, resolve_draft
     from .model import check_engine_family
+    from .ngram import check_ngram_spec, resolve_ngram
     from .target import load_target
     from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
     from .text import TextStream
@@ -602,6 +611,7 @@ def generate(
         spec.validate(1 << 30 if method in eng.DRAFT_METHODS else None)  # bad shapes fail before anything loads
         if method in eng.DRAFT_METHODS:
             check_default_draft(draft)
+        check_ngram_spec(ngram)
         choice = resolve_template(chat_template, raw)
         check_engine_family(target, "eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench "
                             f"--target {target} --methods hf-greedy --bench PROMPTS.jsonl`")
@@ -612,7 +622,7 @@ def generate(
         mismatch = draft_template_warning(ckpt.manifest, tgt.chat_template) if ckpt is not None else None
         if mismatch:
             warn(mismatch)
-        engine = eng.Engine(tgt, ckpt, spec)
+        engine = eng.Engine(tgt, ckpt, spec, resolve_ngram(ngram, tgt) if spec.lookup else None)
         tok = tgt.tokenizer
         if msgs is not None:
             ids = eng.chat_input_ids(tok, msgs)
@@ -639,15 +649,38 @@ def generate(
         lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
         lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
                      f"(draft share {st.draft_share:.0%})")
+        if spec.lookup:
+            table = f"n-gram table {engine.ngram.path} ({len(engine.ngram)} contexts)" if engine.ngram else \
+                "no n-gram table"
+            lines.append(f"lookup: {st.lookup_accepted} of {st.lookup_proposed} proposed accepted; {table}"
+                         + (f": {st.ngram_accepted} of {st.ngram_proposed} accepted" if engine.ngram else ""))
     for line in lines:
         typer.secho(line, fg="cyan", err=True)
+
+
+@app.command()
+def ngram(
+    data: list[str] = typer.Option(None, "--data", help="eyas shard folder of the target's regenerated replies "
+                                   "(`eyas datagen --regenerate`; repeatable)"),
+    out: str = typer.Option("runs/ngram", "--out", help="table folder (replaced atomically)"),
+    order: int = typer.Option(3, "--order", help="longest context, in tokens"),
+    min_count: int = typer.Option(2, "--min-count", help="keep a context only when its most frequent next token "
+                                  "was seen this often"),
+) -> None:
+    """Count the target's own replies into the n-gram table that lookup proposes from where the context has no
+    match (`--ngram PATH` on generate, serve and bench)."""
+    from .ngram import NgramConfig, build_ngram
+
+    with user_errors():
+        build_ngram(NgramConfig(data=list(data or []), out=out, order=order, min_count=min_count),
+                    log=lambda m: typer.echo(m, err=True))
 
 
 @app.command()
 def recipe(
     name: str = typer.Argument("smollm2-135m", help="the recipe (target) to run"),
     work: str = typer.Option("runs/recipe", "--work", help="work folder (resume by rerunning the same command)"),
-    stages: str = typer.Option("data,train,eval,ship", "--stages", help="subset of data,train,eval,ship"),
+    stages: str = typer.Option("data,ngram,train,eval,ship", "--stages", help="subset of data,ngram,train,eval,ship"),
     device: str = DeviceOpt,
     orig_num: int = typer.Option(4000, "--orig-num", help="ShareGPT rows with original replies"),
     regen_num: int = typer.Option(0, "--regen-num", help="ShareGPT rows, target-regenerated"),
@@ -663,15 +696,19 @@ def recipe(
                                   "the shipped one; keeps its draft vocabulary)"),
     refresh_vocab: bool = typer.Option(False, "--refresh-vocab", help="with --init-from: re-choose the draft "
                                        "vocabulary from the current data"),
+    ngram_min_count: int = typer.Option(2, "--ngram-min-count", help="ngram stage: keep a context whose most "
+                                        "frequent next token was seen this often"),
 ) -> None:
-    """Run the whole pipeline (datagen -> train -> bench -> ship) for a bundled target; resumable at every stage."""
+    """Run the whole pipeline (datagen -> ngram -> train -> bench -> ship) for a bundled target; resumable at every
+    stage."""
     from .recipe import RecipeConfig, run_recipe
 
     with user_errors():
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
                                 orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
                                 draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
-                                ship_to=ship_to, init_from=init_from, refresh_vocab=refresh_vocab))
+                                ship_to=ship_to, init_from=init_from, refresh_vocab=refresh_vocab,
+                                ngram_min_count=ngram_min_count))
 
 
 def main() -> None:

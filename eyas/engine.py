@@ -39,6 +39,7 @@ from .draft import DraftCheckpoint, check_draft_for_target
 from .errors import EyasError
 from .lookup import lookup_chain
 from .model import WEIGHTS, KVCache, compact, engine_model
+from .ngram import NgramTable, check_ngram_for_target
 from .quant import quantize_draft_q8
 from .sampling import rejection_step, sample, warp
 from .target import Target, end_token_ids
@@ -121,6 +122,10 @@ class SpecParams:
     tokens: int = 16  # tree: verified tokens per round, root included
     lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
+    # tokens the engine's n-gram table (eyas.ngram) proposes in a round where context lookup found nothing:
+    # replaying 80 MT-bench plain outputs, 1 beat 2 and 3 (a table token is accepted ~30% of the time and each
+    # verified row costs ~14% of a step on a 2-core CPU)
+    ngram_tokens: int = 1
     # tree: verify only candidates the draft gives at least this probability (cumulative along the path), so a
     # round where the draft is unsure verifies fewer rows, down to the root alone (a plain step); 0 = off
     min_prob: float = 0.0
@@ -146,6 +151,8 @@ class SpecParams:
             raise EngineError(f"min_prob {self.min_prob} must be in [0, 1) (0 = verify every selected candidate)")
         if self.lookup < 0 or self.lookup_ngram < 2:
             raise EngineError(f"lookup {self.lookup} must be >= 0 and lookup_ngram {self.lookup_ngram} >= 2")
+        if self.ngram_tokens < 1:
+            raise EngineError(f"ngram_tokens {self.ngram_tokens} must be >= 1 (pass no n-gram table to turn it off)")
         if self.method == "plain":
             if self.lookup:
                 raise EngineError("lookup candidates are merged into a draft's tree: use method tree or chain "
@@ -198,8 +205,10 @@ class GenStats:
     # whose path reached depth d-1 and the tree had candidates below it (so depth d was attempted)
     accepted_per_depth: list[int] = field(default_factory=list)
     proposed_per_depth: list[int] = field(default_factory=list)
-    lookup_proposed: int = 0  # tree nodes only lookup proposed (not also a draft candidate)
+    lookup_proposed: int = 0  # tree nodes only context lookup proposed (not also a draft candidate)
     lookup_accepted: int = 0  # accepted tokens that came from those nodes
+    ngram_proposed: int = 0  # the same for the n-gram table's nodes (rounds where context lookup had nothing)
+    ngram_accepted: int = 0
 
     @property
     def tau(self) -> float:
@@ -267,13 +276,13 @@ class _Tree:
     depths: list[int]  # [S]
     children: list[list[int]]  # per node, in the draft's preference order
     q: list[torch.Tensor | None]  # per node: draft distribution (target vocab) it was sampled from, or None
-    lookup: list[bool] = field(default_factory=list)  # per node: proposed by lookup only
+    origin: list[str] = field(default_factory=list)  # per node: "root", "draft", or "lookup" / "ngram" (only they)
 
     @staticmethod
     def rooted(root: int) -> _Tree:
-        return _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None], lookup=[False])
+        return _Tree(tokens=[root], parents=[-1], depths=[0], children=[[]], q=[None], origin=["root"])
 
-    def add(self, parent: int, token: int, q: torch.Tensor | None = None, lookup: bool = False) -> int:
+    def add(self, parent: int, token: int, q: torch.Tensor | None = None, origin: str = "draft") -> int:
         i = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
@@ -281,14 +290,19 @@ class _Tree:
         self.children.append([])
         self.children[parent].append(i)
         self.q.append(q)
-        self.lookup.append(lookup)
+        self.origin.append(origin)
         return i
 
 
 class Engine:
-    def __init__(self, target: Target, draft: DraftCheckpoint | None = None, spec: SpecParams | None = None):
+    def __init__(self, target: Target, draft: DraftCheckpoint | None = None, spec: SpecParams | None = None,
+                 ngram: NgramTable | None = None):
         self.target = target
         self.spec = spec or SpecParams()
+        if ngram is not None:
+            check_ngram_for_target(ngram, target)
+        # proposes where context lookup finds nothing, so only methods with lookup candidates consult it
+        self.ngram = ngram if self.spec.lookup else None
         self.model = engine_model(target, self.spec.weights)
         native = self.model.native
         # the mode auto resolved to
@@ -600,17 +614,24 @@ class _Run:
         return tree
 
     def merge_lookup(self, tree: _Tree) -> None:
-        """Merge the lookup chain into the tree from the root: shared prefixes reuse the draft's nodes, the
-        rest becomes a new branch (point-mass proposals, q None, so sampling stays lossless)."""
-        sp = self.e.spec
+        """Merge the lookup chain (or, when the context has no match, the n-gram table's) into the tree from the
+        root: shared prefixes reuse the draft's nodes, the rest becomes a new branch (point-mass proposals, q
+        None, so sampling stays lossless)."""
+        sp, st = self.e.spec, self.stats
         room = self.p.max_new_tokens - len(self.out)  # never verify past what can be committed
-        chain = lookup_chain(self.prompt + self.out, min(sp.lookup, room), sp.lookup_ngram)
+        context = self.prompt + self.out
+        origin, chain = "lookup", lookup_chain(context, min(sp.lookup, room), sp.lookup_ngram)
+        if not chain and self.e.ngram is not None:
+            origin, chain = "ngram", self.e.ngram.propose(context, min(sp.ngram_tokens, room))
         cur = 0
         for t in chain:
             nxt = next((c for c in tree.children[cur] if tree.tokens[c] == t), None)
             if nxt is None:
-                nxt = tree.add(cur, t, lookup=True)
-                self.stats.lookup_proposed += 1
+                nxt = tree.add(cur, t, origin=origin)
+                if origin == "lookup":
+                    st.lookup_proposed += 1
+                else:
+                    st.ngram_proposed += 1
             cur = nxt
 
     # -- verification ------------------------------------------------------------------------------
@@ -662,6 +683,7 @@ class _Run:
                 st.accepted_per_depth[tree.depths[cur]] += 1
                 path.append(nxt)
                 cur = nxt
-        st.lookup_accepted += sum(tree.lookup[i] for i in path[1:])
+        st.lookup_accepted += sum(tree.origin[i] == "lookup" for i in path[1:])
+        st.ngram_accepted += sum(tree.origin[i] == "ngram" for i in path[1:])
         compact(self.cache, n, path)
         return path, bonus, fo

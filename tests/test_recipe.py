@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eyas.data.shards import ShardSet
 from eyas.recipe import RecipeConfig, RecipeError, run_recipe, trained_dir, use_bf16
 
 
@@ -41,9 +42,10 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
 
     work, ship = tmp_path / "work", tmp_path / "shipped"
     cfg = RecipeConfig(work=str(work), orig_num=3, regen_num=1, regen_max_new_tokens=16, max_len=192, epochs=1.0,
-                       batch_tokens=384, heldout_pct=50.0, eval_limit=1, eval_max_new_tokens=8, ship_to=str(ship))
+                       batch_tokens=384, heldout_pct=50.0, eval_limit=1, eval_max_new_tokens=8, ship_to=str(ship),
+                       ngram_min_count=1)
     done = run_recipe(cfg, log=lambda *a: None)
-    assert list(done) == ["data", "train", "eval", "ship"]
+    assert list(done) == ["data", "ngram", "train", "eval", "ship"]
     shards = {n: json.loads((work / n / "manifest.json").read_text())["shards"] for n in ("data-orig", "data-regen")}
     assert all(shards.values())
     run = trained_dir(cfg)
@@ -55,6 +57,11 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     assert ck.manifest["shipped"]["recipe"]["orig_num"] == 3
     res = json.loads((work / f"eval-{run.name}" / "results.json").read_text())
     assert set(res["summary"]["methods"]) == {"hf-greedy", "plain", "tree", "tree-lookup"}
+    # the table counted over the regenerated reply: benched by the eval stage, shipped beside the draft
+    table = json.loads((work / "ngram" / "eyas_manifest.json").read_text())
+    assert res["ngram"]["path"] == str(work / "ngram") and table["reply_tokens"] > 0
+    assert table["data_hash"] == ShardSet([work / "data-regen"]).hash()
+    assert json.loads((tmp_path / "shipped-ngram" / "eyas_manifest.json").read_text()) == table
     before = load_file(ship / "model.safetensors")
 
     again = run_recipe(cfg, log=lambda *a: None)

@@ -34,16 +34,20 @@ from ..engine import LOOKUP_ALONE
 from ..errors import EyasError
 from ..files import atomic_write, atomic_write_json
 from ..model import check_engine_family
+from ..ngram import NgramTable, check_ngram_spec, describe_ngram, resolve_ngram
 from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_device
 from ..template import ChatTemplate, draft_template_warning, raw_ids, require_template, resolve_template, use_template
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 
-METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "lookup", "hf-lookup")
+METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "lookup", "lookup-context", "hf-lookup")
 OPTIONAL_METHODS = ("llama-cpp",)  # peers outside the default install: asked for by name, skipped when absent
-ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup", "lookup")
+ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup", "lookup", "lookup-context")
 DRAFT_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
-SPEC_METHODS = (*DRAFT_METHODS, "lookup")  # speculative, so checked lossless; lookup: the lookup chain alone
+# lookup: the lookup chain alone, with the n-gram table where the context has no match (as `eyas generate --method
+# lookup`); lookup-context: the same without the table, to measure what the table adds in one run
+LOOKUP_METHODS = ("lookup", "lookup-context")
+SPEC_METHODS = (*DRAFT_METHODS, *LOOKUP_METHODS)  # speculative, so checked lossless
 HF_METHODS = ("hf-greedy", "hf-lookup")
 PEER_METHODS = (*HF_METHODS, "llama-cpp")  # other engines: compared for speed, not expected to be token-identical
 WARMUP_TOKENS = 16
@@ -107,6 +111,7 @@ class BenchConfig:
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
     lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
     lookup_alone: int = LOOKUP_ALONE  # method lookup: the chain's length
+    ngram: str = "auto"  # the n-gram table of lookup and tree-lookup (eyas.ngram.resolve_ngram)
     min_prob: float = 0.0  # chain/tree: verify only candidates with at least this cumulative draft probability
     threads: int | None = None
     out: str | None = None
@@ -124,7 +129,7 @@ class BenchConfig:
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                "draft_weights", "methods",
-               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "lookup_alone", "min_prob",
+               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "lookup_alone", "ngram", "min_prob",
                "chat_template", "raw")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                      "sweep_limit", "grid", "chat_template", "raw")
@@ -260,7 +265,8 @@ def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[
         s = res.stats
         stats = {k: getattr(s, k) for k in ("prompt_tokens", "new_tokens", "target_forwards", "rounds", "prefill_s",
                                             "draft_s", "verify_s", "total_s", "accepted_per_depth",
-                                            "proposed_per_depth", "lookup_proposed", "lookup_accepted")}
+                                            "proposed_per_depth", "lookup_proposed", "lookup_accepted",
+                                            "ngram_proposed", "ngram_accepted")}
         stats["tau"] = s.tau
         return Output(ids, dt, int(s.target_forwards), res.finish_reason, stats)
 
@@ -325,6 +331,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         # tokens accepted from lookup-only tree nodes: tau minus this share is what EAGLE-3 alone accepted
         s["lookup_accepted"] = sum(st.get("lookup_accepted", 0) for st in stats)
         s["lookup_share"] = s["lookup_accepted"] / max(sum(st["new_tokens"] for st in stats), 1)
+        s["ngram_accepted"] = sum(st.get("ngram_accepted", 0) for st in stats)
+        s["ngram_proposed"] = sum(st.get("ngram_proposed", 0) for st in stats)
+        s["ngram_share"] = s["ngram_accepted"] / max(sum(st["new_tokens"] for st in stats), 1)
         s["draft_overhead"] = draft_s / round_s if round_s > 0 and depth else None
     else:
         fwd = sum(r["target_forwards"] - 1 for r in rows)
@@ -401,7 +410,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     methods = list(summ)
     setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
                "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
-               "lookup": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
+               "lookup": f"{cfg.get('lookup_alone', 0)} tokens" + (" + table" if results.get("ngram") else ""),
+               "lookup-context": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
@@ -481,6 +491,9 @@ def render(results: dict[str, Any]) -> None:
         if m in SPEC_METHODS and s["compared"]:
             ok = s["identical"] == s["compared"]
             extra = f", {s['lookup_share']:.0%} of tokens from lookup candidates" if s.get("lookup_accepted") else ""
+            if s.get("ngram_proposed"):
+                extra += (f", {s['ngram_share']:.0%} from the n-gram table ({s['ngram_accepted']} of "
+                          f"{s['ngram_proposed']} accepted)")
             con.print(f"{m}: lossless: {'yes' if ok else '[red]NO[/red]'} ({s['identical']}/{s['compared']} prompts "
                       f"token-identical to {ref}); tau {fmt(s['tau'])}{extra}")
     used = results.get("weights") or {}
@@ -496,8 +509,8 @@ def default_out(prefix: str = "bench") -> Path:
     return Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | None,
-                  end_ids: list[int]) -> dict[str, Callable[..., Output]]:
+def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | None, end_ids: list[int],
+                  ngram: NgramTable | None = None) -> dict[str, Callable[..., Output]]:
     runners: dict[str, Callable[..., Output]] = {}
     for m in cfg.methods:
         if m == "hf-greedy":
@@ -511,13 +524,15 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
         else:
             from ..engine import Engine, SpecParams
 
-            spec = SpecParams(method="tree" if m == "tree-lookup" else m, steps=cfg.steps, depth=cfg.depth,
-                              topk=cfg.topk, tokens=cfg.tokens,
-                              lookup={"tree-lookup": cfg.lookup, "lookup": cfg.lookup_alone}.get(m, 0),
+            method = {"tree-lookup": "tree", "lookup-context": "lookup"}.get(m, m)
+            lookup = cfg.lookup if m == "tree-lookup" else cfg.lookup_alone if method == "lookup" else 0
+            spec = SpecParams(method=method, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk, tokens=cfg.tokens,
+                              lookup=lookup,
                               weights=cfg.weights, draft_weights=cfg.draft_weights,
                               min_prob=cfg.min_prob if m in DRAFT_METHODS else 0.0)
-            runners[m] = engine_runner(Engine(target, draft if m in DRAFT_METHODS else None, spec), end_ids,
-                                       target.device)
+            engine = Engine(target, draft if m in DRAFT_METHODS else None, spec,
+                            None if m == "lookup-context" else ngram)
+            runners[m] = engine_runner(engine, end_ids, target.device)
     return runners
 
 
@@ -681,6 +696,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     choice = bench_template(cfg, prompts)
     if draft is None and any(m in DRAFT_METHODS for m in cfg.methods):
         check_default_draft(cfg.draft, SKIP_SPEC)
+    check_ngram_spec(cfg.ngram)
     if target is None and any(m in ENGINE_METHODS for m in cfg.methods):
         check_engine_family(cfg.target, f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY)
     target = bench_target(cfg, choice, target)
@@ -694,7 +710,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     out = Path(cfg.out) if cfg.out else default_out()
     done_rows = _prepare_out(cfg, out, target)
     done = {r["prompt"] for r in done_rows}
-    runners = build_runners(cfg, target, draft, end_ids)
+    ngram = resolve_ngram(cfg.ngram, target) if {"lookup", "tree-lookup"} & set(cfg.methods) else None
+    runners = build_runners(cfg, target, draft, end_ids, ngram)
     cfg.methods = [m for m in cfg.methods if m in runners]  # an optional peer that is not installed is skipped
     reference = "plain" if "plain" in cfg.methods else ("hf-greedy" if "hf-greedy" in cfg.methods else None)
 
@@ -710,7 +727,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         "kind": "eyas-bench", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
         "config": cfg.to_dict(),
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
-        "draft": draft_summary(draft, cfg.draft), "stop_ids": end_ids, "reference": reference,
+        "draft": draft_summary(draft, cfg.draft), "ngram": describe_ngram(ngram, cfg.ngram), "stop_ids": end_ids,
+        "reference": reference,
         "chat_template": target.chat_template.record(), "template_warning": mismatch,
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
         "summary": summarize(rows, cfg.methods), "rows": rows,

@@ -13,6 +13,7 @@ import torch
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
 from ..files import atomic_write, atomic_write_json
 from ..model import check_engine_family
+from ..ngram import describe_ngram, resolve_ngram
 from ..target import Target
 from .prompts import load_prompts
 from .run import (
@@ -143,6 +144,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         check_engine_family(cfg.target, "bench --sweep", f"without --sweep, {HF_ONLY}")
     target = bench_target(cfg, choice, target)
     draft = draft or resolve_draft(cfg.draft, target)
+    ngram = resolve_ngram(cfg.ngram, target) if any(s.get("lookup") for s in sweep_settings(cfg.grid)) else None
     template_warning(draft, target, progress)
     end_ids = stop_ids(target)
     if prompts is None:
@@ -158,7 +160,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         say(progress, f"sweep: warm-up {n + 1}/{len(settings)} {label}")
         try:
             spec = SpecParams(**s, weights=cfg.weights, draft_weights=cfg.draft_weights)
-            engine = Engine(target, None if s["method"] == "plain" else draft, spec)
+            engine = Engine(target, None if s["method"] == "plain" else draft, spec, ngram)
             run = engine_runner(engine, end_ids, target.device)
             run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))  # warm-up; also where lazy checks would fire
         except EngineError as e:
@@ -189,7 +191,8 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         "kind": "eyas-bench-sweep", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
         "config": cfg.to_dict(),
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
-        "draft": draft_summary(draft, cfg.draft), "num_prompts": len(prompts), "prompts": [p.id for p in prompts],
+        "draft": draft_summary(draft, cfg.draft), "ngram": describe_ngram(ngram, cfg.ngram),
+        "num_prompts": len(prompts), "prompts": [p.id for p in prompts],
         "settings": table, "refused": refused, "best": best, "rows": rows,
     }
     atomic_write_json(out / "sweep.json", results)

@@ -156,5 +156,18 @@ class ShardSet:
                 if split == "all" or (split == "heldout") == is_heldout(s.row_id, heldout_pct):
                     yield s
 
+    def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids [S] long, loss_mask [S] bool) of every sample, reading neither hidden-state field."""
+        for p in self.shard_paths():
+            try:
+                with safe_open(str(p), framework="pt") as f:
+                    ids, mask, off = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets"))
+            except Exception as e:
+                raise ShardError(f"{p} is not a readable eyas shard ({e}); delete it and re-run datagen to "
+                                 "resume") from e
+            bounds = off.tolist()
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                yield ids[a:b].long(), mask[a:b].bool()
+
     def hash(self) -> str:
         return "sha256:" + hashlib.sha256("".join(manifest_hash(m) for m in self.manifests).encode()).hexdigest()[:24]

@@ -374,13 +374,15 @@ def resolve_method(method: str | None, draft: str) -> str:
 def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
                  depth: int | None = None, topk: int | None = None, tokens: int | None = None,
                  dtype: str = "fp32", device: str = "cpu", lookup: int | None = None, weights: str = "auto",
-                 min_prob: float | None = None, chat_template: ChatTemplate | None = None):
-    """Load the target (and draft: a folder, 'default', 'random' or 'none') -> (engine, target, method).
+                 min_prob: float | None = None, chat_template: ChatTemplate | None = None, ngram: str = "auto"):
+    """Load the target (and draft: a folder, 'default', 'random' or 'none'; and the n-gram table when lookup is
+    on, eyas.ngram.resolve_ngram) -> (engine, target, method).
     `chat_template` (--chat-template) is installed before the engine reads the end-of-turn tokens; without it,
     or when the tokenizer has none, the server still starts: completions need no template (template_warnings)."""
     from ..draft import check_default_draft, resolve_draft
     from ..engine import Engine, SpecParams, tree_defaults
     from ..model import check_engine_family
+    from ..ngram import check_ngram_spec, resolve_ngram
     from ..target import load_target
 
     method = resolve_method(method, draft)
@@ -389,6 +391,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     spec.validate(1 << 30 if method in DRAFT_METHODS else None)  # bad flags fail before anything loads
     if method in DRAFT_METHODS:
         check_default_draft(draft, "--draft none for plain decoding")
+    check_ngram_spec(ngram)
     check_engine_family(target_spec, "eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it "
                         "for an engine that serves this family")
     target = load_target(target_spec, dtype=dtype, device=device)
@@ -397,7 +400,7 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     except TemplateError:
         pass  # no template: chat requests get a 400 naming the fix; completions work
     ckpt = resolve_draft(draft, target) if method in DRAFT_METHODS else None
-    return Engine(target, ckpt, spec), target, method
+    return Engine(target, ckpt, spec, resolve_ngram(ngram, target) if spec.lookup else None), target, method
 
 
 def template_warnings(engine: Any, target: Any) -> list[str]:

@@ -1,0 +1,251 @@
+"""The n-gram table: what the target itself wrote after each 1-3 token context, counted over its own replies.
+
+Context lookup (eyas.lookup) proposes only when the running text repeats itself. A small target's replies also
+repeat across conversations (openings, list and markdown scaffolding, code idioms), so the most frequent next
+token after the longest known 1-3 token context, counted over the target's regenerated replies (`eyas datagen
+--regenerate`), is its next token about as often as an EAGLE-3 draft's top-1 on this box (~0.3 on MT-bench), for
+a dictionary lookup instead of a draft forward. The engine proposes from the table in rounds where context lookup
+finds nothing; verification keeps decoding lossless whatever proposed a token. The same idea, fed online from
+served replies, is SuffixDecoding (vLLM's `suffix` method); this table is built offline and fixed.
+
+A table folder holds ngram.safetensors (per order k: ctx{k} [E_k, k] int32 contexts, next{k} [E_k] int32 their
+most frequent next token, count{k} [E_k] and total{k} [E_k] int32) and eyas_manifest.json (kind "eyas-ngram":
+the target identity, order, min count, the shard folders it was counted from, the command).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import EyasError
+from .files import atomic_folder, atomic_write_json, read_json
+
+KIND = "eyas-ngram"
+FORMAT_VERSION = 1
+TABLE = "ngram.safetensors"
+MANIFEST = "eyas_manifest.json"
+NGRAM_SPECS = "auto | default | none | PATH"
+
+
+class NgramError(EyasError):
+    pass
+
+
+@dataclass
+class NgramConfig:
+    data: list[str] = field(default_factory=list)  # eyas shard folders (regenerated replies)
+    out: str = "runs/ngram"
+    order: int = 3  # longest context, in tokens
+    min_count: int = 2  # keep a context only when its top next token was seen this often
+
+    def validate(self) -> None:
+        if not self.data:
+            raise NgramError("no --data: give one or more eyas shard folders (from `eyas datagen --regenerate`)")
+        if not 1 <= self.order <= 8:
+            raise NgramError(f"--order {self.order}: expected 1..8 context tokens")
+        if self.min_count < 1:
+            raise NgramError(f"--min-count {self.min_count}: expected >= 1")
+
+
+@dataclass
+class NgramTable:
+    order: int
+    next: dict[tuple[int, ...], int]  # context (1..order tokens) -> its most frequent next token
+    manifest: dict[str, Any]
+    path: Path | None = None
+
+    def __len__(self) -> int:
+        return len(self.next)
+
+    def propose(self, context: list[int], length: int) -> list[int]:
+        """Up to `length` tokens, each the top next token of the longest known suffix (<= order tokens) of the
+        context extended by the proposal so far; stops where no suffix is known."""
+        out: list[int] = []
+        ctx = list(context[-self.order:])
+        for _ in range(length):
+            tok = None
+            for k in range(min(self.order, len(ctx)), 0, -1):
+                tok = self.next.get(tuple(ctx[-k:]))
+                if tok is not None:
+                    break
+            if tok is None:
+                break
+            out.append(tok)
+            ctx = (ctx + [tok])[-self.order:]
+        return out
+
+
+def count_ngrams(rows: Iterable[tuple[list[int], list[bool]]], order: int,
+                 min_count: int) -> dict[int, dict[tuple[int, ...], tuple[int, int, int]]]:
+    """Per order k: context -> (top next token, its count, the context's total), over the positions the
+    target wrote (mask true); contexts may reach back into the prompt. Ties go to the smaller token id."""
+    counts: list[Counter] = [Counter() for _ in range(order + 1)]
+    for ids, mask in rows:
+        for t in range(1, len(ids)):
+            if not mask[t]:
+                continue
+            for k in range(1, min(order, t) + 1):
+                counts[k][tuple(ids[t - k:t + 1])] += 1
+    out: dict[int, dict[tuple[int, ...], tuple[int, int, int]]] = {}
+    for k in range(1, order + 1):
+        best: dict[tuple[int, ...], tuple[int, int, int]] = {}
+        for key, c in counts[k].items():
+            ctx, tok = key[:-1], key[-1]
+            top, n, total = best.get(ctx, (tok, 0, 0))
+            if c > n or (c == n and tok < top):
+                top, n = tok, c
+            best[ctx] = (top, n, total + c)
+        out[k] = {ctx: v for ctx, v in best.items() if v[1] >= min_count}
+    return out
+
+
+def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
+    """Count the table over cfg.data's reply tokens and write it to cfg.out (atomically)."""
+    from .data.shards import ShardSet
+
+    cfg.validate()
+    t0 = time.perf_counter()
+    ss = ShardSet(cfg.data)  # one layout, hence one target, across the folders (checked)
+    sources = []
+    for f, m in zip(ss.folders, ss.manifests, strict=True):
+        regen = bool((m.get("config") or {}).get("regenerate"))
+        if not regen:
+            log(f"[ngram] warning: {f} holds original replies, not the target's own (`eyas datagen "
+                "--regenerate`): the table will predict human text, which the target does not write")
+        sources.append({"folder": str(f), "regenerated": regen, "samples": sum(s["samples"] for s in m["shards"]),
+                        "tokens": sum(s["tokens"] for s in m["shards"])})
+    reply_tokens = 0
+
+    def rows() -> Iterable[tuple[list[int], list[bool]]]:
+        nonlocal reply_tokens
+        for ids, mask in ss.token_rows():
+            reply_tokens += int(mask.sum())
+            yield ids.tolist(), mask.tolist()
+
+    table = count_ngrams(rows(), cfg.order, cfg.min_count)
+    if not any(table.values()):
+        raise NgramError(f"no context reached --min-count {cfg.min_count} in {reply_tokens} reply tokens of "
+                         f"{', '.join(cfg.data)}: regenerate more replies or lower --min-count")
+    tensors: dict[str, torch.Tensor] = {}
+    for k, entries in table.items():
+        ctx = sorted(entries)
+        tensors[f"ctx{k}"] = torch.tensor(ctx, dtype=torch.int32).reshape(len(ctx), k)
+        for j, name in enumerate(("next", "count", "total")):
+            tensors[f"{name}{k}"] = torch.tensor([entries[c][j] for c in ctx], dtype=torch.int32)
+    manifest = {
+        "kind": KIND, "format_version": FORMAT_VERSION, "target": ss.layout.target.to_dict(),
+        "config": asdict(cfg), "sources": sources, "data_hash": ss.hash(), "reply_tokens": reply_tokens,
+        "entries": {str(k): len(v) for k, v in table.items()},
+        "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / TABLE), metadata={"producer": "eyas", "kind": KIND})
+        atomic_write_json(tmp / MANIFEST, manifest)
+
+    out = atomic_folder(cfg.out, write)
+    log(f"[ngram] {sum(len(v) for v in table.values())} contexts (order <= {cfg.order}, min count "
+        f"{cfg.min_count}) from {reply_tokens} reply tokens -> {out} ({manifest['seconds']} s)")
+    return out
+
+
+def load_ngram(path: str | Path) -> NgramTable:
+    p = bundled_ngram_path() if str(path) == "default" else Path(path)
+    if not p.is_dir():
+        raise NgramError(f"n-gram table {str(path)!r} is not a folder (make one with `eyas ngram --data DIR`)")
+    man_path = p / MANIFEST
+    if not man_path.exists():
+        raise NgramError(f"{p} has no {MANIFEST}: not an eyas n-gram table (make one with `eyas ngram --data DIR`)")
+    m = read_json(man_path, NgramError, "the table is corrupt: rebuild it with `eyas ngram`")
+    if not isinstance(m, dict) or m.get("kind") != KIND:
+        found = m.get("kind") if isinstance(m, dict) else type(m).__name__
+        raise NgramError(f"{man_path}: kind {found!r}, expected {KIND!r}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise NgramError(f"{man_path}: format_version {m.get('format_version')} but this eyas reads "
+                         f"{FORMAT_VERSION}; rebuild it with `eyas ngram`")
+    order = (m.get("config") or {}).get("order")
+    if not isinstance(order, int) or order < 1:
+        raise NgramError(f"{man_path}: config.order {order!r} is not a positive integer; rebuild the table")
+    try:
+        with safe_open(str(p / TABLE), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises several types on missing or corrupt files
+        raise NgramError(f"{p / TABLE} is not a readable safetensors file ({e}); rebuild it with `eyas ngram`") \
+            from e
+    nxt: dict[tuple[int, ...], int] = {}
+    for k in range(1, order + 1):
+        ctx, tok = t.get(f"ctx{k}"), t.get(f"next{k}")
+        if ctx is None or tok is None or ctx.dim() != 2 or ctx.shape[1] != k or tok.shape != (ctx.shape[0],):
+            raise NgramError(f"{p / TABLE}: expected ctx{k} [E, {k}] and next{k} [E] for order {order}, found "
+                             f"{None if ctx is None else tuple(ctx.shape)} and "
+                             f"{None if tok is None else tuple(tok.shape)}; rebuild it with `eyas ngram`")
+        nxt.update(zip(map(tuple, ctx.tolist()), tok.tolist(), strict=True))
+    return NgramTable(order=order, next=nxt, manifest=m, path=p)
+
+
+def check_ngram_for_target(table: NgramTable, target) -> None:
+    """Refuse a table counted over another target's replies (its token ids and habits are that target's)."""
+    want, have = table.manifest.get("target") or {}, target.identity
+    if want.get("fingerprint") != have.fingerprint or want.get("vocab_size") != have.vocab_size:
+        raise NgramError(f"n-gram table {table.path} was counted over the replies of {want.get('name') or '?'} "
+                         f"({want.get('fingerprint')}, vocab {want.get('vocab_size')}), but the target is "
+                         f"{have.name or '?'} ({have.fingerprint}, vocab {have.vocab_size}): build one from this "
+                         "target's regenerated replies (`eyas datagen --regenerate`, then `eyas ngram`) or pass "
+                         "--ngram none")
+    ids = max((max(c) for c in table.next), default=0), max(table.next.values(), default=0)
+    if max(ids) >= have.vocab_size:
+        raise NgramError(f"n-gram table {table.path} holds token id {max(ids)}, outside the target's vocab "
+                         f"({have.vocab_size}); the table is corrupt: rebuild it with `eyas ngram`")
+
+
+def bundled_ngram_path(name: str = "default") -> Path:
+    return Path(__file__).parent / "assets" / "ngram" / name
+
+
+def check_ngram_spec(spec: str) -> None:
+    """Fail before any model loads on an --ngram that cannot resolve."""
+    if spec in ("auto", "none"):
+        return
+    if spec == "default" and not bundled_ngram_path().is_dir():
+        raise NgramError(f"the bundled n-gram table ({bundled_ngram_path()}) is not shipped in this install: pass "
+                         "--ngram PATH (from `eyas ngram`), --ngram auto or --ngram none")
+    if spec != "default" and not Path(spec).is_dir():
+        raise NgramError(f"--ngram {spec!r}: expected {NGRAM_SPECS} (a folder from `eyas ngram`)")
+
+
+def resolve_ngram(spec: str, target) -> NgramTable | None:
+    """--ngram: 'auto' (the bundled table when it was counted for this target, else none), 'default' (the
+    bundled one, which must fit), 'none', or a table folder (which must fit)."""
+    check_ngram_spec(spec)
+    if spec == "none":
+        return None
+    if spec == "auto":
+        p = bundled_ngram_path()
+        if not (p / MANIFEST).exists():
+            return None
+        m = read_json(p / MANIFEST, NgramError, "the bundled table is corrupt: reinstall eyas")
+        if (m.get("target") or {}).get("fingerprint") != target.identity.fingerprint:
+            return None
+        spec = "default"
+    table = load_ngram(spec)
+    check_ngram_for_target(table, target)
+    return table
+
+
+def describe_ngram(table: NgramTable | None, spec: str) -> dict[str, Any] | None:
+    """What a bench or server result records about the table it ran with."""
+    if table is None:
+        return None
+    m = table.manifest
+    return {"spec": spec, "path": str(table.path), "entries": len(table), "order": table.order,
+            "reply_tokens": m.get("reply_tokens"), "data_hash": m.get("data_hash")}
