@@ -2,6 +2,7 @@
 
     python benchmarks/lookup_sim.py [--verify runs/verify.json] [--mt-bench 80] [--humaneval 40]
                                     [--max-new-tokens 256] [--outputs runs/lookup-sim-outputs.json]
+                                    [--ngram TABLE [--ngram-tokens 1,2]]
 
 Lookup only ever sees committed text, and greedy verification accepts exactly the proposal's prefix that
 matches plain greedy decoding, so the rounds of `--method lookup` can be replayed exactly from plain outputs:
@@ -10,6 +11,8 @@ The script decodes the prompts once with eyas plain (cached in --outputs), repla
 into time with the verify cost of 1 + len(proposal) rows from `benchmarks/bench_verify.py --out` (eyas native;
 the rows it did not measure are interpolated). The speedup it prints is tokens / (sum of round costs in
 one-step units): the round's fixed overhead (~0.2 ms of lookup search and KV compaction) is left out.
+With --ngram, each length is replayed again with the n-gram table proposing `--ngram-tokens` where the context
+has no match (what `--method lookup` does with `--ngram TABLE`); the table sees no bench prompt or reply.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from eyas.bench.prompts import load_prompts
 from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
 from eyas.lookup import lookup_chain
+from eyas.ngram import NgramTable, load_ngram
 from eyas.target import load_target
 
 # session 9's measured native row costs (ms, 300-token context), used without --verify
@@ -59,14 +63,18 @@ def plain_outputs(path: Path, benches: list[tuple[str, int]], max_new: int) -> l
     return rows
 
 
-def replay(rows: list[dict], length: int, cost: dict[int, float], tokens: int | None = None) -> tuple[float, float]:
-    """(tau, speedup over plain) of lookup with proposals of `length`, each output cut to `tokens`."""
+def replay(rows: list[dict], length: int, cost: dict[int, float], tokens: int | None = None,
+           table: NgramTable | None = None, table_tokens: int = 1) -> tuple[float, float]:
+    """(tau, speedup over plain) of lookup with proposals of `length` (and the table's `table_tokens` where the
+    context has no match), each output cut to `tokens`."""
     new = rounds = spent = 0.0
     for r in rows:
         prompt, out = r["prompt"], r["out"][:tokens]
         t = 0  # out[t] is the round's root (the previous round's bonus token)
         while t < len(out):
             chain = lookup_chain(prompt + out[:t + 1], length)
+            if not chain and table is not None:
+                chain = table.propose(prompt + out[:t + 1], table_tokens)
             acc = 0
             while acc < len(chain) and t + 1 + acc < len(out) and chain[acc] == out[t + 1 + acc]:
                 acc += 1
@@ -86,13 +94,17 @@ def main() -> None:
     ap.add_argument("--lengths", default="1,2,3,4,5,6,8")
     ap.add_argument("--outputs", default="runs/lookup-sim-outputs.json")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ngram", help="an n-gram table folder (eyas ngram) to replay beside context lookup alone")
+    ap.add_argument("--ngram-tokens", default="1", help="comma-separated table proposal lengths")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     ms = DEFAULT_MS
     if a.verify:
         ms = {int(k): v for k, v in json.loads(Path(a.verify).read_text())["ms"]["eyas native"].items()}
     lengths = [int(x) for x in a.lengths.split(",")]
-    cost = row_costs(ms, 1 + max(lengths))
+    table_lengths = [int(x) for x in a.ngram_tokens.split(",")]
+    table = load_ngram(a.ngram) if a.ngram else None
+    cost = row_costs(ms, 1 + max(lengths + table_lengths))
     benches = [(b, n) for b, n in (("mt-bench", a.mt_bench), ("humaneval", a.humaneval)) if n]
     rows = plain_outputs(Path(a.outputs), benches, a.max_new_tokens)
     cuts = sorted({128, a.max_new_tokens})
@@ -103,6 +115,10 @@ def main() -> None:
             res = [replay(sel, L, cost, cut) for L in lengths]
             print(f"{bench} x{len(sel)}, first {cut} tokens: "
                   + "  ".join(f"L{L} tau {t:.2f} {s:.2f}x" for L, (t, s) in zip(lengths, res, strict=True)))
+            for n in table_lengths if table is not None else []:
+                res = [replay(sel, L, cost, cut, table, n) for L in lengths]
+                print(f"  + table ({n} token{'s' if n > 1 else ''}): "
+                      + "  ".join(f"L{L} tau {t:.2f} {s:.2f}x" for L, (t, s) in zip(lengths, res, strict=True)))
 
 
 if __name__ == "__main__":
