@@ -56,3 +56,34 @@ def test_default_draft_is_used_with_the_bundled_target_and_is_lossless(smollm2):
         res = Engine(smollm2, ck, spec).generate(ids, sp)
         assert res.token_ids == plain.token_ids, spec
         assert res.stats.tau > 1.2, res.stats.tau  # a trained head: accepted beyond the bonus token
+
+
+def test_shipped_ngram_table_is_small_and_counted_over_the_targets_own_replies():
+    from eyas.ngram import bundled_ngram_path, load_ngram
+
+    p = bundled_ngram_path()
+    assert sum(f.stat().st_size for f in p.iterdir()) <= 8 << 20
+    t = load_ngram("default")
+    m = t.manifest
+    assert m["target"]["name"] == "smollm2-135m" and m["target"]["fingerprint"].startswith("sha256:")
+    assert m["sources"] and all(s["regenerated"] for s in m["sources"])
+    assert m["reply_tokens"] > 100_000 and len(t) == sum(m["entries"].values()) > 10_000
+
+
+@pytest.mark.integration
+def test_bundled_table_is_picked_for_the_bundled_target_only_and_is_lossless(smollm2):
+    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
+    from eyas.ngram import bundled_ngram_path, resolve_ngram
+
+    table = resolve_ngram("auto", smollm2)
+    assert table is not None and table.path == bundled_ngram_path()
+    m = tiny_model("llama", layers=30)
+    other = Target(model=m, tokenizer=None, identity=identity_of(m, tensor_fingerprint(m), "other"), source="other",
+                   path=None)
+    assert resolve_ngram("auto", other) is None  # auto: only the target it was counted for
+    ids = chat_input_ids(smollm2.tokenizer, [{"role": "user", "content": "Explain what a hash table is."}])
+    sp = SamplingParams(max_new_tokens=64)
+    plain = Engine(smollm2, None, SpecParams(method="plain")).generate(ids, sp)
+    res = Engine(smollm2, None, SpecParams("lookup", lookup=3), table).generate(ids, sp)
+    assert res.token_ids == plain.token_ids
+    assert res.stats.ngram_proposed > 0 and res.stats.ngram_accepted > 0, res.stats
