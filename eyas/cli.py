@@ -669,7 +669,7 @@ def ngram(
 ) -> None:
     """Count the target's own replies into the n-gram table that lookup proposes from where the context has no
     match (`--ngram PATH` on generate, serve and bench)."""
-    from .ngram import NgramConfig, build_ngram
+    from .data.ngrams import NgramConfig, build_ngram
 
     with user_errors():
         build_ngram(NgramConfig(data=list(data or []), out=out, order=order, min_count=min_count),

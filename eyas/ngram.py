@@ -15,11 +15,9 @@ the target identity, order, min count, the shard folders it was counted from, th
 
 from __future__ import annotations
 
-import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +37,6 @@ NGRAM_SPECS = "auto | default | none | PATH"
 
 class NgramError(EyasError):
     pass
-
-
-@dataclass
-class NgramConfig:
-    data: list[str] = field(default_factory=list)  # eyas shard folders (regenerated replies)
-    out: str = "runs/ngram"
-    order: int = 3  # longest context, in tokens
-    min_count: int = 2  # keep a context only when its top next token was seen this often
-
-    def validate(self) -> None:
-        if not self.data:
-            raise NgramError("no --data: give one or more eyas shard folders (from `eyas datagen --regenerate`)")
-        if not 1 <= self.order <= 8:
-            raise NgramError(f"--order {self.order}: expected 1..8 context tokens")
-        if self.min_count < 1:
-            raise NgramError(f"--min-count {self.min_count}: expected >= 1")
 
 
 @dataclass
@@ -109,54 +91,24 @@ def count_ngrams(rows: Iterable[tuple[list[int], list[bool]]], order: int,
     return out
 
 
-def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
-    """Count the table over cfg.data's reply tokens and write it to cfg.out (atomically)."""
-    from .data.shards import ShardSet
-
-    cfg.validate()
-    t0 = time.perf_counter()
-    ss = ShardSet(cfg.data)  # one layout, hence one target, across the folders (checked)
-    sources = []
-    for f, m in zip(ss.folders, ss.manifests, strict=True):
-        regen = bool((m.get("config") or {}).get("regenerate"))
-        if not regen:
-            log(f"[ngram] warning: {f} holds original replies, not the target's own (`eyas datagen "
-                "--regenerate`): the table will predict human text, which the target does not write")
-        sources.append({"folder": str(f), "regenerated": regen, "samples": sum(s["samples"] for s in m["shards"]),
-                        "tokens": sum(s["tokens"] for s in m["shards"])})
-    reply_tokens = 0
-
-    def rows() -> Iterable[tuple[list[int], list[bool]]]:
-        nonlocal reply_tokens
-        for ids, mask in ss.token_rows():
-            reply_tokens += int(mask.sum())
-            yield ids.tolist(), mask.tolist()
-
-    table = count_ngrams(rows(), cfg.order, cfg.min_count)
-    if not any(table.values()):
-        raise NgramError(f"no context reached --min-count {cfg.min_count} in {reply_tokens} reply tokens of "
-                         f"{', '.join(cfg.data)}: regenerate more replies or lower --min-count")
+def write_ngram(out: str | Path, table: dict[int, dict[tuple[int, ...], tuple[int, int, int]]],
+                manifest: dict[str, Any]) -> Path:
+    """Write count_ngrams' table and its manifest (kind, format version and entry counts added) to folder `out`,
+    atomically."""
     tensors: dict[str, torch.Tensor] = {}
     for k, entries in table.items():
         ctx = sorted(entries)
         tensors[f"ctx{k}"] = torch.tensor(ctx, dtype=torch.int32).reshape(len(ctx), k)
         for j, name in enumerate(("next", "count", "total")):
             tensors[f"{name}{k}"] = torch.tensor([entries[c][j] for c in ctx], dtype=torch.int32)
-    manifest = {
-        "kind": KIND, "format_version": FORMAT_VERSION, "target": ss.layout.target.to_dict(),
-        "config": asdict(cfg), "sources": sources, "data_hash": ss.hash(), "reply_tokens": reply_tokens,
-        "entries": {str(k): len(v) for k, v in table.items()},
-        "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - t0, 1),
-    }
+    manifest = {"kind": KIND, "format_version": FORMAT_VERSION, **manifest,
+                "entries": {str(k): len(v) for k, v in table.items()}}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / TABLE), metadata={"producer": "eyas", "kind": KIND})
         atomic_write_json(tmp / MANIFEST, manifest)
 
-    out = atomic_folder(cfg.out, write)
-    log(f"[ngram] {sum(len(v) for v in table.values())} contexts (order <= {cfg.order}, min count "
-        f"{cfg.min_count}) from {reply_tokens} reply tokens -> {out} ({manifest['seconds']} s)")
-    return out
+    return atomic_folder(out, write)
 
 
 def load_ngram(path: str | Path) -> NgramTable:

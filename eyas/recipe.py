@@ -138,8 +138,9 @@ def ngram_dir(cfg: RecipeConfig) -> Path:
 
 
 def stage_ngram(cfg: RecipeConfig, log=print) -> Path | None:
+    from .data.ngrams import NgramConfig, build_ngram
     from .data.shards import ShardSet
-    from .ngram import MANIFEST, NgramConfig, build_ngram
+    from .ngram import MANIFEST
 
     regen = Path(cfg.work) / "data-regen"
     if regen not in _data_folders(cfg):

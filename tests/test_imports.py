@@ -3,9 +3,9 @@ included) has no cycle, and no module imports from a stage above its own.
 
 Stages, lowest first (a module may import its own stage and any lower one; stages of equal rank may not
 import each other):
-  core     the flat modules under eyas/: errors, files, text, layout, target, model, sampling, lookup, vocab,
-           draft, engine, inspect (layout contract, target, draft, engine: what every stage builds on)
-  data     eyas/data: conversations, datagen, shards (needs the target to capture)
+  core     the flat modules under eyas/: errors, files, text, layout, target, model, sampling, lookup, ngram,
+           vocab, draft, engine, inspect (layout contract, target, draft, engine: what every stage builds on)
+  data     eyas/data: conversations, datagen, shards, ngrams (needs the target to capture)
   train    eyas/train: config, sources, checkpoint, loop, ttt (reads shards)
   doctor   eyas/doctor: checks, inference, flags lint, engines' config readers, trace (measures with ttt)
   interop  eyas/interop: formats, export, import (import asks the doctor's layout inference)

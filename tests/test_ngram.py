@@ -11,15 +11,14 @@ import json
 import pytest
 import torch
 
+from eyas.data.ngrams import NgramConfig, build_ngram
 from eyas.data.shards import KIND, MANIFEST, Sample, write_shard
 from eyas.engine import Engine, SamplingParams, SpecParams
 from eyas.files import atomic_write_json
 from eyas.ngram import (
     TABLE,
-    NgramConfig,
     NgramError,
     NgramTable,
-    build_ngram,
     check_ngram_for_target,
     count_ngrams,
     load_ngram,
