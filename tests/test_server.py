@@ -177,6 +177,7 @@ def test_metrics_render_prometheus():
     class S:
         new_tokens, target_forwards, rounds, prefill_s, draft_s, verify_s = 9, 5, 4, 0.1, 0.2, 0.3
         accepted_per_depth, proposed_per_depth = [3, 1], [4, 3]
+        lookup_proposed, lookup_accepted, ngram_proposed, ngram_accepted = 2, 1, 3, 2
 
     m.record_generation(S())
     text = m.render()
@@ -186,6 +187,8 @@ def test_metrics_render_prometheus():
     assert 'eyas_time_to_first_token_seconds_count{endpoint="/v1/completions"} 1' in text
     assert "eyas_spec_tau 2\n" in text  # (9 - 1) tokens / 4 rounds, as GenStats.tau
     assert 'eyas_spec_acceptance_rate{depth="1"} 0.75' in text
+    assert 'eyas_spec_proposer_proposed_tokens_total{proposer="ngram"} 3' in text
+    assert 'eyas_spec_proposer_accepted_tokens_total{proposer="lookup"} 1' in text
     assert "# TYPE eyas_request_latency_seconds histogram" in text
 
 

@@ -42,6 +42,9 @@ class Metrics:
         "eyas_spec_accepted_tokens_total": ("counter", "draft tokens accepted at each depth"),
         "eyas_spec_proposed_tokens_total": ("counter", "draft tokens verified at each depth"),
         "eyas_spec_acceptance_rate": ("gauge", "conditional acceptance per depth: accepted / proposed"),
+        "eyas_spec_proposer_proposed_tokens_total": ("counter", "tree tokens only context lookup (lookup) or only "
+                                                                "the n-gram table (ngram) proposed"),
+        "eyas_spec_proposer_accepted_tokens_total": ("counter", "accepted tokens among them"),
         "eyas_spec_seconds_total": ("counter", "engine time by phase (prefill, draft, verify)"),
     }
 
@@ -96,6 +99,9 @@ class Metrics:
             if prop:
                 self.set("eyas_spec_acceptance_rate", self.get("eyas_spec_accepted_tokens_total", depth=str(d)) / prop,
                          depth=str(d))
+        for src in ("lookup", "ngram"):
+            self.inc("eyas_spec_proposer_proposed_tokens_total", getattr(stats, f"{src}_proposed", 0), proposer=src)
+            self.inc("eyas_spec_proposer_accepted_tokens_total", getattr(stats, f"{src}_accepted", 0), proposer=src)
         rounds = self.get("eyas_spec_rounds_total")
         if rounds:
             self.set("eyas_spec_tau", self.get("eyas_spec_decode_tokens_total") / rounds)
