@@ -342,6 +342,11 @@ class Engine:
         return self.spec.method != "plain"
 
     @property
+    def lookup_depth(self) -> int:
+        """The longest chain lookup merges into a round's tree: the context's, or the n-gram table's."""
+        return max(self.spec.lookup, self.spec.ngram_tokens if self.ngram is not None else 0)
+
+    @property
     def drafts(self) -> bool:
         """An EAGLE-3 draft proposes (tree, chain); method lookup verifies the lookup chain alone."""
         return self.spec.method in DRAFT_METHODS
@@ -364,7 +369,7 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= V:
             raise EngineError(f"prompt token ids must be in 0..{V - 1}; found {min(prompt)}..{max(prompt)}")
         depth, topk, ntok = self.spec.shape()
-        margin = ntok + self.spec.lookup + 1 if self.speculative else 1
+        margin = ntok + self.lookup_depth + 1 if self.speculative else 1
         need = len(prompt) + params.max_new_tokens + margin
         if len(prompt) + params.max_new_tokens > self.max_positions:
             raise EngineError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
@@ -405,7 +410,7 @@ class _Run:
         self.finish: str | None = None
         self.text_checked = 0  # tokens already searched for stop strings
         self.stop_text: str | None = None
-        max_depth = max(depth, eng.spec.lookup) if eng.speculative else 0
+        max_depth = max(depth, eng.lookup_depth) if eng.speculative else 0
         self.stats = GenStats(prompt_tokens=len(prompt), accepted_per_depth=[0] * max_depth,
                               proposed_per_depth=[0] * max_depth)
 

@@ -115,6 +115,17 @@ def test_table_proposes_where_the_context_has_no_match_and_stays_lossless(tiny, 
     assert rounds_with < rounds_without  # the table's accepted tokens save target forwards
 
 
+def test_table_chains_longer_than_the_context_chain(tiny, table_dir):
+    """ngram_tokens > lookup: the per-depth counters and the cache margin follow the longer of the two chains."""
+    plain = Engine(tiny, None, SpecParams(method="plain"))
+    eng = Engine(tiny, None, SpecParams("lookup", lookup=1, ngram_tokens=4), load_ngram(table_dir))
+    assert eng.lookup_depth == 4
+    for p in PROMPTS:
+        res = eng.generate(p, SamplingParams(max_new_tokens=30))
+        assert res.token_ids == greedy(plain, p, 30)
+        assert len(res.stats.accepted_per_depth) == 4
+
+
 def test_sampling_with_the_table_matches_plain_distribution(tiny, table_dir):
     """Table tokens are point-mass proposals judged by rejection sampling: the joint distribution of the first
     two sampled tokens equals plain sampling's (chi-square, as in test_engine)."""
