@@ -291,6 +291,18 @@ def exact_first_two(target: Target, prompt: list[int], sp: SamplingParams) -> to
     return p1[:, None] * p2
 
 
+def sample_first_two(eng: Engine, prompt: list[int], sp: SamplingParams, n: int):
+    """Counts [VOCAB * VOCAB] of the first two tokens of n runs seeded 0..n-1, and each run's GenStats."""
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    stats = []
+    for seed in range(n):
+        res = eng.generate(prompt, SamplingParams(**{**sp.__dict__, "seed": seed}))
+        x1, x2 = res.token_ids[:2]
+        counts[x1 * VOCAB + x2] += 1
+        stats.append(res.stats)
+    return counts, stats
+
+
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson chi-square goodness of fit; cells with expectation < 5 are pooled into one cell."""
     n = counts.sum()
@@ -322,16 +334,10 @@ def test_sampling_matches_plain_distribution(tiny, trained, spec):
         prompt = [1, 3] + greedy(Engine(tiny, None, SpecParams(method="plain")), [1, 3], 24)
     sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95, max_new_tokens=2)
     exact = exact_first_two(tiny, prompt, sp).reshape(-1)
-    eng = Engine(tiny, trained, spec)
     n = 1500
-    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
-    accepted = lookup = 0
-    for seed in range(n):
-        res = eng.generate(prompt, SamplingParams(**{**sp.__dict__, "seed": seed}))
-        x1, x2 = res.token_ids[:2]
-        counts[x1 * VOCAB + x2] += 1
-        accepted += res.stats.accepted_per_depth[0]
-        lookup += res.stats.lookup_proposed
+    counts, stats = sample_first_two(Engine(tiny, trained, spec), prompt, sp, n)
+    accepted = sum(st.accepted_per_depth[0] for st in stats)
+    lookup = sum(st.lookup_proposed for st in stats)
     assert not spec.lookup or lookup > 0, "no lookup candidate was proposed; the test would not exercise them"
     accepted_by = "lookup" if spec.method == "lookup" else "the draft"
     assert accepted > n * 0.2, f"{accepted_by} is hardly ever accepted; the test would not exercise acceptance"

@@ -24,7 +24,15 @@ from eyas.ngram import (
     load_ngram,
     resolve_ngram,
 )
-from tests.test_engine import PROMPTS, VOCAB, chi2_pvalue, exact_first_two, greedy, make_target, prompts_for_training
+from tests.test_engine import (
+    PROMPTS,
+    chi2_pvalue,
+    exact_first_two,
+    greedy,
+    make_target,
+    prompts_for_training,
+    sample_first_two,
+)
 
 
 def test_count_keeps_the_top_next_token_of_reply_positions_only():
@@ -133,16 +141,10 @@ def test_sampling_with_the_table_matches_plain_distribution(tiny, table_dir):
     prompt = PROMPTS[0]  # no repeated n-gram: context lookup finds nothing, so the table proposes
     sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95, max_new_tokens=2)
     exact = exact_first_two(tiny, prompt, sp).reshape(-1)
-    eng = Engine(tiny, None, SpecParams("lookup", lookup=3), table)
     n = 1500
-    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
-    accepted = proposed = 0
-    for seed in range(n):
-        res = eng.generate(prompt, SamplingParams(**{**sp.__dict__, "seed": seed}))
-        x1, x2 = res.token_ids[:2]
-        counts[x1 * VOCAB + x2] += 1
-        accepted += res.stats.ngram_accepted
-        proposed += res.stats.ngram_proposed
+    counts, stats = sample_first_two(Engine(tiny, None, SpecParams("lookup", lookup=3), table), prompt, sp, n)
+    accepted = sum(st.ngram_accepted for st in stats)
+    proposed = sum(st.ngram_proposed for st in stats)
     assert proposed >= n and accepted > n * 0.1, (proposed, accepted)
     assert chi2_pvalue(counts, exact.double()) > 1e-6
 
