@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 # device's default (eyas.engine.TREE_DEFAULTS; on the CPU depth 2, topk 2, 3 tokens, lookup 4, min-prob 0.35: on
 # this CPU a verify of S rows costs ~1 + 0.15-0.3 (S - 1) decode steps, see docs/RESULTS.md); BENCH_ARGS overrides
 # it, e.g. BENCH_ARGS="--depth 4 --topk 4 --tokens 16". BENCH_LIMIT=80 BENCH_TOKENS=256 is the full figure run;
-# BENCH_METHODS=hf-greedy,plain,tree,tree-lookup,lookup,llama-cpp adds llama.cpp after `make llama-cpp`.
+# BENCH_METHODS=hf-greedy,plain,tree,tree-lookup,lookup,lookup-context,llama-cpp adds llama.cpp after `make llama-cpp`.
 BENCH_LIMIT ?= 8
 BENCH_TOKENS ?= 128
 BENCH_METHODS ?= hf-greedy,plain,tree,tree-lookup,lookup,lookup-context
