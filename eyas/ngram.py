@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,11 @@ class NgramTable:
     next: dict[tuple[int, ...], int]  # context (1..order tokens) -> its most frequent next token
     manifest: dict[str, Any]
     path: Path | None = None
+    max_id: int = field(init=False)  # the largest token id anywhere in the table (checked against the vocab)
+
+    def __post_init__(self) -> None:
+        self.max_id = max((max(c) for c in self.next), default=-1)
+        self.max_id = max(self.max_id, max(self.next.values(), default=-1))
 
     def __len__(self) -> int:
         return len(self.next)
@@ -154,9 +159,8 @@ def check_ngram_for_target(table: NgramTable, target) -> None:
                          f"{have.name or '?'} ({have.fingerprint}, vocab {have.vocab_size}): build one from this "
                          "target's regenerated replies (`eyas datagen --regenerate`, then `eyas ngram`) or pass "
                          "--ngram none")
-    ids = max((max(c) for c in table.next), default=0), max(table.next.values(), default=0)
-    if max(ids) >= have.vocab_size:
-        raise NgramError(f"n-gram table {table.path} holds token id {max(ids)}, outside the target's vocab "
+    if table.max_id >= have.vocab_size:
+        raise NgramError(f"n-gram table {table.path} holds token id {table.max_id}, outside the target's vocab "
                          f"({have.vocab_size}); the table is corrupt: rebuild it with `eyas ngram`")
 
 

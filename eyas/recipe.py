@@ -147,9 +147,9 @@ def stage_ngram(cfg: RecipeConfig, log=print) -> Path | None:
         log(f"[recipe] ngram: no regenerated replies in {regen} (run the data stage with --regen-num N); skipped")
         return None
     out = ngram_dir(cfg)
-    man = out / MANIFEST
-    if man.exists() and json.loads(man.read_text()).get("data_hash") == ShardSet([regen]).hash() and \
-            json.loads(man.read_text()).get("config", {}).get("min_count") == cfg.ngram_min_count:
+    man = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).exists() else {}
+    if man.get("data_hash") == ShardSet([regen]).hash() and man.get("config", {}).get("min_count") == \
+            cfg.ngram_min_count:
         log(f"[recipe] ngram: {out} already counts the current shards")
         return out
     return build_ngram(NgramConfig(data=[str(regen)], out=str(out), min_count=cfg.ngram_min_count), log=log)
@@ -242,7 +242,7 @@ def stage_ship(cfg: RecipeConfig, log=print) -> Path:
 
         load_ngram(ngram_dir(cfg))  # a torn or foreign table is refused before it replaces the shipped one
         to = dest.with_name(dest.name + "-ngram") if cfg.ship_to else bundled_ngram_path()
-        atomic_folder(to, lambda tmp: [shutil.copy(f, tmp / f.name) for f in sorted(ngram_dir(cfg).iterdir())])
+        atomic_folder(to, lambda tmp: shutil.copytree(ngram_dir(cfg), tmp, dirs_exist_ok=True))
         log(f"[recipe] shipped {ngram_dir(cfg)} -> {to}")
     return dest
 

@@ -74,15 +74,22 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
     }
 
 
-def read_shard(path: Path) -> list[Sample]:
+def _read_fields(path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The shard's tensors named in `need` (only those are read); a corrupt file or a missing field is one error."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            missing = sorted(set(need) - set(f.keys()))
+            if missing:
+                raise ShardError(f"{path} lacks fields {missing}; it was not written by eyas datagen")
+            return {k: f.get_tensor(k) for k in need}
+    except ShardError:
+        raise
     except Exception as e:
         raise ShardError(f"{path} is not a readable eyas shard ({e}); delete it and re-run datagen to resume") from e
-    need = {"input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"}
-    if not need <= set(t):
-        raise ShardError(f"{path} lacks fields {sorted(need - set(t))}; it was not written by eyas datagen")
+
+
+def read_shard(path: Path) -> list[Sample]:
+    t = _read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"))
     off = t["offsets"].tolist()
     out = []
     for i, row in enumerate(t["row_ids"].tolist()):
@@ -159,15 +166,10 @@ class ShardSet:
     def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids [S] long, loss_mask [S] bool) of every sample, reading neither hidden-state field."""
         for p in self.shard_paths():
-            try:
-                with safe_open(str(p), framework="pt") as f:
-                    ids, mask, off = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets"))
-            except Exception as e:
-                raise ShardError(f"{p} is not a readable eyas shard ({e}); delete it and re-run datagen to "
-                                 "resume") from e
-            bounds = off.tolist()
+            t = _read_fields(p, ("input_ids", "loss_mask", "offsets"))
+            bounds = t["offsets"].tolist()
             for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-                yield ids[a:b].long(), mask[a:b].bool()
+                yield t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool()
 
     def hash(self) -> str:
         return "sha256:" + hashlib.sha256("".join(manifest_hash(m) for m in self.manifests).encode()).hexdigest()[:24]
