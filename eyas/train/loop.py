@@ -32,7 +32,7 @@ from ..files import atomic_write
 from ..layout import check_layouts
 from ..target import end_token_ids
 from ..template import require_template, resolve_template, template_from_record, use_template
-from ..vocab import DraftVocab, count_tokens, select_draft_vocab
+from ..vocab import DraftVocab, count_tokens, select_draft_vocab, stale_vocab_warning
 from .checkpoint import (
     check_resume,
     checkpoint_dir,
@@ -371,6 +371,9 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
             fresh = select_draft_vocab(counts, min(cfg.draft_vocab, V), ends, data_hash)
             fresh.requested_size = cfg.draft_vocab
         draft, vocab = warm_start(cfg, layout, counts, fresh)
+        stale = None if fresh is not None else stale_vocab_warning(vocab, counts, ends)
+        if stale and dd.main:
+            print(stale, file=sys.stderr)
         dcfg = draft.config
         draft = draft.to(device)
     else:
