@@ -97,14 +97,14 @@ def select_draft_vocab(counts: torch.Tensor, size: int, always: list[int] | None
 STALE_COVERAGE = 0.02  # a kept vocabulary this far below a fresh one's coverage is worth re-choosing
 
 
-def stale_vocab_warning(kept: DraftVocab, counts: torch.Tensor, always: list[int] | None = None) -> str | None:
-    """A warm start keeps its draft's vocabulary, chosen on earlier data. When the same number of tokens chosen
-    from this data would cover clearly more of its reply tokens, a one-line warning naming --refresh-vocab
-    (session 11: a vocabulary chosen on original ShareGPT text covered 90.6% of the target's own replies, a
-    re-chosen one 97.6%, and every miss is a position the draft cannot get right); else None."""
-    fresh = select_draft_vocab(counts, kept.size, always)
+def stale_vocab_warning(kept: DraftVocab, fresh: DraftVocab) -> str | None:
+    """A warm start keeps its draft's vocabulary (`kept`), chosen on earlier data; `fresh` is the one this data
+    would choose (both coverages counted on this data). When fresh covers clearly more of its reply tokens, a
+    one-line warning naming --refresh-vocab (session 11: a vocabulary chosen on original ShareGPT text covered
+    90.6% of the target's own replies, a re-chosen one 97.6%, and every miss is a position the draft cannot get
+    right); else None."""
     if fresh.coverage - kept.coverage <= STALE_COVERAGE:
         return None
     return (f"warning: the --init-from draft's {kept.size}-token vocabulary covers {kept.coverage:.1%} of this "
-            f"data's reply tokens; {kept.size} chosen from this data would cover {fresh.coverage:.1%}: pass "
+            f"data's reply tokens; {fresh.size} chosen from this data would cover {fresh.coverage:.1%}: pass "
             "--refresh-vocab to re-choose it (rows of the tokens both share are kept)")

@@ -112,24 +112,28 @@ def test_draft_vocab_selection():
         count_tokens([(torch.tensor([50]), torch.tensor([True]))], 12)
 
 
-
 def test_a_warm_start_vocabulary_that_misses_the_new_data_is_named():
     """A kept vocabulary chosen on other text: the warning gives both coverages and the flag; a kept vocabulary
     as good as a fresh one (or within 2 points of it) says nothing."""
     counts = torch.zeros(20, dtype=torch.long)
     counts[[4, 5, 6]] = torch.tensor([50, 30, 19])
     counts[9] = 1
+
     def kept(ids: list[int]) -> DraftVocab:
         t = torch.tensor(ids)
         return DraftVocab(ids=t, target_vocab_size=20, coverage=float(counts[t].sum() / counts.sum()),
                           counted_tokens=int(counts.sum()), always=[1], source_hash="", requested_size=len(ids))
-    msg = stale_vocab_warning(kept([1, 4, 9, 12]), counts, always=[1])  # 51% of this data; fresh [1, 4, 5, 6]: 99%
+
+    def warning(ids: list[int]) -> str | None:
+        return stale_vocab_warning(kept(ids), select_draft_vocab(counts, len(ids), always=[1]))
+
+    msg = warning([1, 4, 9, 12])  # 51% of this data; fresh [1, 4, 5, 6]: 99%
     assert msg is not None and "51.0%" in msg and "99.0%" in msg and "--refresh-vocab" in msg
-    assert stale_vocab_warning(kept([1, 4, 5, 6]), counts, always=[1]) is None
+    assert warning([1, 4, 5, 6]) is None
     counts[9] = 2  # now 6 (19) and 9 (2) differ by 17 of 101 tokens: kept [1, 4, 5, 9] is 17 points short
-    assert stale_vocab_warning(kept([1, 4, 5, 9]), counts, always=[1]) is not None
+    assert warning([1, 4, 5, 9]) is not None
     counts[6], counts[9] = 3, 2  # 1 of 85 tokens: within 2 points, nothing to say
-    assert stale_vocab_warning(kept([1, 4, 5, 9]), counts, always=[1]) is None
+    assert warning([1, 4, 5, 9]) is None
 
 
 def test_plan_epoch_is_deterministic_and_respects_the_budget():

@@ -365,20 +365,17 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
     if cfg.refresh_vocab and not cfg.init_from:
         raise TrainError("--refresh-vocab re-chooses a warm-started draft's vocabulary: pass --init-from DRAFT too")
     ends = end_token_ids(target.tokenizer, target.model)  # always in the draft vocab
+    fresh = select_draft_vocab(counts, min(cfg.draft_vocab, V), ends, data_hash)  # this data's own choice
+    fresh.requested_size = cfg.draft_vocab
     if cfg.init_from:
-        fresh = None
-        if cfg.refresh_vocab:
-            fresh = select_draft_vocab(counts, min(cfg.draft_vocab, V), ends, data_hash)
-            fresh.requested_size = cfg.draft_vocab
-        draft, vocab = warm_start(cfg, layout, counts, fresh)
-        stale = None if fresh is not None else stale_vocab_warning(vocab, counts, ends)
+        draft, vocab = warm_start(cfg, layout, counts, fresh if cfg.refresh_vocab else None)
+        stale = None if cfg.refresh_vocab else stale_vocab_warning(vocab, fresh)
         if stale and dd.main:
             print(stale, file=sys.stderr)
         dcfg = draft.config
         draft = draft.to(device)
     else:
-        vocab = select_draft_vocab(counts, min(cfg.draft_vocab, V), ends, data_hash)
-        vocab.requested_size = cfg.draft_vocab
+        vocab = fresh
         dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux=layout.num_aux,
                                               intermediate_size=cfg.intermediate_size)
         draft = init_draft(dcfg, vocab, emb, cfg.seed, cfg.fc_init, fnorm).to(device)
