@@ -226,6 +226,8 @@ def datagen(
     out: str = typer.Option(..., "--out", help="shard folder (created; rerun the same command to resume)"),
     target: str = TargetOpt,
     num: int = typer.Option(None, "--num", help="first N usable conversations (default: all); more extends a run"),
+    start_row: int = typer.Option(0, "--start-row", help="skip the source's rows before this one (new conversations "
+                                  "for a second folder; fixed for the folder)"),
     max_len: int = typer.Option(2048, "--max-len", help="tokens per sample (longer ones are truncated)"),
     regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate", help="target writes the replies"),
     temperature: float = typer.Option(0.0, "--temperature", help="regeneration: 0 = greedy"),
@@ -262,7 +264,8 @@ def datagen(
 
     with user_errors():
         aux = parse_int_list(aux_indices, "--aux-indices")
-    cfg = DatagenConfig(out=out, target=target, data=data, num=num, max_len=max_len, regenerate=regenerate,
+    cfg = DatagenConfig(out=out, target=target, data=data, num=num, start_row=start_row, max_len=max_len,
+                        regenerate=regenerate,
                         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
                         device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
@@ -684,6 +687,8 @@ def recipe(
     device: str = DeviceOpt,
     orig_num: int = typer.Option(4000, "--orig-num", help="ShareGPT rows with original replies"),
     regen_num: int = typer.Option(0, "--regen-num", help="ShareGPT rows, target-regenerated"),
+    regen_start: int = typer.Option(0, "--regen-start", help="regenerate from this source row on, into "
+                                    "WORK/data-regen-from-ROW (new conversations for another round)"),
     epochs: float = typer.Option(5.0, "--epochs"),
     ttt_steps: int = typer.Option(3, "--ttt-steps"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab"),
@@ -705,7 +710,8 @@ def recipe(
 
     with user_errors():
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
-                                orig_num=orig_num, regen_num=regen_num, epochs=epochs, ttt_steps=ttt_steps,
+                                orig_num=orig_num, regen_num=regen_num, regen_start=regen_start, epochs=epochs,
+                                ttt_steps=ttt_steps,
                                 draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
                                 ship_to=ship_to, init_from=init_from, refresh_vocab=refresh_vocab,
                                 ngram_min_count=ngram_min_count))

@@ -274,6 +274,20 @@ def test_num_extends_a_run(tmp_path, tiny_dir, conv_file):
     assert "nothing to do" in logs[0] and m2["shards"] == m["shards"]
 
 
+def test_start_row_reads_only_later_rows_and_is_fixed_for_the_folder(tmp_path, tiny_dir, conv_file):
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=3, start_row=6)
+    m = run_datagen(cfg, command="a", progress=False, log=lambda s: None)
+    ids = [s.row_id for s in ShardSet(tmp_path / "out").samples()]
+    assert ids == [6, 7, 8] and m["config"]["start_row"] == 6 and m["watermark"] == 8  # row 11 (broken) not reached
+    cfg.num = 5  # extending resumes after the watermark
+    run_datagen(cfg, command="b", progress=False, log=lambda s: None)
+    assert [s.row_id for s in ShardSet(tmp_path / "out").samples()] == [6, 7, 8, 9, 10]
+    res = runner.invoke(app, _args(cfg) + ["--start-row", "0"])  # the same folder from another row: refused
+    assert res.exit_code == 2 and "start_row: existing 6, this run 0" in res.output, res.output
+    with pytest.raises(DatagenError, match="--start-row must be >= 0"):
+        _cfg(tmp_path / "o2", tiny_dir, conv_file, start_row=-1).validate()
+
+
 def test_mismatched_rerun_is_refused(tmp_path, tiny_dir, conv_file, smollm2):
     cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=2)
     assert runner.invoke(app, _args(cfg)).exit_code == 0

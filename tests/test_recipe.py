@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eyas.data.shards import ShardSet
-from eyas.recipe import RecipeConfig, RecipeError, run_recipe, trained_dir, use_bf16
+from eyas.recipe import RecipeConfig, RecipeError, _data_folders, run_recipe, stage_data, trained_dir, use_bf16
 
 
 def test_bad_recipe_config_is_refused():
@@ -21,6 +21,23 @@ def test_bad_recipe_config_is_refused():
         RecipeConfig(stages=("data", "deploy")).validate()
     with pytest.raises(RecipeError, match="must be >= 0"):
         RecipeConfig(orig_num=-1).validate()
+
+
+def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path):
+    def folder(name, watermark, shards):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"watermark": watermark, "shards": shards}))
+
+    folder("data-regen", 3399, [{"file": "a"}])
+    folder("data-regen-from-12000", 12100, [{"file": "b"}])
+    folder("data-regen-from-5200", 5300, [{"file": "c"}])
+    folder("data-regen-from-20000", 19999, [])  # nothing committed yet: not trained on
+    cfg = RecipeConfig(work=str(tmp_path), orig_num=0, regen_num=10, regen_start=3000)
+    assert [f.name for f in _data_folders(cfg)] == ["data-regen", "data-regen-from-5200", "data-regen-from-12000"]
+    with pytest.raises(RecipeError, match="already read source rows up to 3399.*--regen-start 3400 or more"):
+        stage_data(cfg, log=lambda *a: None)
+    with pytest.raises(RecipeError, match="must be >= 0"):
+        RecipeConfig(regen_start=-1).validate()
 
 
 def test_bf16_only_on_cuda_unless_asked():

@@ -93,7 +93,8 @@ class DatagenConfig:
     out: str
     target: str = "smollm2-135m"
     data: str = "sharegpt"
-    num: int | None = None  # first N usable conversations (None = the whole source)
+    num: int | None = None  # first N usable conversations from start_row (None = the rest of the source)
+    start_row: int = 0  # source rows before this one are never read (a second run on unseen conversations)
     max_len: int = 2048
     regenerate: bool = True
     temperature: float = 0.0  # 0 = greedy
@@ -122,6 +123,7 @@ class DatagenConfig:
     def validate(self) -> None:
         checks = [
             (self.num is None or self.num >= 0, f"--num must be >= 0, got {self.num}"),
+            (self.start_row >= 0, f"--start-row must be >= 0, got {self.start_row}"),
             (self.max_len >= 2, f"--max-len must be >= 2, got {self.max_len}"),
             (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}"),
@@ -148,14 +150,16 @@ class DatagenConfig:
 
 
 # config keys that define the dataset's content: a rerun into the same folder must match them
-_IDENTITY_KEYS = ("source", "source_fingerprint", "max_len", "regenerate", "max_turns", "dtype", "target_dtype")
+_IDENTITY_KEYS = ("source", "source_fingerprint", "start_row", "max_len", "regenerate", "max_turns", "dtype",
+                  "target_dtype")
 _REGEN_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "repetition_limit", "regen_weights")
-_LEGACY = {"regen_weights": "fp32"}  # manifests from before the key: what they ran
+_LEGACY = {"regen_weights": "fp32", "start_row": 0}  # manifests from before the key: what they ran
 
 
 def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[str, Any]:
     return {
-        "source": source, "source_fingerprint": source_fp, "max_len": cfg.max_len, "regenerate": cfg.regenerate,
+        "source": source, "source_fingerprint": source_fp, "start_row": cfg.start_row, "max_len": cfg.max_len,
+        "regenerate": cfg.regenerate,
         "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
         "max_turns": cfg.max_turns, "repetition_limit": cfg.repetition_limit, "dtype": cfg.dtype,
         "target_dtype": cfg.target_dtype, "num": cfg.num, "shard_samples": cfg.shard_samples,
@@ -376,7 +380,7 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
             "kind": KIND, "format_version": FORMAT_VERSION, "layout": layout.to_dict(),
             "target_source": cfg.target, "target": target.identity.to_dict(), "config": conf,
             "chat_template": target.chat_template.record(),
-            "shards": [], "watermark": -1, "complete": False,
+            "shards": [], "watermark": cfg.start_row - 1, "complete": False,
             "counts": {}, "skipped": {}, "norm_sums": {}, "norm_tokens": 0, "commands": [], "versions": _versions(),
         }
     listed = {s["file"] for s in m["shards"]}
