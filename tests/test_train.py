@@ -113,27 +113,37 @@ def test_draft_vocab_selection():
 
 
 def test_a_warm_start_vocabulary_that_misses_the_new_data_is_named():
-    """A kept vocabulary chosen on other text: the warning gives both coverages and the flag; a kept vocabulary
-    as good as a fresh one (or within 2 points of it) says nothing."""
-    counts = torch.zeros(20, dtype=torch.long)
-    counts[[4, 5, 6]] = torch.tensor([50, 30, 19])
-    counts[9] = 1
-
-    def kept(ids: list[int]) -> DraftVocab:
-        t = torch.tensor(ids)
-        return DraftVocab(ids=t, target_vocab_size=20, coverage=float(counts[t].sum() / counts.sum()),
-                          counted_tokens=int(counts.sum()), always=[1], source_hash="", requested_size=len(ids))
+    """Both vocabularies are scored on held-out counts: a kept vocabulary chosen on other text that misses them
+    gets a warning with both coverages and the flag; one as good as a fresh one on held-out rows (or within 2
+    points) says nothing, however much better fresh covers the training rows it was chosen on."""
+    train = torch.zeros(20, dtype=torch.long)
+    train[[4, 5, 6]] = torch.tensor([50, 30, 19])
+    train[9] = 1
+    heldout = train.clone()
 
     def warning(ids: list[int]) -> str | None:
-        return stale_vocab_warning(kept(ids), select_draft_vocab(counts, len(ids), always=[1]))
+        t = torch.tensor(ids)
+        kept = DraftVocab(ids=t, target_vocab_size=20, coverage=0.0, counted_tokens=0, always=[1], source_hash="",
+                          requested_size=len(ids))
+        return stale_vocab_warning(kept, select_draft_vocab(train, len(ids), always=[1]), heldout)
 
-    msg = warning([1, 4, 9, 12])  # 51% of this data; fresh [1, 4, 5, 6]: 99%
+    msg = warning([1, 4, 9, 12])  # 51% of the held-out tokens; fresh [1, 4, 5, 6]: 99%
     assert msg is not None and "51.0%" in msg and "99.0%" in msg and "--refresh-vocab" in msg
     assert warning([1, 4, 5, 6]) is None
-    counts[9] = 2  # now 6 (19) and 9 (2) differ by 17 of 101 tokens: kept [1, 4, 5, 9] is 17 points short
+    heldout[9] = 2  # now 6 (19) and 9 (2) differ by 17 of 101 tokens: kept [1, 4, 5, 9] is 17 points short
     assert warning([1, 4, 5, 9]) is not None
-    counts[6], counts[9] = 3, 2  # 1 of 85 tokens: within 2 points, nothing to say
+    heldout[6], heldout[9] = 3, 2  # 1 of 85 tokens: within 2 points, nothing to say
     assert warning([1, 4, 5, 9]) is None
+    # fresh is picked on the training rows (token 6 is frequent there) but the held-out rows use 9 instead: kept
+    # [1, 4, 5, 9] covers 100% of them, fresh [1, 4, 5, 6] less: no warning, although fresh covers 99% of the
+    # training rows against the kept vocabulary's 81%
+    heldout[6], heldout[9] = 0, 19
+    assert warning([1, 4, 5, 9]) is None
+    assert warning([1, 4, 12, 13]) is not None  # misses 5 and 9 on held-out rows too
+    assert warning([1, 4, 5, 9]) is None and stale_vocab_warning(
+        DraftVocab(ids=torch.tensor([1, 12]), target_vocab_size=20, coverage=0.0, counted_tokens=0, always=[1],
+                   source_hash="", requested_size=2),
+        select_draft_vocab(train, 2, always=[1]), torch.zeros(20, dtype=torch.long)) is None  # no held-out rows
 
 
 def test_plan_epoch_is_deterministic_and_respects_the_budget():

@@ -369,7 +369,8 @@ def _train(cfg: TrainConfig, target) -> TrainResult:
     fresh.requested_size = cfg.draft_vocab
     if cfg.init_from:
         draft, vocab = warm_start(cfg, layout, counts, fresh if cfg.refresh_vocab else None)
-        stale = None if cfg.refresh_vocab else stale_vocab_warning(vocab, fresh)
+        stale = None if cfg.refresh_vocab else stale_vocab_warning(vocab, fresh,
+                                                                   count_tokens(source.token_pairs(heldout), V))
         if stale and dd.main:
             print(stale, file=sys.stderr)
         dcfg = draft.config
