@@ -36,6 +36,9 @@ def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path
     assert [f.name for f in _data_folders(cfg)] == ["data-regen", "data-regen-from-5200", "data-regen-from-12000"]
     with pytest.raises(RecipeError, match="already read source rows up to 3399.*--regen-start 3400 or more"):
         stage_data(cfg, log=lambda *a: None)
+    with pytest.raises(RecipeError, match="data-regen-from-5200 already read source rows up to 5300.*--regen-start "
+                                          "5301 or more"):  # any folder that starts earlier, not just data-regen
+        stage_data(replace(cfg, regen_start=5250), log=lambda *a: None)
     with pytest.raises(RecipeError, match="must be >= 0"):
         RecipeConfig(regen_start=-1).validate()
 
