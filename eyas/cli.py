@@ -228,6 +228,8 @@ def datagen(
     num: int = typer.Option(None, "--num", help="first N usable conversations (default: all); more extends a run"),
     start_row: int = typer.Option(0, "--start-row", help="skip the source's rows before this one (new conversations "
                                   "for a second folder; fixed for the folder)"),
+    end_row: int = typer.Option(None, "--end-row", help="never read the source's rows from this one on (another "
+                                "folder starts there)"),
     max_len: int = typer.Option(2048, "--max-len", help="tokens per sample (longer ones are truncated)"),
     regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate", help="target writes the replies"),
     temperature: float = typer.Option(0.0, "--temperature", help="regeneration: 0 = greedy"),
@@ -264,7 +266,8 @@ def datagen(
 
     with user_errors():
         aux = parse_int_list(aux_indices, "--aux-indices")
-    cfg = DatagenConfig(out=out, target=target, data=data, num=num, start_row=start_row, max_len=max_len,
+    cfg = DatagenConfig(out=out, target=target, data=data, num=num, start_row=start_row, end_row=end_row,
+                        max_len=max_len,
                         regenerate=regenerate,
                         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,

@@ -28,11 +28,14 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import EyasError
+
+if TYPE_CHECKING:
+    from .data.datagen import DatagenConfig
 
 RECIPES = {"smollm2-135m"}
 STAGES = ("data", "ngram", "train", "eval", "ship")
@@ -100,8 +103,9 @@ def _data_folders(cfg: RecipeConfig) -> list[Path]:
     return out
 
 
-def stage_data(cfg: RecipeConfig, log=print) -> None:
-    from .data.datagen import DatagenConfig, run_datagen
+def data_jobs(cfg: RecipeConfig) -> list[DatagenConfig]:
+    """The datagen runs stage data makes, after refusing a regen start whose rows an earlier folder already read."""
+    from .data.datagen import DatagenConfig
 
     work = Path(cfg.work)
     for start in _regen_starts(work) if cfg.regen_num else []:  # a folder that starts earlier must end before
@@ -110,18 +114,27 @@ def stage_data(cfg: RecipeConfig, log=print) -> None:
         if read >= cfg.regen_start:
             raise RecipeError(f"--regen-start {cfg.regen_start}: {m.parent} already read source rows up to {read}, "
                               f"so the two folders would share conversations; pass --regen-start {read + 1} or more")
+    # and one that starts later bounds this one: its rows are never read twice
+    end = min((s for s in _regen_starts(work) if s > cfg.regen_start), default=None)
     jobs = []
     if cfg.orig_num:
         jobs.append(DatagenConfig(out=str(work / "data-orig"), data="sharegpt", num=cfg.orig_num, regenerate=False,
                                   max_len=cfg.max_len, device=cfg.device, threads=cfg.threads))
     if cfg.regen_num:
         jobs.append(DatagenConfig(out=str(regen_folder(work, cfg.regen_start)), data="sharegpt", num=cfg.regen_num,
-                                  start_row=cfg.regen_start, regenerate=True,
+                                  start_row=cfg.regen_start, end_row=end, regenerate=True,
                                   max_new_tokens=cfg.regen_max_new_tokens, repetition_limit=32, max_len=cfg.max_len,
                                   device=cfg.device, target_dtype="bf16" if cfg.device.startswith("cuda") else "fp32",
                                   max_turns=2, threads=cfg.threads, shard_samples=128))  # a pool of 128 stays full
-    for job in jobs:
-        log(f"[recipe] data -> {job.out} (num {job.num}, regenerate {job.regenerate})")
+    return jobs
+
+
+def stage_data(cfg: RecipeConfig, log=print) -> None:
+    from .data.datagen import run_datagen
+
+    for job in data_jobs(cfg):
+        log(f"[recipe] data -> {job.out} (num {job.num}, regenerate {job.regenerate}"
+            + (f", source rows {job.start_row}-{job.end_row - 1})" if job.end_row is not None else ")"))
         run_datagen(job, command=f"eyas recipe {cfg.name} (stage data)", log=log)
 
 

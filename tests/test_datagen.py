@@ -286,6 +286,12 @@ def test_start_row_reads_only_later_rows_and_is_fixed_for_the_folder(tmp_path, t
     assert res.exit_code == 2 and "start_row: existing 6, this run 0" in res.output, res.output
     with pytest.raises(DatagenError, match="--start-row must be >= 0"):
         _cfg(tmp_path / "o2", tiny_dir, conv_file, start_row=-1).validate()
+    bounded = _cfg(tmp_path / "o3", tiny_dir, conv_file, num=5, start_row=6, end_row=8)  # another folder starts at 8
+    m = run_datagen(bounded, command="c", progress=False, log=lambda s: None)
+    assert [s.row_id for s in ShardSet(tmp_path / "o3").samples()] == [6, 7] and m["watermark"] == 7
+    assert m["complete"]
+    with pytest.raises(DatagenError, match=r"--end-row must be > --start-row \(6\), got 6"):
+        _cfg(tmp_path / "o4", tiny_dir, conv_file, start_row=6, end_row=6).validate()
 
 
 def test_mismatched_rerun_is_refused(tmp_path, tiny_dir, conv_file, smollm2):

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eyas.data.shards import ShardSet
-from eyas.recipe import RecipeConfig, RecipeError, _data_folders, run_recipe, stage_data, trained_dir, use_bf16
+from eyas.recipe import RecipeConfig, RecipeError, _data_folders, data_jobs, run_recipe, trained_dir, use_bf16
 
 
 def test_bad_recipe_config_is_refused():
@@ -35,10 +35,13 @@ def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path
     cfg = RecipeConfig(work=str(tmp_path), orig_num=0, regen_num=10, regen_start=3000)
     assert [f.name for f in _data_folders(cfg)] == ["data-regen", "data-regen-from-5200", "data-regen-from-12000"]
     with pytest.raises(RecipeError, match="already read source rows up to 3399.*--regen-start 3400 or more"):
-        stage_data(cfg, log=lambda *a: None)
+        data_jobs(cfg)
     with pytest.raises(RecipeError, match="data-regen-from-5200 already read source rows up to 5300.*--regen-start "
                                           "5301 or more"):  # any folder that starts earlier, not just data-regen
-        stage_data(replace(cfg, regen_start=5250), log=lambda *a: None)
+        data_jobs(replace(cfg, regen_start=5250))
+    job, = data_jobs(replace(cfg, regen_start=5301))  # a folder that starts later bounds this one's rows
+    assert (job.out, job.start_row, job.end_row) == (str(tmp_path / "data-regen-from-5301"), 5301, 12000)
+    assert data_jobs(replace(cfg, regen_start=20000))[0].end_row is None
     with pytest.raises(RecipeError, match="must be >= 0"):
         RecipeConfig(regen_start=-1).validate()
 

@@ -95,6 +95,7 @@ class DatagenConfig:
     data: str = "sharegpt"
     num: int | None = None  # first N usable conversations from start_row (None = the rest of the source)
     start_row: int = 0  # source rows before this one are never read (a second run on unseen conversations)
+    end_row: int | None = None  # source rows from this one on are never read (another folder starts there)
     max_len: int = 2048
     regenerate: bool = True
     temperature: float = 0.0  # 0 = greedy
@@ -124,6 +125,8 @@ class DatagenConfig:
         checks = [
             (self.num is None or self.num >= 0, f"--num must be >= 0, got {self.num}"),
             (self.start_row >= 0, f"--start-row must be >= 0, got {self.start_row}"),
+            (self.end_row is None or self.end_row > self.start_row,
+             f"--end-row must be > --start-row ({self.start_row}), got {self.end_row}"),
             (self.max_len >= 2, f"--max-len must be >= 2, got {self.max_len}"),
             (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}"),
@@ -418,6 +421,8 @@ def _chunks(cfg: DatagenConfig, watermark: int, remaining: int | None) -> Iterat
     for item in iter_source(cfg.data):
         if item.row_id <= watermark:
             continue
+        if cfg.end_row is not None and item.row_id >= cfg.end_row:
+            break  # the rows from here on belong to another folder: this one is complete
         last = item.row_id
         if isinstance(item, Skip):
             skips[item.reason] += 1
