@@ -267,8 +267,7 @@ def datagen(
     with user_errors():
         aux = parse_int_list(aux_indices, "--aux-indices")
     cfg = DatagenConfig(out=out, target=target, data=data, num=num, start_row=start_row, end_row=end_row,
-                        max_len=max_len,
-                        regenerate=regenerate,
+                        max_len=max_len, regenerate=regenerate,
                         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
                         device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,

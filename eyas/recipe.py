@@ -108,14 +108,14 @@ def data_jobs(cfg: RecipeConfig) -> list[DatagenConfig]:
     from .data.datagen import DatagenConfig
 
     work = Path(cfg.work)
-    for start in _regen_starts(work) if cfg.regen_num else []:  # a folder that starts earlier must end before
+    starts = _regen_starts(work)
+    for start in [s for s in starts if s < cfg.regen_start] if cfg.regen_num else []:  # must end before ours starts
         m = regen_folder(work, start) / "manifest.json"
-        read = int(json.loads(m.read_text()).get("watermark", -1)) if start < cfg.regen_start and m.exists() else -1
+        read = int(json.loads(m.read_text()).get("watermark", -1)) if m.exists() else -1
         if read >= cfg.regen_start:
             raise RecipeError(f"--regen-start {cfg.regen_start}: {m.parent} already read source rows up to {read}, "
                               f"so the two folders would share conversations; pass --regen-start {read + 1} or more")
-    # and one that starts later bounds this one: its rows are never read twice
-    end = min((s for s in _regen_starts(work) if s > cfg.regen_start), default=None)
+    end = min((s for s in starts if s > cfg.regen_start), default=None)  # a later folder bounds ours: no row twice
     jobs = []
     if cfg.orig_num:
         jobs.append(DatagenConfig(out=str(work / "data-orig"), data="sharegpt", num=cfg.orig_num, regenerate=False,
