@@ -222,7 +222,8 @@ def train(
 
 @app.command()
 def datagen(
-    data: str = typer.Option("sharegpt", "--data", help="sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL"),
+    data: str = typer.Option("sharegpt", "--data", help="sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL, "
+                             "or self (the target writes the user turns too; needs --num or --end-row)"),
     out: str = typer.Option(..., "--out", help="shard folder (created; rerun the same command to resume)"),
     target: str = TargetOpt,
     num: int = typer.Option(None, "--num", help="first N usable conversations (default: all); more extends a run"),
@@ -691,6 +692,10 @@ def recipe(
     regen_num: int = typer.Option(0, "--regen-num", help="ShareGPT rows, target-regenerated"),
     regen_start: int = typer.Option(0, "--regen-start", help="regenerate from this source row on, into "
                                     "WORK/data-regen-from-ROW (new conversations for another round)"),
+    self_num: int = typer.Option(0, "--self-num", help="rows whose user turn the target writes too (datagen --data "
+                                 "self), into WORK/data-self"),
+    self_start: int = typer.Option(0, "--self-start", help="self-prompted rows from this row on, into "
+                                   "WORK/data-self-from-ROW"),
     epochs: float = typer.Option(5.0, "--epochs"),
     ttt_steps: int = typer.Option(3, "--ttt-steps"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab"),
@@ -712,7 +717,8 @@ def recipe(
 
     with user_errors():
         run_recipe(RecipeConfig(name=name, work=work, stages=tuple(s for s in stages.split(",") if s), device=device,
-                                orig_num=orig_num, regen_num=regen_num, regen_start=regen_start, epochs=epochs,
+                                orig_num=orig_num, regen_num=regen_num, regen_start=regen_start, self_num=self_num,
+                                self_start=self_start, epochs=epochs,
                                 ttt_steps=ttt_steps,
                                 draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens, bf16=bf16, threads=threads,
                                 ship_to=ship_to, init_from=init_from, refresh_vocab=refresh_vocab,

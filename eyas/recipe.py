@@ -6,8 +6,10 @@ Stages (each one resumes after a kill, so the recipe runs across sessions):
          the draft sees when serving). Both extend when --orig-num/--regen-num grow. --regen-start R writes
          WORK/data-regen-from-R instead: conversations from source row R on (past the rows every folder that
          starts earlier read), so a later round adds new conversations rather than rebuilding old ones.
-  ngram  `eyas ngram` over every WORK/data-regen* folder into WORK/ngram: the table lookup proposes from where the
-         context has no match (eyas.ngram); recounted only when the regenerated shards changed.
+         --self-num N writes WORK/data-self (--self-start R: WORK/data-self-from-R): `datagen --data self`, rows
+         whose user turn the target writes too (Magpie-style prompts of the kind it was tuned on), greedy replies.
+  ngram  `eyas ngram` over every WORK/data-regen* and data-self* folder into WORK/ngram: the table lookup
+         proposes from where the context has no match (eyas.ngram); recounted only when the regenerated shards changed.
   train  `eyas train` on a snapshot of the committed shards into WORK/train-<data hash>: the same data resumes
          the same run; more data starts a fresh run. The run's folder is recorded in WORK/latest-train.json, so
          eval and ship use the draft that was trained even while the data stage keeps extending the shards.
@@ -54,6 +56,8 @@ class RecipeConfig:
     orig_num: int = 4000  # original-text conversations (prefill only)
     regen_num: int = 0  # regenerated conversations (greedy, repetition-limited)
     regen_start: int = 0  # source row the regenerated conversations start at (> 0: WORK/data-regen-from-<row>)
+    self_num: int = 0  # self-prompted rows (`datagen --data self`: the target writes the user turn and the reply)
+    self_start: int = 0  # row the self-prompted rows start at (> 0: WORK/data-self-from-<row>)
     regen_max_new_tokens: int = 256
     max_len: int = 2048
     draft_vocab: int = 8192
@@ -77,26 +81,29 @@ class RecipeConfig:
         bad = [s for s in self.stages if s not in STAGES]
         if bad:
             raise RecipeError(f"unknown stage(s) {bad}; expected a subset of {list(STAGES)}")
-        if self.orig_num < 0 or self.regen_num < 0 or self.regen_start < 0:
-            raise RecipeError("--orig-num, --regen-num and --regen-start must be >= 0")
+        if min(self.orig_num, self.regen_num, self.regen_start, self.self_num, self.self_start) < 0:
+            raise RecipeError("--orig-num, --regen-num, --regen-start, --self-num and --self-start must be >= 0")
 
 
 REGEN_FROM = "data-regen-from-"
+KINDS = {"regen": "sharegpt", "self": "self"}  # generated-reply folder kind -> its datagen --data
 
 
-def regen_folder(work: Path, start: int) -> Path:
-    return work / ("data-regen" if start == 0 else f"{REGEN_FROM}{start}")
+def regen_folder(work: Path, start: int, kind: str = "regen") -> Path:
+    return work / (f"data-{kind}" if start == 0 else f"data-{kind}-from-{start}")
 
 
-def _regen_starts(work: Path) -> list[int]:
-    """Source rows the regenerated folders under work start at: 0 (WORK/data-regen), then each data-regen-from-R."""
-    return [0, *sorted(int(s) for p in work.glob(REGEN_FROM + "*") if (s := p.name.removeprefix(REGEN_FROM)).isdigit())]
+def _regen_starts(work: Path, kind: str = "regen") -> list[int]:
+    """Rows the generated-reply folders of `kind` under work start at: 0 (WORK/data-KIND), then each
+    data-KIND-from-R."""
+    pre = f"data-{kind}-from-"
+    return [0, *sorted(int(s) for p in work.glob(pre + "*") if (s := p.name.removeprefix(pre)).isdigit())]
 
 
 def _data_folders(cfg: RecipeConfig) -> list[Path]:
     work = Path(cfg.work)
     out = []
-    for folder in [work / "data-orig", *(regen_folder(work, s) for s in _regen_starts(work))]:
+    for folder in [work / "data-orig", *(regen_folder(work, s, k) for k in KINDS for s in _regen_starts(work, k))]:
         m = folder / "manifest.json"
         if m.exists() and json.loads(m.read_text()).get("shards"):
             out.append(folder)
@@ -104,25 +111,27 @@ def _data_folders(cfg: RecipeConfig) -> list[Path]:
 
 
 def data_jobs(cfg: RecipeConfig) -> list[DatagenConfig]:
-    """The datagen runs stage data makes, after refusing a regen start whose rows an earlier folder already read."""
+    """The datagen runs stage data makes, after refusing a start row an earlier folder of its kind already read."""
     from .data.datagen import DatagenConfig
 
     work = Path(cfg.work)
-    starts = _regen_starts(work)
-    for start in [s for s in starts if s < cfg.regen_start] if cfg.regen_num else []:  # must end before ours starts
-        m = regen_folder(work, start) / "manifest.json"
-        read = int(json.loads(m.read_text()).get("watermark", -1)) if m.exists() else -1
-        if read >= cfg.regen_start:
-            raise RecipeError(f"--regen-start {cfg.regen_start}: {m.parent} already read source rows up to {read}, "
-                              f"so the two folders would share conversations; pass --regen-start {read + 1} or more")
-    end = min((s for s in starts if s > cfg.regen_start), default=None)  # a later folder bounds ours: no row twice
     jobs = []
     if cfg.orig_num:
         jobs.append(DatagenConfig(out=str(work / "data-orig"), data="sharegpt", num=cfg.orig_num, regenerate=False,
                                   max_len=cfg.max_len, device=cfg.device, threads=cfg.threads))
-    if cfg.regen_num:
-        jobs.append(DatagenConfig(out=str(regen_folder(work, cfg.regen_start)), data="sharegpt", num=cfg.regen_num,
-                                  start_row=cfg.regen_start, end_row=end, regenerate=True,
+    for kind, num, begin in (("regen", cfg.regen_num, cfg.regen_start), ("self", cfg.self_num, cfg.self_start)):
+        if not num:
+            continue
+        starts = _regen_starts(work, kind)
+        for start in [s for s in starts if s < begin]:  # must end before ours begins
+            m = regen_folder(work, start, kind) / "manifest.json"
+            read = int(json.loads(m.read_text()).get("watermark", -1)) if m.exists() else -1
+            if read >= begin:
+                raise RecipeError(f"--{kind}-start {begin}: {m.parent} already read source rows up to {read}, so "
+                                  f"the two folders would share rows; pass --{kind}-start {read + 1} or more")
+        end = min((s for s in starts if s > begin), default=None)  # a later folder bounds ours: no row twice
+        jobs.append(DatagenConfig(out=str(regen_folder(work, begin, kind)), data=KINDS[kind], num=num,
+                                  start_row=begin, end_row=end, regenerate=True,
                                   max_new_tokens=cfg.regen_max_new_tokens, repetition_limit=32, max_len=cfg.max_len,
                                   device=cfg.device, target_dtype="bf16" if cfg.device.startswith("cuda") else "fp32",
                                   max_turns=2, threads=cfg.threads, shard_samples=128))  # a pool of 128 stays full
@@ -178,7 +187,7 @@ def stage_ngram(cfg: RecipeConfig, log=print) -> Path | None:
     from .ngram import MANIFEST
 
     work = Path(cfg.work)
-    regen = [f for f in _data_folders(cfg) if f.name.startswith("data-regen")]
+    regen = [f for f in _data_folders(cfg) if f.name.startswith(("data-regen", "data-self"))]
     if not regen:
         log(f"[recipe] ngram: no regenerated replies in {work}/data-regen* (run the data stage with --regen-num N); "
             "skipped")

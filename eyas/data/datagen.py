@@ -37,6 +37,7 @@ from ..template import (
     use_template,
 )
 from .conversations import (
+    SELF_SOURCE,
     Conversation,
     DataError,
     Skip,
@@ -44,10 +45,20 @@ from .conversations import (
     plain_text,
     raw_prompt_text,
     resolve_source,
+    self_rows,
     tokenize_conversation_checked,
     tokenize_raw,
 )
-from .regen import generate_replies, regen_engine, regen_numerics, regenerate, stop_token_ids
+from .regen import (
+    SELF_PROMPT,
+    generate_replies,
+    regen_engine,
+    regen_numerics,
+    regenerate,
+    sample_user_turns,
+    stop_token_ids,
+    user_turn_opening,
+)
 from .shards import FORMAT_VERSION, KIND, MANIFEST, Sample, ShardError, load_manifest, write_shard
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -67,6 +78,9 @@ SKIP_HINTS = {
     "unknown_role": "the rows use roles other than system/user/assistant (human/gpt in ShareGPT)",
     "empty_message": "the rows hold empty messages",
     "invalid_json": "the lines are not JSON",
+    "self_prompt_unfinished": "the target's own user turns never reached its end-of-turn token: --data self needs a "
+                              "chat-tuned target (or pass a file of conversations as --data)",
+    "self_prompt_loop": "the target's own user turns looped: --data self needs a chat-tuned target",
 }
 
 
@@ -140,6 +154,11 @@ class DatagenConfig:
                                             f"{self.regen_weights!r}"),
             (self.capture_tokens >= 1, f"--capture-tokens must be >= 1, got {self.capture_tokens}"),
             (self.threads >= 0, f"--threads must be >= 0 (0 = torch's default), got {self.threads}"),
+            (self.data != SELF_SOURCE or (self.regenerate and not self.raw),
+             "--data self: the target writes the user turns and replies of a chat, so it needs --regenerate and "
+             "no --raw"),
+            (self.data != SELF_SOURCE or self.num is not None or self.end_row is not None,
+             "--data self is an endless source: pass --num N (conversations) or --end-row E"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -171,6 +190,8 @@ def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[st
 
 
 def _source_identity(data: str) -> tuple[str, str]:
+    if data == SELF_SOURCE:
+        return SELF_SOURCE, f"self-prompt {SELF_PROMPT}"  # a change to how user turns are sampled is refused
     path = resolve_source(data)
     return ("sharegpt" if data == "sharegpt" else str(path.resolve())), file_fingerprint([path])
 
@@ -418,7 +439,7 @@ def _chunks(cfg: DatagenConfig, watermark: int, remaining: int | None) -> Iterat
     last = watermark
     if remaining is not None and remaining <= 0:
         return
-    for item in iter_source(cfg.data):
+    for item in self_rows(watermark + 1) if cfg.data == SELF_SOURCE else iter_source(cfg.data):
         if item.row_id <= watermark:
             continue
         if cfg.end_row is not None and item.row_id >= cfg.end_row:
@@ -452,6 +473,11 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
         require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
         target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
     use_template(target, choice)
+    if cfg.data == SELF_SOURCE:
+        try:
+            user_turn_opening(target.tokenizer)
+        except (ValueError, DataError) as e:
+            raise DatagenError(f"--data self: {e}") from e
     try:
         layout = target.default_layout(cfg.aux_indices)
     except LayoutError as e:
@@ -517,6 +543,8 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
                     skips["text_row_needs_raw"] += len(convs) - len(convs_chat)
                 convs_chat = [Conversation(c.row_id, limit_turns(c.messages, cfg.max_turns), c.dropped_turns)
                               for c in convs_chat]
+                if cfg.data == SELF_SOURCE:
+                    convs_chat = sample_user_turns(target, convs_chat, cfg, stats, skips, postfix)
                 items = []
             if cfg.regenerate and convs_chat:
                 convs_chat = regenerate(target, convs_chat, cfg, stats,

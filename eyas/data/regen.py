@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 import torch
@@ -28,7 +28,13 @@ from ..model import ModelError, TargetModel, engine_model
 from ..sampling import warp
 from ..target import Target, end_token_ids
 from ..template import chat_ids
-from .conversations import Conversation, loop_end
+from .conversations import Conversation, loop_end, render
+
+# --data self (Magpie-style): the user turn is sampled from the template's opening up to the user's text
+SELF_PROMPT_TEMPERATURE = 1.0
+SELF_PROMPT_TOP_P = 1.0
+SELF_PROMPT_TOKENS = 256  # a user turn still open after this many tokens is dropped, not cut
+SELF_PROMPT = f"t={SELF_PROMPT_TEMPERATURE} top_p={SELF_PROMPT_TOP_P} max={SELF_PROMPT_TOKENS} v1"  # manifest
 
 Reply = tuple[list[int], str]  # reply tokens without the end token; why it ended: eos | repetition | length
 
@@ -279,6 +285,58 @@ def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, s
             base_n, base_tok = base_n + len(group), base_tok + sum(len(r) for r, _ in replies)
         return [r for r in out if r is not None]
     return hf_generate(target, prompts, max(caps), stop_ids, **opts)
+
+
+def user_turn_opening(tokenizer) -> list[int]:
+    """The ids the chat template renders before a first user message's text (its default system prompt and the
+    user header included): what the target continues to write a user turn of its own."""
+    sentinel = "\x00EYAS-USER\x00"
+    text = render(tokenizer, [{"role": "user", "content": sentinel}])
+    if text.count(sentinel) != 1:
+        raise ValueError("the chat template does not render the user's text verbatim, so --data self cannot find "
+                         "where a user turn starts; use a file of conversations as --data")
+    return [int(t) for t in tokenizer(text.split(sentinel)[0], add_special_tokens=False)["input_ids"]]
+
+
+def sample_user_turns(target: Target, convs: list[Conversation], cfg, stats: Counter, skips: Counter,
+                      on_progress: Callable[[str], None] | None = None) -> list[Conversation]:
+    """--data self: each row's user turn is the target's own, sampled (SELF_PROMPT) from the template's opening
+    and ended by its end-of-turn token, so the prompts are the kind the target was tuned to answer (Magpie, Xu et
+    al. 2024) and no prompt file is needed. A turn that is empty, loops, runs past SELF_PROMPT_TOKENS or repeats
+    an earlier row's of the chunk is skipped, counted by reason."""
+    if not convs:
+        return []
+    tok = target.tokenizer
+    opening = user_turn_opening(tok)
+    if on_progress:
+        on_progress("self prompts")
+    gen_cfg = replace(cfg, temperature=SELF_PROMPT_TEMPERATURE, top_p=SELF_PROMPT_TOP_P,
+                      max_new_tokens=SELF_PROMPT_TOKENS)
+    seed = (cfg.seed * 1_000_003 + convs[0].row_id * 1_009 + 7_919) % (2**63)
+    t0 = time.perf_counter()
+
+    def report(n: int, toks: int) -> None:
+        if on_progress:
+            on_progress(f"self prompts: {n}/{len(convs)}, {toks} tok "
+                        f"({toks / max(time.perf_counter() - t0, 1e-9):.0f} tok/s)")
+
+    turns = generate_replies(target, [opening] * len(convs), gen_cfg, seed, stop_token_ids(target),
+                             regen_engine(target, cfg.regen_weights), report)
+    stats["self_prompt_ms"] += int(1000 * (time.perf_counter() - t0))
+    out, seen = [], set()
+    for c, (ids, why) in zip(convs, turns, strict=True):
+        text = tok.decode(ids, skip_special_tokens=False).strip()
+        reason = ("self_prompt_unfinished" if why == "length" else "self_prompt_loop" if why == "repetition"
+                  else "self_prompt_empty" if not text else "self_prompt_duplicate" if text in seen else None)
+        if reason:
+            skips[reason] += 1
+            continue
+        seen.add(text)
+        stats["self_prompts"] += 1
+        stats["self_prompt_tokens"] += len(ids)
+        out.append(Conversation(c.row_id, [{"role": "user", "content": text},
+                                           {"role": "assistant", "content": ""}]))  # the reply: regenerate
+    return out
 
 
 def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, batches,
