@@ -46,6 +46,27 @@ def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path
         RecipeConfig(regen_start=-1).validate()
 
 
+def test_self_num_adds_self_prompted_folders_under_the_same_overlap_rules(tmp_path):
+    def folder(name, watermark):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"watermark": watermark, "shards": [{"f": 1}]}))
+
+    folder("data-regen-from-7020", 8326)
+    folder("data-self", 1999)
+    folder("data-self-from-5000", 5100)
+    cfg = RecipeConfig(work=str(tmp_path), orig_num=0, self_num=500, self_start=2000)
+    assert [f.name for f in _data_folders(cfg)] == ["data-regen-from-7020", "data-self", "data-self-from-5000"]
+    job, = data_jobs(cfg)  # the regen folders' rows are ShareGPT rows: they do not bound self-prompted ones
+    assert (job.data, job.out, job.start_row, job.end_row, job.regenerate) == \
+        ("self", str(tmp_path / "data-self-from-2000"), 2000, 5000, True)
+    with pytest.raises(RecipeError, match="data-self already read source rows up to 1999.*--self-start 2000 or more"):
+        data_jobs(replace(cfg, self_start=1500))
+    both = data_jobs(replace(cfg, regen_num=10, regen_start=9000))
+    assert [(j.data, j.start_row) for j in both] == [("sharegpt", 9000), ("self", 2000)]
+    with pytest.raises(RecipeError, match="must be >= 0"):
+        RecipeConfig(self_num=-1).validate()
+
+
 def test_bf16_only_on_cuda_unless_asked():
     assert use_bf16(RecipeConfig(device="cpu")) is False  # AVX2 CPUs emulate bf16 matmuls: slower than fp32
     assert use_bf16(RecipeConfig(device="cuda")) is True
