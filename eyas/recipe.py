@@ -85,7 +85,6 @@ class RecipeConfig:
             raise RecipeError("--orig-num, --regen-num, --regen-start, --self-num and --self-start must be >= 0")
 
 
-REGEN_FROM = "data-regen-from-"
 KINDS = {"regen": "sharegpt", "self": "self"}  # generated-reply folder kind -> its datagen --data
 
 
