@@ -558,6 +558,23 @@ def test_real_target_random_head_is_named(smollm2, real_random):
 
 
 @pytest.mark.integration
+def test_self_source_samples_are_the_targets_own_prompts_on_held_out_rows(smollm2):
+    from eyas.data.regen import user_turn_opening
+    from eyas.doctor.inference import conversation_samples
+    from eyas.doctor.report import DoctorError
+
+    tok = smollm2.tokenizer
+    evs = conversation_samples(tok, "self", 2, 96, 5.0, regen=(smollm2, {"seed": 0, "max_new_tokens": 16}, 2))
+    assert len(evs) == 2 and all(is_heldout(s.row_id, 5.0) for s in evs)
+    opening = tok.decode(user_turn_opening(tok))
+    for s in evs:
+        text = tok.decode(s.input_ids.tolist())
+        assert text.startswith(opening) and "<|im_start|>assistant\n" in text and int(s.loss_mask.sum()) > 0
+    with pytest.raises(DoctorError, match="source 'self'.*scored only for a draft trained on it"):
+        conversation_samples(tok, "self", 2, 96, None)
+
+
+@pytest.mark.integration
 def test_shipped_draft_passes_on_the_real_target(smollm2):
     rep = run_doctor(smollm2, load_draft("default"))
     assert rep.ok, [(c.name, c.status, c.summary) for c in rep.checks]
