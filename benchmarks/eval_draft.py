@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--heldout-pct", type=float, default=5.0)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--by-category", action="store_true", help="--bench: also one row per prompt category")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -92,6 +93,22 @@ def bench_rows(target, a) -> list[dict]:
                      "serving_path": serving.path})
         acc = " / ".join(f"{x:.3f}" for x in r["acc"])
         print(f"{spec:50s} {name:36s} acc {acc}  ({r['count'][0]} positions)", flush=True)
+        if a.by_category:
+            rows += category_rows(spec, prompts, r)
+    return rows
+
+
+def category_rows(spec: str, prompts, r: dict) -> list[dict]:
+    """Per-category step accuracy from _score's per-sample counts (samples are in prompt order)."""
+    correct, count = torch.as_tensor(r["sample_correct"]), torch.as_tensor(r["sample_count"])  # [samples, steps]
+    rows = []
+    for cat in sorted({p.category for p in prompts}):
+        sel = torch.tensor([p.category == cat for p in prompts])
+        c, n = correct[sel].sum(0), count[sel].sum(0)  # [steps]
+        acc = (c / n.clamp_min(1)).tolist()
+        rows.append({"draft": spec, "data": f"category {cat}", "heldout_acc": acc, "heldout_rows": n.tolist()})
+        print(f"{spec:50s} {'  ' + cat:36s} acc {' / '.join(f'{x:.3f}' for x in acc)}  ({int(n[0])} positions)",
+              flush=True)
     return rows
 
 
