@@ -250,6 +250,11 @@ def _gen_config(config: dict[str, Any] | None, max_len: int):
     return DatagenConfig(out="", max_len=max_len, **given)
 
 
+def _one_batch(lengths: list[int]) -> list[list[int]]:
+    """The doctor regenerates a handful of rows: all of them in one HF generate batch (regenerate's `batches`)."""
+    return [list(range(len(lengths)))] if lengths else []
+
+
 def _self_prompted(target, config: dict[str, Any] | None, num: int, max_len: int, heldout_pct: float | None) -> list:
     """`num` rows like `datagen --data self` writes, from the held-out row ids: the target's own user turns and
     its replies, with the training data's settings."""
@@ -263,7 +268,7 @@ def _self_prompted(target, config: dict[str, Any] | None, num: int, max_len: int
     rows = itertools.islice((c for c in self_rows() if heldout_pct is None or is_heldout(c.row_id, heldout_pct)),
                             2 * num)  # some user turns are skipped (still open, looping)
     convs = sample_user_turns(target, list(rows), cfg, Counter(), Counter())[:num]
-    return regenerate(target, convs, cfg, Counter(), lambda lens: [list(range(len(lens)))] if lens else [])
+    return regenerate(target, convs, cfg, Counter(), _one_batch)
 
 
 def _regenerated(convs: list, target, config: dict[str, Any] | None, n: int, max_len: int) -> list:
@@ -276,8 +281,7 @@ def _regenerated(convs: list, target, config: dict[str, Any] | None, n: int, max
 
     cfg = _gen_config(config, max_len)  # generation settings only: nothing is written
     pick = sorted({round(i * len(convs) / min(n, len(convs))) for i in range(min(n, len(convs)))})
-    new = regenerate(target, [convs[i] for i in pick], cfg, Counter(),
-                     lambda lens: [list(range(len(lens)))] if lens else [])
+    new = regenerate(target, [convs[i] for i in pick], cfg, Counter(), _one_batch)
     out = list(convs)
     for i, c in zip(pick, new, strict=True):
         out[i] = c
