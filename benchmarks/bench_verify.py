@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from eyas.model import engine_model
-from eyas.target import load_target
+from eyas.engine.weights import engine_model
+from eyas.target.load import load_target
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from eyas.engine import Engine, SamplingParams, SpecParams
-from eyas.target import load_target
+from eyas.engine.decode import Engine
+from eyas.engine.params import SamplingParams, SpecParams
+from eyas.target.load import load_target
 
 torch.set_num_threads(2)
 t = load_target(sys.argv[1] if len(sys.argv) > 1 else "/tmp/g3/gemma3-270m-q4_k_m.gguf")

@@ -37,7 +37,7 @@ from eyas.bench.run import BenchConfig, run_bench
 from eyas.data.shards import ShardSet
 from eyas.draft import load_draft
 from eyas.files import atomic_write_json
-from eyas.target import load_target
+from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
 from eyas.train.loop import evaluate, train
 from eyas.train.sources import ShardSource

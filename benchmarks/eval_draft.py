@@ -24,7 +24,7 @@ import json
 import torch
 
 from eyas.draft import load_draft
-from eyas.target import load_target
+from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
 from eyas.train.loop import evaluate
 from eyas.train.sources import ShardSource
@@ -69,7 +69,8 @@ def bench_rows(target, a) -> list[dict]:
     from eyas.bench.prompts import load_prompts
     from eyas.bench.run import prompt_ids
     from eyas.doctor.inference import Serving, _fresh, _prepare, _score, as_samples
-    from eyas.engine import Engine, SamplingParams, SpecParams
+    from eyas.engine.decode import Engine
+    from eyas.engine.params import SamplingParams, SpecParams
 
     prompts = load_prompts(a.bench, a.limit)
     eng = Engine(target, None, SpecParams(method="plain"))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.kernels import _FLAGS, _SRC, _compiler, pack_q4
+from eyas.native.kernels import _FLAGS, _SRC, _compiler, pack_q4
 
 
 def build(src: Path, out: Path) -> ctypes.CDLL:

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from eyas.bench.prompts import load_prompts
-from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
-from eyas.lookup import lookup_chain
-from eyas.ngram import NgramTable, load_ngram
-from eyas.target import load_target
+from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.lookup import lookup_chain
+from eyas.engine.ngram import NgramTable, load_ngram
+from eyas.engine.params import SamplingParams, SpecParams
+from eyas.target.load import load_target
 
 # session 9's measured native row costs (ms, 300-token context), used without --verify
 DEFAULT_MS = {1: 8.37, 2: 9.54, 3: 11.15, 4: 13.06, 8: 22.20, 16: 39.26}

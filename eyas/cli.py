@@ -134,7 +134,7 @@ def bench(
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
     from .bench.run import BenchConfig, SweepGrid, parse_int_list, parse_methods, run_bench
     from .bench.sweep import run_sweep
-    from .engine import tree_defaults
+    from .engine.params import tree_defaults
 
     with user_errors():
         # the tree generate and serve use on this device, unless given; --lookup sets tree-lookup's merged
@@ -316,7 +316,7 @@ def serve(
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
-        from .template import resolve_template
+        from .target.template import resolve_template
 
         choice = resolve_template(chat_template)  # a bad flag fails before the model loads
         engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
@@ -404,7 +404,7 @@ def import_(
     import sys
 
     from .interop.importer import check_import_options, import_draft
-    from .target import load_target
+    from .target.load import load_target
     from .text import parse_int_list
 
     with user_errors():
@@ -459,12 +459,12 @@ def doctor(
         return
     from .doctor.checks import render, run_doctor
     from .draft import load_draft
-    from .target import load_target
+    from .target.load import load_target
 
     if draft is None:
         fail("--draft is required: the eyas draft folder to check (or 'default'); see `eyas doctor --help`")
     with user_errors():
-        from .template import TemplateError, draft_template_warning, resolve_template, use_template
+        from .target.template import TemplateError, draft_template_warning, resolve_template, use_template
 
         choice = resolve_template(chat_template)  # a bad flag fails before the target loads
         tgt = load_target(target, dtype=dtype, device=device)
@@ -523,10 +523,11 @@ def doctor_trace(
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
     from .doctor.trace import render_trace, trace
     from .draft import load_draft
-    from .engine import SpecParams, chat_input_ids
-    from .model import check_engine_family
-    from .target import load_target
-    from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
+    from .engine.decode import chat_input_ids
+    from .engine.params import SpecParams
+    from .target.family import check_engine_family
+    from .target.load import load_target
+    from .target.template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
 
     with user_errors():
         choice = resolve_template(chat_template, raw)
@@ -581,12 +582,13 @@ def generate(
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
 
-    from . import engine as eng
     from .draft import check_default_draft, resolve_draft
-    from .model import check_engine_family
-    from .ngram import check_ngram_spec, resolve_ngram
-    from .target import load_target
-    from .template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
+    from .engine import decode as eng_decode
+    from .engine import params as eng
+    from .engine.ngram import check_ngram_spec, resolve_ngram
+    from .target.family import check_engine_family
+    from .target.load import load_target
+    from .target.template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
     from .text import TextStream
 
     if (prompt is None) == (messages is None):
@@ -607,7 +609,7 @@ def generate(
                 msgs = json.loads(text)
             except json.JSONDecodeError as e:
                 fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
-            eng.check_messages(msgs)
+            eng_decode.check_messages(msgs)
         tree = eng.tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
                                  min_prob=min_prob)
         spec = eng.SpecParams(method=method, steps=steps, weights=weights, draft_weights=draft_weights, **tree)
@@ -628,14 +630,14 @@ def generate(
         mismatch = draft_template_warning(ckpt.manifest, tgt.chat_template) if ckpt is not None else None
         if mismatch:
             warn(mismatch)
-        engine = eng.Engine(tgt, ckpt, spec, resolve_ngram(ngram, tgt) if spec.lookup else None)
+        engine = eng_decode.Engine(tgt, ckpt, spec, resolve_ngram(ngram, tgt) if spec.lookup else None)
         tok = tgt.tokenizer
         if msgs is not None:
-            ids = eng.chat_input_ids(tok, msgs)
+            ids = eng_decode.chat_input_ids(tok, msgs)
         elif raw:
             ids = raw_ids(tok, prompt)
         else:
-            ids = eng.chat_input_ids(tok, [{"role": "user", "content": prompt}])
+            ids = eng_decode.chat_input_ids(tok, [{"role": "user", "content": prompt}])
         shown = TextStream(tok, params.stop, params.max_new_tokens)  # what is safe to print so far
         for new in engine.stream(ids, params):
             delta = shown.push(new)

@@ -108,3 +108,8 @@ def read_json(path: str | Path, error: type[EyasError], fix: str) -> Any:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path} is not valid JSON ({e}); {fix}") from e
+
+
+def cache_dir() -> Path:
+    """Where eyas keeps converted targets and built kernels ($EYAS_CACHE, else ~/.cache/eyas)."""
+    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))

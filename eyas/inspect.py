@@ -9,8 +9,8 @@ from typing import Any
 from .errors import EyasError
 from .files import read_json
 from .layout import engine_ids_table
-from .target import load_target
-from .template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
+from .target.load import load_target
+from .target.template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
 
 INSPECT_PROMPTS = [
     "What is the capital of France?",
@@ -36,7 +36,7 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_tem
                                                                                             "content": p}])],
                         device=t.device)
            for p in INSPECT_PROMPTS]
-    from .target import stream_norms
+    from .target.capture import stream_norms
 
     norms = stream_norms(t.model, ids, [0, *layout.aux_indices])
     return {

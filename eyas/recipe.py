@@ -183,7 +183,7 @@ def ngram_dir(cfg: RecipeConfig) -> Path:
 def stage_ngram(cfg: RecipeConfig, log=print) -> Path | None:
     from .data.ngrams import NgramConfig, build_ngram
     from .data.shards import ShardSet
-    from .ngram import MANIFEST
+    from .engine.ngram import MANIFEST
 
     work = Path(cfg.work)
     regen = [f for f in _data_folders(cfg) if f.name.startswith(("data-regen", "data-self"))]
@@ -283,8 +283,8 @@ def stage_ship(cfg: RecipeConfig, log=print) -> Path:
         raise RecipeError(f"shipped draft is {size / 2**20:.1f} MiB, over the 40 MiB budget; lower --draft-vocab")
     log(f"[recipe] shipped {src} -> {dest} ({size / 2**20:.1f} MiB, fp16)")
     if ngram_dir(cfg).is_dir():
+        from .engine.ngram import bundled_ngram_path, load_ngram
         from .files import atomic_folder
-        from .ngram import bundled_ngram_path, load_ngram
 
         load_ngram(ngram_dir(cfg))  # a torn or foreign table is refused before it replaces the shipped one
         to = dest.with_name(dest.name + "-ngram") if cfg.ship_to else bundled_ngram_path()

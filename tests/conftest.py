@@ -22,6 +22,6 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real bundled target, loaded once per session (fp32)."""
-    from eyas.target import load_target
+    from eyas.target.load import load_target
 
     return load_target("smollm2-135m", dtype="fp32")

@@ -19,7 +19,7 @@ from eyas.bench.run import (
     summarize,
 )
 from eyas.draft import save_random_draft
-from eyas.target import end_token_ids, load_target
+from eyas.target.load import end_token_ids, load_target
 from tests.tiny import tiny_model
 
 

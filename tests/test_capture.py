@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from eyas.layout import default_aux_indices
-from eyas.target import capture, decoder_parts, stream_hooks
+from eyas.target.capture import capture, decoder_parts, stream_hooks
 from tests.tiny import FAMILIES, tiny_model
 
 

@@ -204,7 +204,7 @@ def test_failed_gguf_targets_leave_nothing_in_the_cache(tmp_path, monkeypatch):
     each, and the cache holds nothing afterwards (not even the temporary folder of a conversion killed earlier)."""
     import transformers
 
-    from eyas.target import file_fingerprint
+    from eyas.target.convert import file_fingerprint
 
     # transformers' log handler binds sys.stderr when first used: the real one, not a CliRunner's closed stream
     transformers.logging.get_verbosity()
@@ -270,8 +270,8 @@ def test_eyas_source_without_a_fingerprint(files, tmp_path, monkeypatch):
     """A converted-GGUF record (eyas_source.json) that is valid JSON but holds no fingerprint: in eyas's own cache
     it is a stale entry that is converted again; in a folder the user passes it is one error line naming the file
     and the fix (never a KeyError)."""
-    import eyas.target as tg
-    from eyas.target import file_fingerprint
+    import eyas.target.load as tg
+    from eyas.target.convert import file_fingerprint
 
     # a user's folder: one error line
     folder = tmp_path / "converted"

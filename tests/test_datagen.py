@@ -24,7 +24,8 @@ from eyas.data.regen import (
     user_turn_opening,
 )
 from eyas.data.shards import MANIFEST, ShardSet, load_manifest
-from eyas.target import capture, load_target
+from eyas.target.capture import capture
+from eyas.target.load import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -475,7 +476,7 @@ def test_zero_samples_is_an_error_but_a_resumed_run_that_has_samples_is_not(tmp_
 def test_native_engine_pool_matches_each_prompt_alone(tiny_dir):
     """Regeneration on native weights (the whole decoder stack in one C call, per-row cache slots written by the
     kernel): a prompt's reply in a refilled pool is the reply it gets alone, and plain decoding's."""
-    from eyas.model import TargetModel
+    from eyas.engine.forward import TargetModel
     from tests.tiny import tiny_native
 
     t = load_target(str(tiny_dir))

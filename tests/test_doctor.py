@@ -20,9 +20,10 @@ from eyas.data.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
 from eyas.doctor.checks import run_doctor
 from eyas.doctor.inference import LayoutRanking, infer_layout, layout_candidates
 from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
+from eyas.engine.forward import TargetModel
 from eyas.layout import Layout
-from eyas.model import TargetModel
-from eyas.target import Target, identity_of, tensor_fingerprint
+from eyas.target.convert import tensor_fingerprint
+from eyas.target.load import Target, identity_of
 from eyas.train.ttt import ttt_forward
 from eyas.vocab import vocab_hash
 from tests.tiny import tiny_config
@@ -467,7 +468,7 @@ def tiny_tokenizer():
 
 def test_trace_walks_the_serving_path(pair):
     from eyas.doctor.trace import trace
-    from eyas.engine import SpecParams
+    from eyas.engine.params import SpecParams
 
     t = pair.target
     t.tokenizer = tiny_tokenizer()
@@ -491,7 +492,8 @@ def test_trace_walks_the_serving_path(pair):
     assert logit.shape[-1] == DRAFT_VOCAB and "top of the last row: 't" in logit.note
     assert len(rep.accepted) == 4 and all(len(a) >= 1 for a in rep.accepted)
     # the trace observes only: the engine's greedy output is the target's own greedy continuation
-    from eyas.engine import Engine, SamplingParams
+    from eyas.engine.decode import Engine
+    from eyas.engine.params import SamplingParams
 
     t.tokenizer = tiny_tokenizer()
     try:

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, bundled_draft_path, random_draft
-from eyas.engine import Engine, EngineError, SamplingParams, SpecParams, chat_input_ids
-from eyas.sampling import warp
-from eyas.target import Target, capture, identity_of, tensor_fingerprint
+from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.params import EngineError, SamplingParams, SpecParams
+from eyas.engine.sampling import warp
+from eyas.target.capture import capture
+from eyas.target.convert import tensor_fingerprint
+from eyas.target.load import Target, identity_of
 from eyas.train.ttt import ttt_forward
 from tests.tiny import tiny_model
 

@@ -20,7 +20,9 @@ from eyas.interop.export import ExportError, LaunchParams, export_draft
 from eyas.interop.formats import FormatError
 from eyas.interop.importer import import_draft, read_folder
 from eyas.layout import Layout
-from eyas.target import Target, capture, identity_of, tensor_fingerprint
+from eyas.target.capture import capture
+from eyas.target.convert import tensor_fingerprint
+from eyas.target.load import Target, identity_of
 from tests.tiny import tiny_config, tiny_model
 
 L = 8

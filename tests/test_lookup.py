@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eyas.lookup import lookup_chain
+from eyas.engine.lookup import lookup_chain
 
 
 def test_latest_longest_match_wins():

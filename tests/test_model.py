@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.model import SUPPORTED, ModelError, TargetModel, compact, truncate
-from eyas.target import capture
+from eyas.engine.forward import TargetModel, compact, truncate
+from eyas.target.capture import capture
+from eyas.target.family import SUPPORTED, ModelError
 from tests.tiny import tiny_model
 
 ATOL = 1e-5

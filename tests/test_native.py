@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas import kernels
-from eyas.quant import NativeError, _llama_unpermute, _match, _pack, _quantized
+from eyas.native import kernels
+from eyas.native.quant import NativeError, _llama_unpermute, _match, _pack, _quantized
 
 
 def _tree_mask(S: int, rng: random.Random) -> torch.Tensor:
@@ -181,8 +181,9 @@ def test_unsupported_quant_type_is_refused_with_the_fix():
 @pytest.mark.integration
 def test_bundled_gguf_native_mode_is_lossless_and_agrees_with_fp32():
     from eyas.draft import resolve_draft
-    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
-    from eyas.target import load_target
+    from eyas.engine.decode import Engine, chat_input_ids
+    from eyas.engine.params import SamplingParams, SpecParams
+    from eyas.target.load import load_target
 
     target = load_target("smollm2-135m")
     ckpt = resolve_draft("default", target)
@@ -207,7 +208,7 @@ def test_bundled_gguf_native_mode_is_lossless_and_agrees_with_fp32():
 def test_truncated_or_foreign_gguf_is_one_clear_error(tmp_path):
     import struct
 
-    from eyas.gguf_file import GGUFError, read_gguf_tensors
+    from eyas.native.gguf_file import GGUFError, read_gguf_tensors
 
     foreign = tmp_path / "x.gguf"
     foreign.write_bytes(b"PK\x03\x04" + bytes(40))
@@ -230,7 +231,7 @@ def test_ggml_type_table_matches_gguf_py_and_catches_k_quant_truncation(tmp_path
     decides where every tensor ends: a K-quant file cut short (the Gemma 3 GGUFs are Q4_K/Q5_0/Q6_K) is caught."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    from eyas.gguf_file import _GGML_TYPES, GGUFError, read_gguf_tensors
+    from eyas.native.gguf_file import _GGML_TYPES, GGUFError, read_gguf_tensors
     from tests.tiny import gguf_bytes
 
     theirs = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGML_QUANT_SIZES}

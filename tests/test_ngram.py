@@ -13,9 +13,8 @@ import torch
 
 from eyas.data.ngrams import NgramConfig, build_ngram
 from eyas.data.shards import KIND, MANIFEST, Sample, write_shard
-from eyas.engine import Engine, SamplingParams, SpecParams
-from eyas.files import atomic_write_json
-from eyas.ngram import (
+from eyas.engine.decode import Engine
+from eyas.engine.ngram import (
     TABLE,
     NgramError,
     NgramTable,
@@ -24,6 +23,8 @@ from eyas.ngram import (
     load_ngram,
     resolve_ngram,
 )
+from eyas.engine.params import SamplingParams, SpecParams
+from eyas.files import atomic_write_json
 from tests.test_engine import (
     PROMPTS,
     chi2_pvalue,

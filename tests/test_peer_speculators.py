@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.draft import load_draft
 from eyas.interop.export import export_draft
-from eyas.target import capture
+from eyas.target.capture import capture
 from tests.test_export import make_draft, make_target
 
 HERE = Path(__file__).parent

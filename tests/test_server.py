@@ -21,11 +21,12 @@ from typer.testing import CliRunner
 
 from eyas.cli import app as cli_app
 from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
-from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
+from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.params import SamplingParams, SpecParams
 from eyas.serve.app import ServeConfig, create_app, exposure_warning
 from eyas.serve.metrics import Metrics
 from eyas.serve.openai_schema import APIError
-from eyas.target import load_target
+from eyas.target.load import load_target
 from eyas.text import TextStream
 from tests.tiny import tiny_config
 

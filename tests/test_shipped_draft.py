@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from eyas.draft import DraftError, bundled_draft_path, check_draft_for_target, load_draft
 from eyas.layout import LayoutError
-from eyas.target import Target, identity_of, tensor_fingerprint
+from eyas.target.convert import tensor_fingerprint
+from eyas.target.load import Target, identity_of
 from tests.tiny import tiny_model
 
 SHIPPED = bundled_draft_path()
@@ -44,7 +45,8 @@ def test_shipped_draft_refuses_another_target():
 @pytest.mark.integration
 def test_default_draft_is_used_with_the_bundled_target_and_is_lossless(smollm2):
     from eyas.draft import resolve_draft
-    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
+    from eyas.engine.decode import Engine, chat_input_ids
+    from eyas.engine.params import SamplingParams, SpecParams
 
     ck = resolve_draft("default", smollm2)
     assert ck is not None and ck.path == SHIPPED
@@ -59,7 +61,7 @@ def test_default_draft_is_used_with_the_bundled_target_and_is_lossless(smollm2):
 
 
 def test_shipped_ngram_table_is_small_and_counted_over_the_targets_own_replies():
-    from eyas.ngram import bundled_ngram_path, load_ngram
+    from eyas.engine.ngram import bundled_ngram_path, load_ngram
 
     p = bundled_ngram_path()
     assert sum(f.stat().st_size for f in p.iterdir()) <= 8 << 20
@@ -72,8 +74,9 @@ def test_shipped_ngram_table_is_small_and_counted_over_the_targets_own_replies()
 
 @pytest.mark.integration
 def test_bundled_table_is_picked_for_the_bundled_target_only_and_is_lossless(smollm2):
-    from eyas.engine import Engine, SamplingParams, SpecParams, chat_input_ids
-    from eyas.ngram import bundled_ngram_path, resolve_ngram
+    from eyas.engine.decode import Engine, chat_input_ids
+    from eyas.engine.ngram import bundled_ngram_path, resolve_ngram
+    from eyas.engine.params import SamplingParams, SpecParams
 
     table = resolve_ngram("auto", smollm2)
     assert table is not None and table.path == bundled_ngram_path()

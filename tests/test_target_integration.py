@@ -3,7 +3,9 @@ import json
 import pytest
 import torch
 
-from eyas.target import capture, file_fingerprint, load_target
+from eyas.target.capture import capture
+from eyas.target.convert import file_fingerprint
+from eyas.target.load import load_target
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,8 @@ from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, write_shard
 from eyas.draft import load_draft
 from eyas.files import atomic_write_json
 from eyas.layout import LayoutError
-from eyas.target import capture, load_target, stream_norms
+from eyas.target.capture import capture, stream_norms
+from eyas.target.load import load_target
 from eyas.train.config import TrainConfig, TrainError
 from eyas.train.loop import lr_at, train
 from eyas.train.sources import Item, ShardSource, plan_epoch

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.target import decoder_parts
+from eyas.target.capture import decoder_parts
 from eyas.train.ttt import TTTError, step_counts, target_labels, ttt_forward
 from tests.tiny import tiny_model
 

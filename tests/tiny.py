@@ -61,8 +61,8 @@ def tiny_native(model):
     """Native weights for a tiny llama: every decoder matrix rounded in place to a Q4_1 grid (per 32-block
     w = d*q + m, q in 0..15) and packed for eyas's 4-bit kernel, as eyas.quant.load_native reads a GGUF: the
     engine then runs the whole decoder stack as one C call (eyas.kernels.Q4Stack)."""
-    from eyas.quant import NativeWeights, QLinear, _pack
-    from eyas.target import decoder_parts
+    from eyas.native.quant import NativeWeights, QLinear, _pack
+    from eyas.target.capture import decoder_parts
 
     def q4_1(lin):
         w = lin.weight.detach().float()

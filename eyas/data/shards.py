@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from ..errors import EyasError
 from ..files import atomic_write
 from ..layout import Layout, check_layouts
-from ..template import describe_record, same_template
+from ..target.template import describe_record, same_template
 
 MANIFEST = "manifest.json"
 KIND = "eyas-shards"

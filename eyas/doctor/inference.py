@@ -293,7 +293,8 @@ class Serving:
     else the HF forward with hooks (the only path those families have)."""
 
     def __init__(self, target, weights: str = "auto"):
-        from ..model import engine_covers, engine_model
+        from ..engine.weights import engine_model
+        from ..target.family import engine_covers
 
         self.target = target
         self.L = target.num_layers
@@ -318,7 +319,7 @@ class Serving:
         if self.fwd is not None:
             cap = self.fwd.capture(ids, want)
         else:
-            from ..target import capture
+            from ..target.capture import capture
 
             cap = capture(self.target.model, ids, want)
         parts = {k: cap.aux[0, :, i * H:(i + 1) * H] for i, k in enumerate(want)} if want else {}
@@ -333,7 +334,7 @@ def capture_path_streams(target, input_ids: torch.Tensor) -> dict[int, torch.Ten
     the HF forward with hooks, in the target's dtype). The data-layout check compares stored slices in the
     numerics they were captured in: a serving path on other numerics (native 4-bit weights with 8-bit
     activations drift ~1-3% by the last layers) must not read as a wiring fault."""
-    from ..target import capture
+    from ..target.capture import capture
 
     L, H = target.num_layers, target.hidden_size
     want = list(range(L))

@@ -108,7 +108,9 @@ def launch_command(fmt: str, target: str, draft_dir: str, p: LaunchParams) -> st
 def serving_target(spec: str) -> str:
     """What an engine's --model-path should be for an eyas target spec. A bundled GGUF name is not something
     SGLang or vLLM can load; its dequantized HF folder (the exact weights the draft was trained on) is."""
-    from ..target import BUNDLED, TargetError, bundled_gguf, cache_dir, file_fingerprint
+    from ..files import cache_dir
+    from ..target.convert import file_fingerprint
+    from ..target.family import BUNDLED, TargetError, bundled_gguf
 
     if spec not in BUNDLED:
         return spec
@@ -240,7 +242,7 @@ def default_verifier(target: str | None, recorded: str | None, name: str | None)
     """speculators' verifier.name_or_path when --verifier is not given: the public model id of a bundled target
     (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), else the target as the user named it (--target / --serve-model,
     then the draft's record). A bundled target's converted cache folder is never used: it exists only here."""
-    from ..target import public_name
+    from ..target.family import public_name
 
     for spec in (target, recorded, name):
         if public_name(spec):
@@ -251,7 +253,7 @@ def default_verifier(target: str | None, recorded: str | None, name: str | None)
 def recorded_target(ckpt: DraftCheckpoint) -> str | None:
     """The target spec a draft was made with: datagen/import write target_source, the trainer target.source;
     else the layout's target name when it is a bundled target (its name is its spec)."""
-    from ..target import BUNDLED
+    from ..target.family import BUNDLED
 
     m = ckpt.manifest
     t = m.get("target") if isinstance(m.get("target"), dict) else {}
@@ -263,7 +265,7 @@ def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
     """The token embeddings [V, H] of the draft's target (`spec`, default the draft's recorded target),
     after checking that this target is the one the draft was trained for (fingerprint included)."""
     from ..draft import check_draft_for_target
-    from ..target import load_target
+    from ..target.load import load_target
 
     spec = spec or recorded_target(ckpt)
     if not spec:

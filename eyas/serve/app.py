@@ -24,9 +24,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine import DRAFT_METHODS, EngineError, SamplingParams, chat_input_ids
+from ..engine.decode import chat_input_ids
+from ..engine.params import DRAFT_METHODS, EngineError, SamplingParams
 from ..errors import EyasError
-from ..template import ChatTemplate, TemplateError, draft_template_warning, raw_ids, use_template
+from ..target.template import ChatTemplate, TemplateError, draft_template_warning, raw_ids, use_template
 from . import openai_schema as oai
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
@@ -380,10 +381,11 @@ def build_engine(target_spec: str, draft: str, method: str | None, steps: int | 
     `chat_template` (--chat-template) is installed before the engine reads the end-of-turn tokens; without it,
     or when the tokenizer has none, the server still starts: completions need no template (template_warnings)."""
     from ..draft import check_default_draft, resolve_draft
-    from ..engine import Engine, SpecParams, tree_defaults
-    from ..model import check_engine_family
-    from ..ngram import check_ngram_spec, resolve_ngram
-    from ..target import load_target
+    from ..engine.decode import Engine
+    from ..engine.ngram import check_ngram_spec, resolve_ngram
+    from ..engine.params import SpecParams, tree_defaults
+    from ..target.family import check_engine_family
+    from ..target.load import load_target
 
     method = resolve_method(method, draft)
     tree = tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)

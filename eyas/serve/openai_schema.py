@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
-from ..engine import SEED_MAX, SEED_MIN
+from ..engine.params import SEED_MAX, SEED_MIN
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_DEPTH = 32  # JSON nesting; the deepest OpenAI request field (messages[i].content[j].text) is 5 levels down

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import EngineError
+from ..engine.params import EngineError
 from ..text import TextStream
 from .metrics import Metrics
 from .openai_schema import APIError

@@ -90,7 +90,7 @@ class Dist:
 def init_dist(device: str) -> tuple[Dist, torch.device]:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on CUDA (one GPU per local rank)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from ..target import resolve_device
+    from ..target.device import resolve_device
 
     dev = resolve_device(device)
     if world <= 1:

@@ -30,8 +30,8 @@ from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import DraftConfig, Eagle3Draft, save_draft
 from ..files import atomic_write
 from ..layout import check_layouts
-from ..target import end_token_ids
-from ..template import require_template, resolve_template, template_from_record, use_template
+from ..target.load import end_token_ids
+from ..target.template import require_template, resolve_template, template_from_record, use_template
 from ..vocab import DraftVocab, count_tokens, select_draft_vocab, stale_vocab_warning
 from .checkpoint import (
     check_resume,
@@ -262,7 +262,7 @@ class TrainResult:
 
 
 def _load_target(cfg: TrainConfig, source_desc: dict[str, Any] | None):
-    from ..target import load_target
+    from ..target.load import load_target
 
     spec = cfg.target or (source_desc or {}).get("target_source")
     if not spec:

@@ -165,7 +165,7 @@ class OnlineSource:
                  aux_indices: list[int] | None, raw: bool = False):
         # another module; imported when used
         from ..data.conversations import load_conversations, tokenize_conversation, tokenize_raw
-        from ..target import stream_norms
+        from ..target.capture import stream_norms
 
         self.target = target
         convs, skipped = load_conversations(source, num)
@@ -209,7 +209,7 @@ class OnlineSource:
         return [(-1, 0)]
 
     def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
-        from ..target import capture
+        from ..target.capture import capture
 
         ids = [self.tokens[it.key][0][:max_len] for it in items]
         mask = [self.tokens[it.key][1][:max_len] for it in items]

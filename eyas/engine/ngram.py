@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import EyasError
-from .files import atomic_folder, atomic_write_json, read_json
+from ..errors import EyasError
+from ..files import atomic_folder, atomic_write_json, read_json
 
 KIND = "eyas-ngram"
 FORMAT_VERSION = 1
@@ -165,7 +165,7 @@ def check_ngram_for_target(table: NgramTable, target) -> None:
 
 
 def bundled_ngram_path(name: str = "default") -> Path:
-    return Path(__file__).parent / "assets" / "ngram" / name
+    return Path(__file__).parent.parent / "assets" / "ngram" / name
 
 
 def check_ngram_spec(spec: str) -> None:

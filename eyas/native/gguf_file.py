@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EyasError
+from ..errors import EyasError
 
 GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block of the types eyas reads

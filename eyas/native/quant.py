@@ -18,14 +18,15 @@ stores q/k rows permuted for its RoPE layout).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..errors import EyasError
 from .gguf_file import BLOCK_BYTES, GROUP, GGUFTensor, read_gguf_tensors
-from .target import TargetError
 
 NATIVE_TYPES = tuple(BLOCK_BYTES)
 
@@ -37,7 +38,7 @@ _LAYER_TENSORS = {
 }
 
 
-class NativeError(TargetError):
+class NativeError(EyasError):
     pass
 
 
@@ -178,17 +179,15 @@ class NativeWeights:
 ACTS = ("q8", "bf16")
 
 
-def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads: int,
-                act: str = "q8") -> NativeWeights:
-    """Read `gguf`'s quantized matrices for `model` (the HF model transformers loaded from that file).
+def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torch.nn.Module, num_heads: int,
+                num_kv_heads: int, act: str = "q8") -> NativeWeights:
+    """Read `gguf`'s quantized matrices for `layers` and `head_module` (the decoder layers and output head of
+    the HF model transformers loaded from that file).
     act: the 4-bit matrices' activations: q8 (eyas/kernels.c, llama.cpp's Q8_1 per-block quantization, the
     file's exact scales) or bf16 (torch's int4 kernel, scales rounded to bf16)."""
     if act not in ACTS:
         raise NativeError(f"native activations {act!r}: expected one of {', '.join(ACTS)}")
-    from .target import decoder_parts
-
     tensors = read_gguf_tensors(gguf)
-    _, layers, _ = decoder_parts(model)
     types: dict[str, int] = {}
     out: list[dict[str, QLinear]] = []
     short = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "g",
@@ -220,7 +219,6 @@ def load_native(gguf: Path, model: torch.nn.Module, num_heads: int, num_kv_heads
             else:
                 mats.update({c: _pack(act, *parts[c]) for c in names})
         out.append(mats)
-    head_module = model.get_output_embeddings()
     hname = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     t = tensors.get(hname)
     head = None

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
-from .files import atomic_write
-from .target import TargetError, cache_dir
+from ..errors import EyasError
+from ..files import atomic_write, cache_dir
+from ..rope import rope_cos_sin
 
 _SRC = Path(__file__).with_name("kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
-class KernelError(TargetError):
+class KernelError(EyasError):
     pass
 
 
@@ -240,8 +241,6 @@ class DraftLayer:
     draft step instead of ~60 torch ops. q|k|v and gate|up are fused once here; RoPE comes from a cached table."""
 
     def __init__(self, draft: torch.nn.Module):
-        from .draft import rope_cos_sin
-
         c, L = draft.config, draft.midlayer
         a, m = L.self_attn, L.mlp
         mats = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import EyasError
+from ..errors import EyasError
 
 
 class TemplateError(EyasError):
@@ -130,7 +130,7 @@ def missing_template_message(what: str, suggest: str = "chatml") -> str:
 def _family(spec: str) -> str:
     """The model family a target spec names in its files ('' when unknown; eyas.target.target_family reads it);
     picks the built-in a refusal suggests."""
-    from .target import target_family
+    from .family import target_family
 
     try:
         return target_family(spec)[0] or ""
@@ -145,8 +145,8 @@ def peek_template(spec: str) -> str | None | object:
     """The chat template a target spec's tokenizer carries, read from its files without loading anything:
     a GGUF's `tokenizer.chat_template`, a HF folder's chat_template.jinja/.json or tokenizer_config.json.
     Returns None when it has none, _UNKNOWN when the files cannot tell (the post-load check decides)."""
-    from .gguf_file import read_gguf_metadata
-    from .target import BUNDLED, bundled_gguf
+    from ..native.gguf_file import read_gguf_metadata
+    from .family import BUNDLED, bundled_gguf
 
     try:
         if spec in BUNDLED or spec.endswith(".gguf"):

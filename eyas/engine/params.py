@@ -1,0 +1,158 @@
+"""What a decode is asked for: sampling parameters, the speculative method and its tree shape, and
+the per-device tree defaults (stated once here; help strings, the Makefile and the README read them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import EyasError
+from .weights import WEIGHTS
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # torch generators take a 64-bit seed
+DRAFT_WEIGHTS = ("auto", "q8", "fp32")
+
+
+METHODS = ("tree", "chain", "lookup", "plain")
+
+
+DRAFT_METHODS = ("tree", "chain")  # the methods an EAGLE-3 draft proposes for (lookup and plain load none)
+
+
+MIN_TEMPERATURE = 1e-6
+
+
+class EngineError(EyasError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise EngineError(f"temperature {self.temperature} < 0; use 0 for greedy or a positive value")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # fp32 logits divided by it overflow to inf and the softmax turns to NaN
+            raise EngineError(f"temperature {self.temperature} is too small to sample with; use 0 for greedy "
+                              f"decoding or a temperature >= {MIN_TEMPERATURE}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise EngineError(f"seed {self.seed} is outside the signed 64-bit range {SEED_MIN}..{SEED_MAX}; "
+                              "pass a seed in that range")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EngineError(f"top_p {self.top_p} must be in (0, 1]; use 1.0 to turn it off")
+        if self.top_k < 0:
+            raise EngineError(f"top_k {self.top_k} < 0; use 0 to turn it off")
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens {self.max_new_tokens} must be >= 1")
+        if any(not s for s in self.stop):
+            raise EngineError("stop strings must be non-empty")
+
+
+# The tree generate, serve and bench draft when none is given, per device (measured: docs/RESULTS.md, sessions
+# 6-7). On a 2-core CPU each verified row costs ~10-25% of a decode step and a draft step ~15%, so only a small
+# pruned tree plus lookup comes near plain decoding with today's draft; a GPU verifies dozens of rows for about
+# the price of one.
+TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
+                 "cuda": {"depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}}
+
+
+# method lookup's chain length (any device): replaying 80 MT-bench and 40 HumanEval plain outputs with this
+# session's native row costs (benchmarks/lookup_sim.py), lengths 2 and 3 tie for the best speedup (1.19x / 1.32x
+# over the first 128 / 256 tokens of MT-bench replies) and 3 accepts more per round; 4 loses 2-3%, 8 about 15%.
+LOOKUP_ALONE = 3
+
+
+def tree_defaults(device: str, method: str, **given) -> dict:
+    """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`; plain
+    decoding drafts nothing, so its lookup and min-prob default to off (a given value is kept, and refused by
+    SpecParams.validate); method lookup's chain defaults to LOOKUP_ALONE tokens, its min-prob to off."""
+    base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
+    if method == "plain":
+        base = {**base, "lookup": 0, "min_prob": 0.0}
+    if method == "lookup":
+        base = {**base, "lookup": LOOKUP_ALONE, "min_prob": 0.0}
+    return {k: base[k] if given.get(k) is None else given[k] for k in base}
+
+
+@dataclass
+class SpecParams:
+    method: str = "tree"  # tree | chain | lookup (the lookup chain alone: no draft) | plain
+    steps: int = 4  # chain: draft steps per round (verifies steps + 1 tokens)
+    depth: int = 4  # tree: draft depth
+    topk: int = 4  # tree: children per expanded node and frontier width
+    tokens: int = 16  # tree: verified tokens per round, root included
+    lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
+    lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
+    # tokens the engine's n-gram table (eyas.ngram) proposes in a round where context lookup found nothing:
+    # replaying 80 MT-bench plain outputs, 1 beat 2 and 3 (a table token is accepted ~30% of the time and each
+    # verified row costs ~14% of a step on a 2-core CPU)
+    ngram_tokens: int = 1
+    # tree: verify only candidates the draft gives at least this probability (cumulative along the path), so a
+    # round where the draft is unsure verifies fewer rows, down to the root alone (a plain step); 0 = off
+    min_prob: float = 0.0
+    weights: str = "auto"  # target forward: auto | native (a GGUF's quantized weights) | fp32 (eyas.model)
+    draft_weights: str = "auto"  # auto (q8 with a native target) | q8 (eyas.quant.Q8Linear) | fp32
+
+    def shape(self) -> tuple[int, int, int]:
+        """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""
+        if self.method == "chain":
+            return self.steps, 1, self.steps + 1
+        if self.method == "lookup":
+            return 0, 1, 1  # the root; the lookup chain comes on top
+        return self.depth, self.topk, self.tokens
+
+    def validate(self, draft_vocab: int | None) -> None:
+        if self.weights not in WEIGHTS:
+            raise EngineError(f"--weights {self.weights!r}: expected one of {', '.join(WEIGHTS)}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise EngineError(f"--draft-weights {self.draft_weights!r}: expected one of {', '.join(DRAFT_WEIGHTS)}")
+        if self.method not in METHODS:
+            raise EngineError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise EngineError(f"min_prob {self.min_prob} must be in [0, 1) (0 = verify every selected candidate)")
+        if self.lookup < 0 or self.lookup_ngram < 2:
+            raise EngineError(f"lookup {self.lookup} must be >= 0 and lookup_ngram {self.lookup_ngram} >= 2")
+        if self.ngram_tokens < 1:
+            raise EngineError(f"ngram_tokens {self.ngram_tokens} must be >= 1 (pass no n-gram table to turn it off)")
+        if self.method == "plain":
+            if self.lookup:
+                raise EngineError("lookup candidates are merged into a draft's tree: use method tree or chain "
+                                  "with --lookup, or --lookup 0 with method plain")
+            return
+        if self.method == "lookup":
+            if self.lookup < 1:
+                raise EngineError("method lookup verifies the lookup chain alone: give it --lookup 1 or more")
+            if self.min_prob:
+                raise EngineError("--min-prob filters a draft's candidates; method lookup drafts nothing: "
+                                  "drop --min-prob")
+            return
+        if draft_vocab is None:
+            raise EngineError(f"method {self.method!r} needs an EAGLE-3 draft; pass a draft (--draft PATH or "
+                              "--draft default) or use method 'plain'")
+        if self.method == "chain":
+            if self.steps < 1:
+                raise EngineError(f"chain steps {self.steps} < 1; use --steps 1 or more (or method 'plain')")
+            return
+        d, k, n = self.depth, self.topk, self.tokens
+        if d < 1:
+            raise EngineError(f"tree depth {d} < 1; use --depth 1 or more")
+        if k < 1:
+            raise EngineError(f"tree topk {k} < 1; use --topk 1 or more")
+        if k > draft_vocab:
+            raise EngineError(f"tree topk {k} exceeds the draft vocabulary ({draft_vocab} tokens)")
+        if k == 1 and n != d + 1:
+            raise EngineError(f"a tree with topk 1 is a chain of {d} tokens: tokens must be depth + 1 = {d + 1}, "
+                              f"got {n}. Use --tokens {d + 1}, or --topk > 1 for a wider tree")
+        cap = 1 + k + (d - 1) * k * k
+        if n < 2:
+            raise EngineError(f"tree tokens {n} < 2: it counts the root, so at least one candidate needs 2")
+        if n > cap:
+            raise EngineError(f"tree tokens {n} exceed what depth {d} x topk {k} can propose: at most "
+                              f"1 + topk + (depth-1)*topk^2 = {cap} (root included). Use --tokens <= {cap} "
+                              "or a larger --depth/--topk")

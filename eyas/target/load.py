@@ -1,0 +1,210 @@
+"""Load a target (bundled SmolLM2, HF folder, GGUF file) with its identity; the one owner of
+end-of-turn tokens."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..files import cache_dir, read_json
+from ..layout import Layout, TargetIdentity
+from .capture import decoder_parts
+from .convert import convert_gguf, file_fingerprint
+from .device import parse_dtype, resolve_device
+from .family import BUNDLED, DEFAULT_TARGET, TargetError, _gguf_of, _hf_folder, read_config
+
+
+def _first_line(e: BaseException) -> str:
+    """A library exception's first line: the error line stays one line (transformers' messages run to many)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _check_weight_files(paths: list[Path], fix: str) -> None:
+    """Open each safetensors header (cheap: the header only) so a truncated or foreign weights file is one error
+    line here rather than a SafetensorError traceback inside transformers."""
+    from safetensors import safe_open
+
+    for p in paths:
+        try:
+            with safe_open(str(p), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ... on a bad header
+            raise TargetError(f"{p} is not a readable safetensors file ({e}); {fix}") from e
+
+
+@dataclass
+class Target:
+    model: nn.Module  # a HF *ForCausalLM
+    tokenizer: Any
+    identity: TargetIdentity
+    source: str  # what the user passed
+    path: Path | None  # the HF folder it was loaded from
+    load_seconds: float = 0.0
+    gguf: Path | None = None  # the .gguf file a converted target came from (its native weights live there)
+    native_cache: Any = field(default=None, repr=False)  # eyas.quant.NativeWeights once loaded
+    chat_template: Any = field(default=None, repr=False)  # eyas.template.ChatTemplate a command installed
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.identity.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.identity.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def default_layout(self, aux_indices: list[int] | None = None) -> Layout:
+        return Layout.default_for(self.identity, aux_indices)
+
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def final_norm(self) -> nn.Module:
+        return decoder_parts(self.model)[2]
+
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+
+def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: str | None = None) -> list[int]:
+    """The tokens that end an assistant turn: the tokenizer's eos, every eos id in the model's config and
+    generation config, and the chat template's end-of-turn token (the special token right after an assistant
+    reply, e.g. <|im_end|> = 2 for SmolLM2, <|eot_id|> for Llama 3). The engine, the bench's HF baselines and
+    datagen's regeneration stop on these, and the draft vocabulary always holds them. [] when there are none,
+    unless `needed_for` says why the caller cannot do without: then a TargetError."""
+    ids: set[int] = set()
+    cands = [getattr(tokenizer, "eos_token_id", None)]
+    if model is not None:
+        cands.append(getattr(model.config, "eos_token_id", None))
+        gc = getattr(model, "generation_config", None)
+        if gc is not None:
+            cands.append(getattr(gc, "eos_token_id", None))
+    for c in cands:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, (list, tuple)):
+            ids.update(int(x) for x in c)
+    sentinel = "EYASSENTINEL"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": sentinel}], tokenize=False)
+    except Exception:  # no chat template (or a tokenizer stand-in without one): the eos ids alone
+        text = ""
+    if isinstance(text, str) and sentinel in text:
+        rest = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
+        # all_special_ids holds only the named specials (bos/eos/unk/pad/...); a GGUF tokenizer marks its turn
+        # delimiters (Gemma's <end_of_turn> = 106) special in added_tokens_decoder alone, so ask both
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        if rest and (rest[0] in tokenizer.all_special_ids
+                     or (rest[0] in added and getattr(added[rest[0]], "special", False))):
+            ids.add(int(rest[0]))
+    if not ids and needed_for:
+        raise TargetError("the target has no end-of-turn token (no eos id in its tokenizer, model config or "
+                          f"generation config, and no end token in its chat template): {needed_for}")
+    return sorted(ids)
+
+
+def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIdentity:
+    cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return TargetIdentity(
+        architecture=(model.config.architectures or [type(model).__name__])[0],
+        model_type=cfg.model_type,
+        num_layers=int(cfg.num_hidden_layers),
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=int(cfg.vocab_size),
+        fingerprint=fingerprint,
+        name=name,
+    )
+
+
+def _cache_entry_ok(folder: Path, fp: str) -> bool:
+    """Whether a converted-GGUF cache folder can be used: a config.json and an eyas_source.json that records
+    this GGUF's fingerprint. A folder without them (an older eyas's, a torn or hand-edited record) is a stale
+    cache entry: the caller converts the GGUF again rather than trusting or refusing it."""
+    if not (folder / "config.json").exists():
+        return False
+    try:
+        meta = json.loads((folder / "eyas_source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("fingerprint") == fp
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", device: str = "cpu",
+                trust_remote_code: bool = False) -> Target:
+    """`spec`: a bundled name (smollm2-135m), a HF model folder, or a .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dev = resolve_device(device)
+    gguf = _gguf_of(spec)
+    if gguf is not None:
+        fp = file_fingerprint([gguf])
+        folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
+        if not _cache_entry_ok(folder, fp):  # absent, or stale: converted again (atomically replaced)
+            from ..native.gguf_file import read_gguf_tensors
+
+            read_gguf_tensors(gguf)  # a truncated or foreign file: one clear error before transformers reads it
+            convert_gguf(gguf, folder)
+        name = spec if spec in BUNDLED else gguf.name
+        fix = f"the converted copy of {gguf.name} is damaged: delete {folder} and rerun (eyas converts it again)"
+    else:
+        folder = _hf_folder(spec)
+        fp = ""
+        name = folder.name
+        fix = "the model folder is damaged: copy or save it again"
+    read_config(folder, fix)  # a garbage config.json: one line, before transformers reads it
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise TargetError(f"{folder} holds no *.safetensors weights; eyas loads safetensors only "
+                          "(convert .bin checkpoints with transformers' save_pretrained first)")
+    _check_weight_files(weights, fix)
+    fp = fp or file_fingerprint(weights)
+    src = folder / "eyas_source.json"
+    if src.exists():  # a converted GGUF keeps the GGUF's identity (and its native weights, if still there)
+        meta = read_json(src, TargetError, fix)
+        if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), str):
+            raise TargetError(f"{src} records no 'fingerprint' (expected the GGUF's, as eyas writes it when it "
+                              "converts one), so the folder's identity is unknown; delete that file to identify "
+                              "the folder by its own weights, or pass the .gguf itself as --target")
+        fp = meta["fingerprint"]
+        if gguf is None and Path(meta.get("gguf", "")).is_file() and file_fingerprint([Path(meta["gguf"])]) == fp:
+            gguf = Path(meta["gguf"])
+    try:  # before the weights: a missing tokenizer fails in a second, not after a long load
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot build: the user's folder
+        raise TargetError(f"transformers could not load the tokenizer of {folder} ({type(e).__name__}: "
+                          f"{_first_line(e)}); the folder needs the model's tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json: save the tokenizer into it with save_pretrained)") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from (no model_type, an
+        # unknown architecture, wrong field types, weights of other shapes): the user's folder, not a bug in eyas
+        raise TargetError(f"transformers could not load a causal LM from {folder} ({type(e).__name__}: "
+                          f"{_first_line(e)}); {fix}") from e
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    ident = identity_of(model, fp, name)
+    return Target(model=model, tokenizer=tok, identity=ident, source=spec, path=folder,
+                  load_seconds=time.perf_counter() - t0, gguf=gguf)
