@@ -1,0 +1,292 @@
+"""eyas doctor serving: the Prometheus reader, the verdict on synthetic counters, the one-line errors (a closed
+port, a server that is not vLLM), and, with vLLM installed, three real `vllm serve` processes: the right export
+passes, an export with aux ids shifted by one and one without d2t fail with the cause named."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eyas.cli import app
+from eyas.doctor.serving import (
+    Prediction,
+    ServerClient,
+    ServingError,
+    SpecCounters,
+    judge,
+    parse_prometheus,
+    spec_counters,
+)
+
+# what vLLM 0.32 writes (vllm/v1/spec_decode/metrics.py SpecDecodingProm): counters with _total, a model_name and
+# an engine label, one per-position series per draft position; two engines here (data parallel) to be summed
+VLLM_METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 20.0
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 300.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 60.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 90.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 50.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="2"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",position="0"} 1.7e+09
+vllm:generation_tokens_total{engine="0",model_name="m"} 2.5e+02
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1e3
+vllm:num_requests_running{engine="0",model_name="m"} NaN
+"""
+
+
+def test_prometheus_text_is_parsed_and_summed_over_engines():
+    s = parse_prometheus(VLLM_METRICS + 'weird{label="a \\"quoted\\" b"} 1\nnot a sample line\n')
+    assert s["weird"] == [({"label": 'a "quoted" b'}, 1.0)]
+    c = spec_counters(VLLM_METRICS)
+    assert (c.drafts, c.draft_tokens, c.accepted) == (120, 360, 100)
+    assert c.per_pos == [56, 33, 11] and c.k == 3  # the _created series is not a count
+    assert c.generation_tokens == 250 and c.prompt_tokens == 1000
+    d = c.minus(SpecCounters(20, 60, 10, [6, 3, 1], 0, 0))
+    assert d.per_pos == [50, 30, 10] and d.drafts == 100 and abs(d.tau() - 1.9) < 1e-9
+    with pytest.raises(ServingError, match="restarted"):
+        c.minus(SpecCounters(0, 0, 0, [0, 0], 0, 0))
+
+
+@pytest.mark.parametrize("text, says", [
+    ("<html><body>hello</body></html>", "not Prometheus text"),
+    ("# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length{model_name=\"m\"} 1.9\n", "SGLang"),
+    ("# TYPE eyas_requests_total counter\neyas_requests_total 3\n", "no vllm:\\* metrics"),
+    ("vllm:num_requests_running{engine=\"0\"} 0\n", "without speculative decoding"),
+])
+def test_pages_that_are_not_a_speculating_vllm_are_one_clear_line(text, says):
+    with pytest.raises(ServingError, match=says) as e:
+        spec_counters(text, "http://h:1")
+    assert "\n" not in str(e.value)
+
+
+def counters(per_pos, drafts, gen=None) -> SpecCounters:
+    return SpecCounters(drafts, drafts * len(per_pos), sum(per_pos), list(per_pos), None, gen)
+
+
+def test_verdict_on_synthetic_counters():
+    mine = Prediction([40, 20, 10], 100, [[1, 2]])
+    assert judge(counters([40, 20, 10], 100), mine, True).status == "pass"
+    close = judge(counters([45, 18, 12], 104), mine, False)  # other numerics: a few tokens differ
+    assert close.status == "pass" and "within 0.1" in close.line and close.notes
+    v = judge(counters([2, 0, 0], 150), mine, True)  # drafted tokens are never the target's
+    assert v.status == "fail" and "vocab map" in v.line
+    v = judge(counters([15, 5, 1], 130), mine, True)  # position 0 collapses, not to zero
+    assert v.status == "fail" and "aux layer ids" in v.line
+    v = judge(counters([40, 5, 1], 120), mine, True)  # position 0 agrees, later steps do not
+    assert v.status == "fail" and "later steps" in v.line
+    v = judge(counters([70, 50, 30], 80), mine, True)
+    assert v.status == "fail" and "another draft" in v.line
+    v = judge(counters([10, 2, 0], 150), mine, False)
+    assert v.status == "fail" and "different target" in v.line
+    v = judge(counters([0, 0, 0], 0), mine, True)
+    assert v.status == "fail" and "drafted nothing" in v.line
+    for verdict in (v, close):
+        assert "\n" not in verdict.line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_closed_port_is_one_line(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # bound and released: nothing listens there
+    with pytest.raises(ServingError, match="cannot reach"):
+        ServerClient(url, timeout=5).counters()
+    r = CliRunner().invoke(app, ["doctor", "serving", "--url", url, "--draft", "default", "--timeout", "5"])
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot reach"), r.output
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://h/x", "http:// spaced", ""])
+def test_bad_urls_are_refused(url):
+    with pytest.raises(ServingError, match="--url"):
+        ServerClient(url)
+
+
+class _Page(BaseHTTPRequestHandler):
+    """A real HTTP server that is not vLLM: what it answers per path is set on the server object."""
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        code, body = self.server.pages.get(self.path, (404, "not found"))
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def page_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    srv.pages = {}
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.parametrize("pages, says", [
+    ({}, "answered 404: not an OpenAI-compatible vLLM"),
+    ({"/metrics": (401, "no")}, "--api-key"),
+    ({"/metrics": (200, "<html>a web page</html>")}, "not Prometheus text"),
+    ({"/metrics": (200, "vllm:num_requests_running 0\n")}, "without speculative decoding"),
+])
+def test_servers_that_are_not_a_speculating_vllm(page_server, pages, says):
+    page_server.pages = pages
+    url = f"http://127.0.0.1:{page_server.server_address[1]}"
+    r = CliRunner().invoke(app, ["doctor", "serving", "--url", url, "--draft", "default", "--timeout", "5"])
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and says in lines[0], r.output
+
+
+def test_k_mismatch_is_refused_before_the_target_loads(page_server):
+    page_server.pages = {"/metrics": (200, VLLM_METRICS)}
+    url = f"http://127.0.0.1:{page_server.server_address[1]}"
+    r = CliRunner().invoke(app, ["doctor", "serving", "--url", url, "--draft", "default", "--k", "5"])
+    assert r.exit_code == 2 and "--k 5, but the server drafts 3" in r.output, r.output
+
+
+# ---- live vLLM servers ------------------------------------------------------------------------------
+
+K = 3
+PROMPTS, NEW_TOKENS = 3, 48  # small: CI has 2 cores and each server start costs minutes
+TIMINGS: dict[str, float] = {}
+
+
+def _vllm_python() -> Path | None:
+    from eyas.vllm.env import VllmError, vllm_python
+
+    try:
+        return vllm_python(needed_for="the live doctor serving tests")
+    except VllmError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """The bundled draft exported for vLLM by eyas, and two planted faults made from that export."""
+    from safetensors.torch import load_file, save_file
+
+    from eyas.interop.export import export_draft
+    from eyas.target.load import load_target
+
+    root = tmp_path_factory.mktemp("serving")
+    target = load_target("smollm2-135m")
+    right = export_draft("default", "vllm", root / "right").path
+    shifted, nod2t = root / "shifted", root / "nod2t"
+    shutil.copytree(right, shifted)
+    cfg = json.loads((shifted / "config.json").read_text())
+    # SGLang's output-of ids (one below) placed where vLLM reads input-of ids
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    (shifted / "config.json").write_text(json.dumps(cfg, indent=2))
+    shutil.copytree(right, nod2t)
+    sd = load_file(nod2t / "model.safetensors")
+    del sd["d2t"]
+    save_file(sd, nod2t / "model.safetensors")
+    return target, {"right": right, "shifted": shifted, "nod2t": nod2t}
+
+
+def _start(py: Path, model: Path, draft: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": K})
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config", spec]
+    with open(log, "w") as f:
+        # its own session, so the whole process group (API server, engine core, worker) can be ended at teardown
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def _stop(p: subprocess.Popen) -> None:
+    import signal
+
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module", params=["right", "shifted", "nod2t"])
+def vllm_server(request, exports, tmp_path_factory):
+    """One real vLLM server per export; pytest runs a parametrized module fixture one parameter at a time, so
+    only one server lives at once (2 cores)."""
+    py = _vllm_python()
+    if py is None:
+        pytest.skip("no vLLM python found (make vllm builds .venv-vllm, or set $EYAS_VLLM_PYTHON)")
+    import httpx
+
+    target, paths = exports
+    log = tmp_path_factory.mktemp("vllm-log") / f"{request.param}.log"
+    t0 = time.perf_counter()
+    p, url = _start(py, target.path, paths[request.param], log)
+    try:
+        while True:
+            if p.poll() is not None:
+                pytest.fail(f"vllm serve exited ({p.returncode}); its log:\n" + log.read_text()[-3000:])
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 900:
+                pytest.fail("vllm serve did not come up in 15 minutes; its log:\n" + log.read_text()[-3000:])
+            time.sleep(2)
+        TIMINGS[f"start {request.param}"] = time.perf_counter() - t0
+        print(f"\nvllm serve ({request.param}) up in {TIMINGS[f'start {request.param}']:.0f} s")
+        yield request.param, url, target
+    finally:
+        _stop(p)
+
+
+@pytest.mark.vllm
+def test_live_server_verdict(vllm_server):
+    from eyas.bench.prompts import load_prompts
+    from eyas.doctor.serving import check_server, render_serving
+    from eyas.engine.decode import chat_input_ids
+
+    name, url, target = vllm_server
+    ids = [chat_input_ids(target.tokenizer, r.messages) for r in load_prompts("mt-bench", limit=PROMPTS)]
+    t0 = time.perf_counter()
+    rep = check_server(url, target, "default", ids, max_new_tokens=NEW_TOKENS)
+    TIMINGS[f"check {name}"] = time.perf_counter() - t0
+    lines: list[str] = []
+    render_serving(rep, lines.append)
+    print("\n" + "\n".join(lines) + f"\n(check {TIMINGS[f'check {name}']:.0f} s)")
+    assert rep.k == K and rep.same_tokens == PROMPTS  # same target, same numerics: identical greedy text
+    if name == "right":
+        assert rep.ok and "equal eyas's prediction exactly" in rep.verdict.line
+    elif name == "shifted":
+        assert not rep.ok and "aux layer ids" in rep.verdict.line
+    else:
+        assert not rep.ok and "vocab map" in rep.verdict.line and rep.reproduced_by == "d2t_missing"
