@@ -549,6 +549,55 @@ def doctor_trace(
         render_trace(rep)
 
 
+@doctor_app.command("serving")
+def doctor_serving(
+    url: str = typer.Option(..., "--url", help="the running vLLM server, e.g. http://127.0.0.1:8000"),
+    draft: str = typer.Option(..., "--draft", help="the eyas draft the server's export was made from (or 'default')"),
+    target: str = TargetOpt,
+    k: int = typer.Option(None, "--k", help="the server's num_speculative_tokens (default: read from its /metrics)"),
+    prompts: int = typer.Option(4, "--prompts", help="MT-bench questions to send (first turn, stratified)"),
+    bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="max_tokens per request (and for eyas)"),
+    api_key: str = typer.Option(None, "--api-key", help="sent as 'Authorization: Bearer KEY'"),
+    timeout: float = typer.Option(120.0, "--timeout", help="seconds per HTTP request"),
+    weights: str = typer.Option("fp32", "--weights", help="eyas's target forward for the prediction: fp32 (the HF "
+                                "weights, what vLLM runs) | native | auto"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    device: str = DeviceOpt,
+) -> None:
+    """Live check of a vLLM server: its spec-decode acceptance per position vs eyas's prediction for the same draft,
+    prompts and chain length; a failure names the likely cause. Exit 0 on pass, 1 on fail."""
+    import sys
+
+    from .bench.prompts import load_prompts
+    from .doctor.report import jsonable
+    from .doctor.serving import ServerClient, check_server, render_serving
+    from .engine.decode import chat_input_ids
+    from .target.load import load_target
+
+    with user_errors():
+        probe = ServerClient(url, api_key, timeout)  # a bad or unreachable URL fails before the target loads
+        try:
+            found = probe.counters()
+        finally:
+            probe.close()
+        if k is not None and k != found.k:
+            fail(f"--k {k}, but the server drafts {found.k} tokens per round (its per-position counters); drop --k "
+                 f"or pass --k {found.k}")
+        rows = load_prompts(bench_set, limit=prompts)
+        tgt = load_target(target, dtype="fp32", device=device)
+        ids = [chat_input_ids(tgt.tokenizer, r.messages) for r in rows]
+        rep = check_server(url, tgt, draft, ids, k=k, max_new_tokens=max_new_tokens, api_key=api_key,
+                           timeout=timeout, weights=weights,
+                           log=None if json_out else (lambda m: typer.echo(m, err=True)))
+    if json_out:
+        typer.echo(json.dumps(jsonable(rep.to_dict()), indent=2))
+    else:
+        render_serving(rep, typer.echo)
+    sys.stdout.flush()
+    raise typer.Exit(0 if rep.ok else 1)
+
+
 @app.command()
 def generate(
     target: str = TargetOpt,
