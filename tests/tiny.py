@@ -61,7 +61,7 @@ def tiny_native(model):
     """Native weights for a tiny llama: every decoder matrix rounded in place to a Q4_1 grid (per 32-block
     w = d*q + m, q in 0..15) and packed for eyas's 4-bit kernel, as eyas.quant.load_native reads a GGUF: the
     engine then runs the whole decoder stack as one C call (eyas.kernels.Q4Stack)."""
-    from eyas.native.quant import NativeWeights, QLinear, _pack
+    from eyas.native.quant import F32Matrix, NativeWeights, _pack
     from eyas.target.capture import decoder_parts
 
     def q4_1(lin):
@@ -85,4 +85,4 @@ def tiny_native(model):
         out.append({"qkv": _pack("q8", "Q4_1", *cat["qkv"], None), "o": _pack("q8", "Q4_1", *parts["o"], None),
                     "gu": _pack("q8", "Q4_1", *cat["gu"], None), "d": _pack("q8", "Q4_1", *parts["d"], None)})
     w = model.get_output_embeddings().weight.detach().float().contiguous()
-    return NativeWeights(out, QLinear("f32", w.shape[0], w.shape[1], w, torch.empty(0), None), {"Q4_1": 7 * len(out)})
+    return NativeWeights(out, F32Matrix(w.shape[0], w.shape[1], w, torch.empty(0), None), {"Q4_1": 7 * len(out)})

@@ -11,6 +11,7 @@ k = L the last layer's output before the final norm. Capture is a by-product of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,29 +89,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @dataclass
+class DenseLinear:
+    """An HF weight (and bias) used in place: x [..., K] -> [..., N] through torch's own matmul."""
+    w: torch.Tensor  # [N, K]
+    b: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w, self.b)
+
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]  # DenseLinear, or one of eyas.native.quant's QLinear kinds
+
+
+@dataclass
 class _Layer:
-    """References to one decoder layer's tensors (no copies)."""
+    """One decoder layer: its norms (references, no copies) and its matrices as callables: qkv (or q, k, v), o,
+    gu (or g, u) and d, each DenseLinear over the HF weights or a native quantized kind."""
     ln1: torch.Tensor
     ln2: torch.Tensor
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    mats: dict[str, Matmul]
     qn: torch.Tensor | None  # qwen3 per-head q/k RMSNorm weights
     kn: torch.Tensor | None
-    wg: torch.Tensor
-    wu: torch.Tensor
-    wd: torch.Tensor
-    bg: torch.Tensor | None
-    bu: torch.Tensor | None
-    bd: torch.Tensor | None
     act: nn.Module | None  # None = silu (fast path)
     ln_post_attn: torch.Tensor | None = None  # gemma's sandwich norms (then ln2 is the pre-MLP norm)
     ln_post_ff: torch.Tensor | None = None
+
+
+def _dense(l: nn.Module) -> dict[str, Matmul]:
+    a, m = l.self_attn, l.mlp
+    return {n: DenseLinear(lin.weight, lin.bias) for n, lin in (
+        ("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("g", m.gate_proj), ("u", m.up_proj),
+        ("d", m.down_proj))}
 
 
 def _check_family(model: nn.Module):
@@ -171,37 +180,40 @@ class TargetModel:
         # gemma: local (sliding) and global layers have their own RoPE base; HF's rotary takes the layer type
         self.rope_keys = list(cfg.layer_types) if gemma else [None] * len(layers)
         self.layers: list[_Layer] = []
-        for l in layers:
-            a, m = l.self_attn, l.mlp
+        for i, l in enumerate(layers):
+            a = l.self_attn
             act_name = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "silu")
             self.layers.append(_Layer(
                 ln1=l.input_layernorm.weight,
                 ln2=(l.pre_feedforward_layernorm if gemma else l.post_attention_layernorm).weight,
                 ln_post_attn=l.post_attention_layernorm.weight if gemma else None,
                 ln_post_ff=l.post_feedforward_layernorm.weight if gemma else None,
-                wq=a.q_proj.weight, bq=a.q_proj.bias, wk=a.k_proj.weight, bk=a.k_proj.bias,
-                wv=a.v_proj.weight, bv=a.v_proj.bias, wo=a.o_proj.weight, bo=a.o_proj.bias,
+                mats=native.layers[i] if native is not None else _dense(l),
                 qn=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 kn=a.k_norm.weight if hasattr(a, "k_norm") else None,
-                wg=m.gate_proj.weight, wu=m.up_proj.weight, wd=m.down_proj.weight,
-                bg=m.gate_proj.bias, bu=m.up_proj.bias, bd=m.down_proj.bias,
-                act=None if act_name == "silu" else m.act_fn,
+                act=None if act_name == "silu" else l.mlp.act_fn,
             ))
         qn = getattr(layers[0].self_attn, "q_norm", None)
         self.qk_eps = float(getattr(qn, "variance_epsilon", None) or qn.eps) if qn is not None \
             else self.eps
-        # the fused native layer (eyas/kernels.c glue) covers the plain llama layer: int4 matrices, no biases,
-        # no q/k norms, SiLU; anything else runs the same native matrices through torch ops
-        self.fused = native is not None and all(
-            {"qkv", "o", "gu", "d"} <= set(m) and all(q.kind in ("q4", "int4") and q.bias is None for q in m.values())
-            for m in native.layers) and all(L.qn is None and L.act is None and L.ln_post_attn is None
-                                            for L in self.layers) and self.embed_scale is None
-        # every matrix in eyas's 4-bit kernel: the whole stack runs as one C call
-        self.q4_stack = kernels.Q4Stack(
-            native.layers, [L.ln1.float().contiguous() for L in self.layers],
-            [L.ln2.float().contiguous() for L in self.layers], self.eps, self.num_heads, self.num_kv_heads,
-            self.head_dim) if self.fused and all(q.kind == "q4" for m in native.layers for q in m.values()) \
-            else None
+        self.stack = self._fused_stack()
+
+    def _fused_stack(self) -> kernels.Q4Stack | Bf16Stack | None:
+        """The decoder stack as one object when native weights cover the plain llama layer (4-bit matrices, no
+        biases, no q/k norms, SiLU): every matrix in eyas's 4-bit kernel runs the whole stack as one C call
+        (kernels.Q4Stack); int4 ones run a few calls per layer (Bf16Stack). Anything else: the layer loop."""
+        nat = self.native
+        if nat is None or self.embed_scale is not None or any(
+                L.qn is not None or L.act is not None or L.ln_post_attn is not None for L in self.layers):
+            return None
+        if not all({"qkv", "o", "gu", "d"} <= set(m) and all(q.four_bit and q.bias is None for q in m.values())
+                   for m in nat.layers):
+            return None
+        if all(q.kind == "q4" for m in nat.layers for q in m.values()):
+            return kernels.Q4Stack(nat.layers, [L.ln1.float().contiguous() for L in self.layers],
+                                   [L.ln2.float().contiguous() for L in self.layers], self.eps, self.num_heads,
+                                   self.num_kv_heads, self.head_dim)
+        return Bf16Stack(nat.layers, self.layers, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
 
     @property
     def device(self) -> torch.device:
@@ -278,74 +290,79 @@ class TargetModel:
             cos, sin = self.rotary(x, position_ids) if key is None else self.rotary(x, position_ids, key)
             rope[key] = cos[:, None], sin[:, None]
         window_masks = self._window_masks(mask, position_ids, start, T, rows is not None)
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        gqa = nh != nkv
-        nat = self.native.layers if self.native is not None else None
-        if self.fused:
+        masks = [window_masks.get(w, mask) for w in self.windows]
+        if self.stack is not None:
             cos, sin = rope[None]
-            masks = [window_masks.get(w, mask) for w in self.windows]
-            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), cache, start, masks, want,
-                                   store, None if slots is None else slots.to(torch.int64).contiguous())
-        for i, L in enumerate(self.layers if not self.fused else []):
-            if i in want:
-                store[i] = x
-            h = self._norm(x, L.ln1, self.eps)
-            if nat is not None and "qkv" in nat[i]:
-                q, k, v = nat[i]["qkv"](h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            elif nat is not None:
-                q, k, v = nat[i]["q"](h), nat[i]["k"](h), nat[i]["v"](h)
-            else:
-                q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
-            q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
-            if L.qn is not None:
-                q, k = self._norm(q, L.qn, self.qk_eps), self._norm(k, L.kn, self.qk_eps)
-            cos, sin = rope[self.rope_keys[i]]
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, S, hd]
-            if rows is None:
-                cache.k[i, :, :, start:T] = k
-                cache.v[i, :, :, start:T] = v.transpose(1, 2)
-            else:
-                cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
-                cache.v[i][rows, :, slots] = v[:, 0]
-            m = window_masks.get(self.windows[i], mask)
-            if kernel:
-                o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, m, self.scale)
-                o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
-            else:
-                o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=m,
-                                                   scale=self.scale, enable_gqa=gqa)  # [B, nh, S, hd]
-                o = o.transpose(1, 2).reshape(B, S, nh * hd)
-            o = nat[i]["o"](o) if nat is not None else F.linear(o, L.wo, L.bo)
-            if L.ln_post_attn is not None:  # gemma: sandwich norms around both blocks
-                x = x + self._norm(o, L.ln_post_attn, self.eps)
-            else:
-                x = x + o
-            h = self._norm(x, L.ln2, self.eps)
-            if nat is not None and "gu" in nat[i]:
-                g, u = nat[i]["gu"](h).chunk(2, dim=-1)
-            elif nat is not None:
-                g, u = nat[i]["g"](h), nat[i]["u"](h)
-            else:
-                g, u = F.linear(h, L.wg, L.bg), F.linear(h, L.wu, L.bu)
-            g = F.silu(g) if L.act is None else L.act(g)
-            y = nat[i]["d"](g * u) if nat is not None else F.linear(g * u, L.wd, L.bd)
-            x = x + (self._norm(y, L.ln_post_ff, self.eps) if L.ln_post_ff is not None else y)
+            x = self.stack(x.float().contiguous(), cos[:, 0].contiguous(), sin[:, 0].contiguous(), cache.k, cache.v,
+                           start, masks, self.scale, want, store, None if slots is None else
+                           slots.to(torch.int64).contiguous())
+        else:
+            for i, L in enumerate(self.layers):
+                if i in want:
+                    store[i] = x
+                h = self._attention(i, L, self._norm(x, L.ln1, self.eps), rope[self.rope_keys[i]], cache, start,
+                                    masks[i], kernel, rows, slots)
+                x = x + (self._norm(h, L.ln_post_attn, self.eps) if L.ln_post_attn is not None else h)
+                y = self._mlp(L, self._norm(x, L.ln2, self.eps))
+                x = x + (self._norm(y, L.ln_post_ff, self.eps) if L.ln_post_ff is not None else y)
         aux = final = None
         if capture is not None:
             store[self.num_layers] = x
             aux = torch.cat([store[k] for k in capture], dim=-1) if capture else None
             final = x
-        out_logits = None
+        return ForwardOut(self._logits(x, logits), aux, final)
+
+    def _attention(self, i: int, L: _Layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   cache: KVCache, start: int, m: torch.Tensor | None, kernel: bool, rows: torch.Tensor | None,
+                   slots: torch.Tensor | None) -> torch.Tensor:
+        """Layer i's attention block: normed h [B, S, H] -> o_proj output [B, S, H]; writes its K/V to the cache."""
+        B, S, _ = h.shape
+        T = start + S
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        w = L.mats
+        if "qkv" in w:
+            q, k, v = w["qkv"](h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        else:
+            q, k, v = w["q"](h), w["k"](h), w["v"](h)
+        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
+        if L.qn is not None:
+            q, k = self._norm(q, L.qn, self.qk_eps), self._norm(k, L.kn, self.qk_eps)
+        cos, sin = rope
+        q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
+        k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, S, hd]
+        if rows is None:
+            cache.k[i, :, :, start:T] = k
+            cache.v[i, :, :, start:T] = v.transpose(1, 2)
+        else:
+            cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
+            cache.v[i][rows, :, slots] = v[:, 0]
+        if kernel:
+            o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, m, self.scale)
+            o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
+        else:
+            o = F.scaled_dot_product_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], attn_mask=m,
+                                               scale=self.scale, enable_gqa=nh != nkv)  # [B, nh, S, hd]
+            o = o.transpose(1, 2).reshape(B, S, nh * hd)
+        return w["o"](o)
+
+    @staticmethod
+    def _mlp(L: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """Gated MLP: normed h [B, S, H] -> [B, S, H]."""
+        w = L.mats
+        g, u = w["gu"](h).chunk(2, dim=-1) if "gu" in w else (w["g"](h), w["u"](h))
+        g = F.silu(g) if L.act is None else L.act(g)
+        return w["d"](g * u)
+
+    def _logits(self, x: torch.Tensor, logits: str | torch.Tensor) -> torch.Tensor | None:
         if isinstance(logits, torch.Tensor):
-            out_logits = self.head(x[:, logits])
-        elif logits == "last":
-            out_logits = self.head(x[:, -1:])
-        elif logits == "all":
-            out_logits = self.head(x)
-        elif logits != "none":
+            return self.head(x[:, logits])
+        if logits == "last":
+            return self.head(x[:, -1:])
+        if logits == "all":
+            return self.head(x)
+        if logits != "none":
             raise ModelError(f"logits={logits!r}: expected 'last', 'all', 'none' or a row index tensor")
-        return ForwardOut(out_logits, aux, final)
+        return None
 
     def _window_masks(self, mask: torch.Tensor | None, position_ids: torch.Tensor, start: int, T: int,
                       slot_is_position: bool) -> dict[int, torch.Tensor]:
@@ -364,28 +381,6 @@ class TargetModel:
             near = (position_ids[:, :, None] - kpos[:, None, :]) < w  # [B, S, T]
             out[w] = near[:, None] if mask is None else mask & near[:, None]
         return out
-
-    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                      masks: list[torch.Tensor | None], want: set[int], store: dict[int, torch.Tensor],
-                      slots: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder layers in native mode, a few calls each: x [B, S, H] fp32 -> stream L [B, S, H].
-        slots int64 [B] (S = 1): row b's K/V go to cache slot slots[b] (see forward)."""
-        nat = self.native.layers
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        x = x.float().contiguous()  # updated in place by the kernels
-        if self.q4_stack is not None:
-            return self.q4_stack(x, cos, sin, cache.k, cache.v, start, masks, self.scale, want, store, slots)
-        pending = None  # the previous layer's MLP output, added by the next norm
-        for i, L in enumerate(self.layers):
-            h = kernels.add_rms_bf16(x, pending, L.ln1, self.eps)  # [B, S, H] bf16; x is now stream i
-            if i in want:
-                store[i] = x.clone()
-            qkv = nat[i]["qkv"].mm_bf16(h)  # [B, S, (nh + 2 nkv) hd] bf16
-            o = kernels.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], start, masks[i], self.scale, nh, nkv,
-                                    hd, slots)
-            h = kernels.add_rms_bf16(x, nat[i]["o"].mm_bf16(o), L.ln2, self.eps)
-            pending = nat[i]["d"].mm_bf16(kernels.silu_mul_bf16(nat[i]["gu"].mm_bf16(h)))
-        return x + pending.float()
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""
@@ -407,3 +402,27 @@ class TargetModel:
         out = self.forward(input_ids.to(self.device), pos, cache, capture=list(indices), logits=logits)
         post = self._norm(out.final, self.norm_weight, self.eps)
         return Capture(aux=out.aux, final_prenorm=out.final, final_postnorm=post, logits=out.logits)
+
+
+class Bf16Stack:
+    """The decoder stack over torch's int4 kernel with bf16 activations, a few calls per layer: the same call
+    shape as kernels.Q4Stack (x [B, S, H] fp32 -> stream L [B, S, H]; store[i] gets stream i for i in want)."""
+
+    def __init__(self, mats: list[dict], layers: list[_Layer], eps: float, nh: int, nkv: int, hd: int):
+        self.mats, self.layers, self.eps = mats, layers, eps
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 start: int, masks: list[torch.Tensor | None], scale: float, want: set[int],
+                 store: dict[int, torch.Tensor], slots: torch.Tensor | None = None) -> torch.Tensor:
+        pending = None  # the previous layer's MLP output, added by the next norm
+        for i, (L, w) in enumerate(zip(self.layers, self.mats, strict=True)):
+            h = kernels.add_rms_bf16(x, pending, L.ln1, self.eps)  # [B, S, H] bf16; x is now stream i
+            if i in want:
+                store[i] = x.clone()
+            qkv = w["qkv"].mm_bf16(h)  # [B, S, (nh + 2 nkv) hd] bf16
+            o = kernels.rope_attend(qkv, cos, sin, k[i], v[i], start, masks[i], scale, self.nh, self.nkv, self.hd,
+                                    slots)
+            h = kernels.add_rms_bf16(x, w["o"].mm_bf16(o), L.ln2, self.eps)
+            pending = w["d"].mm_bf16(kernels.silu_mul_bf16(w["gu"].mm_bf16(h)))
+        return x + pending.float()

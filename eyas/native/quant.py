@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -46,41 +47,81 @@ class NativeError(EyasError):
 
 @dataclass
 class QLinear:
-    """One quantized matrix [N, K] in the form its kernel reads."""
-    kind: str  # "q4" (eyas 4-bit x 8-bit kernel), "int4" (torch int4 kernel), "q8" (eyas q8) or "f32"
+    """One quantized matrix [N, K] in the form its kernel reads; each subclass is one kind (layout of `w`).
+    Called as x [..., K] fp32 -> [..., N] fp32, like torch's Linear."""
+    kind: ClassVar[str] = ""
+    four_bit: ClassVar[bool] = False  # the 4-bit kinds also offer mm_bf16 (the fused bf16 stack reads it)
     n: int
     k: int
-    w: torch.Tensor  # q4: uint8 [N/8, K/32, 192] (kernels.pack_q4); int4: from _convert_weight_to_int4pack_for_cpu;
-    # q8: act q8 uint8 [N/8, K/32, 288] (kernels.pack_q8), act f32 int8 [N, K]
-    scales: torch.Tensor  # int4: bf16 [K/32, N, 2] (scale, zero); q8: fp32 [N, K/32]
+    w: torch.Tensor
+    scales: torch.Tensor
     bias: torch.Tensor | None = None
-    act: str = "f32"  # q8 kind: fp32 activations (kernels.q8_matmul) or 8-bit ones (kernels.q8q8_matmul)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 -> [M, N] fp32, without the bias."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mm(x.reshape(-1, self.k))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.n)
+
+
+@dataclass
+class Q4Matrix(QLinear):
+    """eyas's 4-bit x 8-bit kernel (llama.cpp's numerics): w uint8 [N/8, K/32, 192] (kernels.pack_q4)."""
+    kind: ClassVar[str] = "q4"
+    four_bit: ClassVar[bool] = True
 
     def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """4-bit kinds only: x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
+        """x [..., K] bf16 -> [..., N] bf16 (the kernel's own output, no casts)."""
         from . import kernels
 
-        if self.kind == "q4":
-            return kernels.q4_matmul_bf16(x, self.w, self.n)
+        return kernels.q4_matmul_bf16(x, self.w, self.n)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm_bf16(x.to(torch.bfloat16)).float()
+
+
+@dataclass
+class Int4Matrix(QLinear):
+    """torch's int4 kernel with bf16 activations: w from _convert_weight_to_int4pack_for_cpu, scales bf16
+    [K/32, N, 2] (scale, zero)."""
+    kind: ClassVar[str] = "int4"
+    four_bit: ClassVar[bool] = True
+
+    def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.k), self.w, GROUP, self.scales)
         return y.view(*x.shape[:-1], self.n)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] fp32 -> [..., N] fp32."""
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm_bf16(x.to(torch.bfloat16)).float()
+
+
+@dataclass
+class Q8Matrix(QLinear):
+    """Q8_0: with 8-bit activations w is uint8 [N/8, K/32, 288] (kernels.pack_q8); with fp32 activations w is
+    int8 [N, K] and scales fp32 [N, K/32]."""
+    kind: ClassVar[str] = "q8"
+    act: str = "f32"
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
         from . import kernels
 
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.k)
-        if self.kind in ("q4", "int4"):
-            y = self.mm_bf16(x2.to(torch.bfloat16)).float()
-        elif self.kind == "q8":
-            y = (kernels.q8q8_matmul(x2, self.w, self.n) if self.act == "q8"
-                 else kernels.q8_matmul(x2, self.w, self.scales))
-        else:
-            y = kernels.f32_matmul(x2, self.w)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.n)
+        return kernels.q8q8_matmul(x, self.w, self.n) if self.act == "q8" else kernels.q8_matmul(x, self.w,
+                                                                                                  self.scales)
+
+
+@dataclass
+class F32Matrix(QLinear):
+    """An fp32 weight [N, K] through eyas's row-invariant fp32 kernel (a head type the others do not cover)."""
+    kind: ClassVar[str] = "f32"
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        from . import kernels
+
+        return kernels.f32_matmul(x, self.w)
 
 
 def _blocks(t: GGUFTensor, name: str) -> tuple[str, np.ndarray, int, int]:
@@ -153,13 +194,13 @@ def _pack(act: str, kind: str, q, d, m, bias) -> QLinear:
     n, k = q.shape
     if kind == "Q8_0":
         if act == "q8":  # 8-bit activations: tiles interleaved by 8 outputs (kernels.pack_q8)
-            return QLinear("q8", n, k, kernels.pack_q8(q, d), torch.empty(0), bias, "q8")
-        return QLinear("q8", n, k, q.contiguous(), d.contiguous(), bias, "f32")
+            return Q8Matrix(n, k, kernels.pack_q8(q, d), torch.empty(0), bias, "q8")
+        return Q8Matrix(n, k, q.contiguous(), d.contiguous(), bias, "f32")
     if act == "q8":  # the file's exact d and m, in fp32
-        return QLinear("q4", n, k, kernels.pack_q4(q, d, m), torch.empty(0), bias)
+        return Q4Matrix(n, k, kernels.pack_q4(q, d, m), torch.empty(0), bias)
     w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
     sz = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-    return QLinear("int4", n, k, w, sz, bias)
+    return Int4Matrix(n, k, w, sz, bias)
 
 
 @dataclass
@@ -229,7 +270,7 @@ def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torc
         types["Q8_0"] = types.get("Q8_0", 0) + 1
     if head is None:  # other head types keep the loader's exact fp32 values
         w = head_module.weight.detach().float().contiguous()
-        head = QLinear("f32", w.shape[0], w.shape[1], w, torch.empty(0), None)
+        head = F32Matrix(w.shape[0], w.shape[1], w, torch.empty(0), None)
     if head_module.bias is not None:
         head.bias = head_module.bias.detach().float()
     return NativeWeights(out, head, types, act)
