@@ -153,6 +153,27 @@ def test_vllm_eagle_dash_in_path_means_eagle1(tmp_path):
     assert json.loads(lint.corrected_text())["method"] == "eagle3"
 
 
+@pytest.mark.parametrize("method", [None, "draft_model"])
+def test_vllm_head_served_without_its_method_is_a_generic_draft_model(tmp_path, method):
+    """An eyas export folder (no "eagle3" in its path) served without "method": "eagle3": vLLM loads it as a
+    generic draft model, which never gets the target's hidden states, and fails on the first request."""
+    d = draft_dir(tmp_path)  # nothing in the path for vLLM's guess (tmp_path is named after the test)
+    spec = {"model": str(d), "num_speculative_tokens": 3}
+    if method:
+        spec["method"] = method
+    lint = lint_serve_command(["vllm", "serve", "M", "--speculative-config", json.dumps(spec)], d)
+    c = by_name(lint)["method"]
+    assert c.status == "fail" and not lint.ok
+    assert "generic draft model" in c.summary and "first request" in c.summary and c.fix == '"method": "eagle3"'
+    fixed = json.loads(lint.corrected[lint.corrected.index("--speculative-config") + 1])
+    assert fixed["method"] == "eagle3"
+    # the same folder under a path with "eagle3" in it: vLLM's guess is right, but only by the folder's name
+    d3 = tmp_path / "smollm-eagle3"
+    d.rename(d3)
+    lint = lint_serve_command([json.dumps({**spec, "model": str(d3)})], d3)
+    assert by_name(lint)["method"].status == "warn"
+
+
 def test_vllm_explicit_eagle3_and_dotted_options(tmp_path):
     d = draft_dir(tmp_path)
     argv = ["vllm", "serve", "M", "--speculative-config.method", "eagle3", f"--speculative-config.model={d}",

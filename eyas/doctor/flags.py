@@ -436,21 +436,30 @@ def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
         spec = {"model": str(info.path), "num_speculative_tokens": 3}
     # 1. method. vllm/config/speculative.py SpeculativeConfig.__post_init__: without "method" the method
     # is guessed from the model path: "eagle-" in the lower-cased path -> "eagle" (EAGLE-1: no aux capture),
-    # then "eagle3" -> "eagle3", otherwise a plain draft model. Only "eagle3" turns on aux capture.
+    # then "eagle3" -> "eagle3", otherwise a plain draft model. Only "eagle3" turns on aux capture. vLLM 0.32
+    # first sets a missing method to "draft_model" and then applies the path guess, so an explicit
+    # "draft_model" is guessed from the path the same way.
     method = spec.get("method")
     model = str(spec.get("model") or "")
     if info.is_eagle3:
         if method == "eagle3":
             checks.append(Check("method", "pass", 'method "eagle3" set explicitly'))
         else:
-            if method is None:
+            if method in (None, "draft_model"):
                 low = model.lower()
                 guess = "eagle" if "eagle-" in low else "eagle3" if "eagle3" in low else "draft_model"
                 status = "warn" if guess == "eagle3" else "fail"
-                summary = (f'no "method": vLLM guesses it from the model path {model!r} -> "{guess}"'
-                           + ("" if guess == "eagle3" else ": wrong for an EAGLE-3 draft (no aux capture)")
-                           + ("; set it explicitly — renaming the folder changes the method" if guess == "eagle3"
-                              else ""))
+                said = 'no "method"' if method is None else 'method "draft_model"'
+                summary = f'{said}: vLLM guesses it from the model path {model!r} -> "{guess}"'
+                if guess == "eagle3":
+                    summary += "; set it explicitly — renaming the folder changes the method"
+                elif guess == "draft_model":
+                    # vllm/v1/spec_decode/draft_model.py DraftModelProposer: pass_hidden_states_to_model=False,
+                    # so the Eagle3 head's forward never gets the target's hidden states it requires
+                    summary += (": vLLM loads this EAGLE-3 head as a generic draft model, which is run without the "
+                                "target's hidden states — the server starts, then fails on the first request")
+                else:
+                    summary += ": wrong for an EAGLE-3 draft (no aux capture)"
             else:
                 status = "fail"
                 summary = (f'method "{method}" for an EAGLE-3 draft: only "eagle3" captures aux hidden states'
