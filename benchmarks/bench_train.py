@@ -26,8 +26,8 @@ from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.layout import check_layouts
 from eyas.target.load import end_token_ids, load_target
 from eyas.train.config import TrainConfig
-from eyas.train.loop import init_draft
 from eyas.train.sources import ShardSource, feature_norm, plan_epoch
+from eyas.train.step import init_draft
 from eyas.train.ttt import ttt_forward
 from eyas.vocab import count_tokens, select_draft_vocab
 

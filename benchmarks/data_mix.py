@@ -39,8 +39,9 @@ from eyas.draft import load_draft
 from eyas.files import atomic_write_json
 from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
-from eyas.train.loop import evaluate, train
+from eyas.train.loop import train
 from eyas.train.sources import ShardSource
+from eyas.train.step import evaluate
 
 HELDOUT_PCT = 5.0
 

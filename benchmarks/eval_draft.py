@@ -26,8 +26,8 @@ import torch
 from eyas.draft import load_draft
 from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
-from eyas.train.loop import evaluate
 from eyas.train.sources import ShardSource
+from eyas.train.step import evaluate
 
 
 def main() -> None:

@@ -20,8 +20,9 @@ from eyas.layout import LayoutError
 from eyas.target.capture import capture, stream_norms
 from eyas.target.load import load_target
 from eyas.train.config import TrainConfig, TrainError
-from eyas.train.loop import lr_at, train
+from eyas.train.loop import train
 from eyas.train.sources import Item, ShardSource, plan_epoch
+from eyas.train.step import lr_at
 from eyas.vocab import DraftVocab, VocabError, count_tokens, select_draft_vocab, stale_vocab_warning, vocab_hash
 from tests.tiny import tiny_model
 
@@ -363,12 +364,34 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+# train() with the options _cli passes (the rest at the CLI's defaults, which are TrainConfig's), in a process that
+# SIGKILLs itself right after step argv[2]: its log line, evaluation and checkpoint are written, nothing after
+_KILLED_RUN = """
+import json, os, signal, sys
+from eyas.train.config import TrainConfig
+from eyas.train.loop import train
+
+def kill(step):
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+train(TrainConfig(**json.loads(sys.argv[1])), on_step=kill)
+"""
+
+
+def _killed_run(root: Path, out: str, at: int, **options):
+    cfg = dict(data=[str(root / "shards")], out=str(root / out), draft_vocab=64, ttt_steps=3, lr=3e-3,
+               batch_tokens=512, max_len=64, heldout_pct=20, quiet=True, **options)
+    return subprocess.run([sys.executable, "-c", _KILLED_RUN, json.dumps(cfg), str(at)], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+
+
 def test_resume_after_sigkill_gives_the_same_run(world):
     root, _ = world
     args = ("--max-steps", "10", "--save-every", "4", "--eval-every", "5")
     r = _cli(root, "straight", *args)
     assert r.returncode == 0, r.stderr
-    r = _cli(root, "killed", *args, env={"EYAS_TRAIN_KILL_AT_STEP": "6"})
+    r = _killed_run(root, "killed", 6, max_steps=10, save_every=4, eval_every=5)
     assert r.returncode == -9, (r.returncode, r.stderr)  # really SIGKILLed after step 6 (last save: step 4)
     state = json.loads((root / "killed" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 4
@@ -412,7 +435,6 @@ def test_two_processes_match_one(world):
 
 @pytest.mark.integration
 def test_online_training_on_smollm2(smollm2, tmp_path):
-    pytest.importorskip("eyas.data.conversations")
     convs = [{"conversations": [{"from": "human", "value": f"Count from {i} to {i + 5}."},
                                 {"from": "gpt", "value": ", ".join(str(i + k) for k in range(6)) + "."}]}
              for i in range(12)]
