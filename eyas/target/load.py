@@ -149,9 +149,22 @@ def _cache_entry_ok(folder: Path, fp: str) -> bool:
     return isinstance(meta, dict) and meta.get("fingerprint") == fp
 
 
+def _meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if (folder / "generation_config.json").is_file():  # its eos ids are end-of-turn tokens (end_token_ids)
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model
+
+
 def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", device: str = "cpu",
-                trust_remote_code: bool = False) -> Target:
-    """`spec`: a bundled name (smollm2-135m), a HF model folder, or a .gguf file."""
+                trust_remote_code: bool = False, load_weights: bool = True) -> Target:
+    """`spec`: a bundled name (smollm2-135m), a HF model folder, or a .gguf file. load_weights=False builds the model
+    on the meta device from its config (tokenizer, identity, generation config and layout, no weights): for a
+    caller that runs the target elsewhere (`datagen --engine vllm`, a target bigger than this machine)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -197,8 +210,12 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
                           f"{_first_line(e)}); the folder needs the model's tokenizer files (tokenizer.json, "
                           "tokenizer_config.json: save the tokenizer into it with save_pretrained)") from e
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                                     use_safetensors=True)
+        if load_weights:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype,
+                                                         trust_remote_code=trust_remote_code, use_safetensors=True)
+        else:
+            model = _meta_model(folder, torch_dtype, trust_remote_code)
+            dev = torch.device("meta")
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from (no model_type, an
         # unknown architecture, wrong field types, weights of other shapes): the user's folder, not a bug in eyas
         raise TargetError(f"transformers could not load a causal LM from {folder} ({type(e).__name__}: "
