@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .conventions import sglang_config_ids, vllm_config_ids
 from .errors import EyasError
 from .files import atomic_folder, read_json
-from .layout import Layout, LayoutError, check_layouts, to_engine_ids
+from .layout import Layout, LayoutError, check_layouts
 from .rope import apply_rope, rope_cos_sin
 from .target.load import Target
 
@@ -109,17 +110,10 @@ class DraftConfig:
         }
         if layout is not None and layout.target is not None:
             try:
-                out["eagle_config"] = {
-                    "eagle_aux_hidden_state_layer_ids": to_engine_ids(layout.aux_indices, "sglang",
-                                                                      layout.target.num_layers),
-                    "use_aux_hidden_state": True,
-                }
-                # vLLM reads top-level ids first (input-of = stream indices); without them some vLLM builds
-                # use the eagle_config ids as-is (off by one) and others the target default. SGLang never reads
-                # the top level (python/sglang/srt/model_executor/model_runner.py ModelRunner.__init__ takes
-                # eagle_config["eagle_aux_hidden_state_layer_ids"] only), so the two lists cannot collide.
-                out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm",
-                                                                        layout.target.num_layers)
+                # both engines' entries: each reads only its own (eyas/conventions.py), and without vLLM's some
+                # vLLM builds use SGLang's eagle_config ids as-is (off by one) and others the target default
+                out.update(sglang_config_ids(layout.aux_indices, layout.target.num_layers))
+                out.update(vllm_config_ids(layout.aux_indices, layout.target.num_layers, semantics=False))
             except LayoutError:
                 pass  # not expressible in SGLang; the eyas manifest still holds the truth
         return out

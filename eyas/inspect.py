@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .conventions import engine_ids_table
 from .errors import EyasError
 from .files import read_json
-from .layout import engine_ids_table
 from .target.load import load_target
 from .target.template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
 

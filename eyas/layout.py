@@ -12,14 +12,11 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .errors import EyasError
+# what each engine's ids mean lives in conventions.py; default_aux_indices and LayoutError stay importable from here
+from .conventions import default_aux_indices, to_engine_ids
+from .errors import LayoutError
 
 CONVENTION = "eyas-stream-v1"
-ENGINES = ("eyas", "eagle", "sglang", "vllm", "speculators")
-
-
-class LayoutError(EyasError):
-    """A layout mismatch or an id an engine cannot express; the message always carries the fix."""
 
 
 @dataclass
@@ -45,15 +42,6 @@ class TargetIdentity:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def default_aux_indices(num_layers: int) -> list[int]:
-    """EAGLE-3 default: inputs of layers {2, L//2, L-3}, i.e. stream indices [2, L//2, L-3]."""
-    L = num_layers
-    if L < 4:
-        # with L < 4 the defaults collide or run off the stream; spread over what exists
-        return sorted({min(1, L), max(1, L // 2), L - 1 if L > 1 else L})
-    return [2, L // 2, L - 3]
-
-
 @dataclass
 class Layout:
     aux_indices: list[int]
@@ -68,7 +56,7 @@ class Layout:
         if self.convention != CONVENTION:
             raise LayoutError(
                 f"layout convention {self.convention!r} is not eyas's {CONVENTION!r}; convert ids with "
-                "eyas.layout.from_engine_ids(ids, engine, num_layers) or `eyas import`.")
+                "eyas.conventions.from_engine_ids(ids, engine, num_layers) or `eyas import`.")
         if self.target is not None:
             L = self.target.num_layers
             bad = [k for k in self.aux_indices if not 0 <= k <= L]
@@ -169,59 +157,3 @@ def check_layouts(expected: Layout, found: Layout, expected_what: str = "expecte
         lines.append(f"  - {name}: {expected_what} has {a!r}, {found_what} has {b!r}")
         lines.append(f"    fix: {_FIXES.get(name, 'make both sides agree')}")
     raise LayoutError("\n".join(lines))
-
-
-# ---- translators between eyas stream indices and each engine's layer-id convention ----------------
-#
-# eyas/eagle/vllm/speculators: id x = input of layer x = stream index x (0 = embedding, L = final pre-norm).
-# sglang (llama path) and SpecForge: id x = output of layer x = stream index x + 1; it captures before
-# each layer inside the layer loop, so neither the embedding (k = 0) nor the final state (k = L) exists.
-
-def _engine_range(engine: str, num_layers: int) -> tuple[int, int]:
-    """Inclusive range of stream indices an engine can express."""
-    if engine in ("sglang", "specforge"):
-        return 1, num_layers - 1
-    if engine in ("eyas", "eagle", "vllm", "speculators"):
-        return 0, num_layers
-    raise LayoutError(f"unknown engine {engine!r}; expected one of {ENGINES + ('specforge',)}")
-
-
-def to_engine_ids(indices: list[int], engine: str, num_layers: int) -> list[int]:
-    lo, hi = _engine_range(engine, num_layers)
-    bad = [k for k in indices if not lo <= k <= hi]
-    if bad:
-        why = ""
-        if engine in ("sglang", "specforge"):
-            why = (" SGLang's ids mean 'output of layer x' and it captures inside the layer loop, so it "
-                   "cannot express the embedding (stream 0) or the final pre-norm state "
-                   f"(stream {num_layers}).")
-        raise LayoutError(
-            f"stream indices {bad} cannot be expressed in {engine}'s convention (expressible: {lo}..{hi} "
-            f"for a {num_layers}-layer target).{why} Refusing to shift them: retrain with indices in "
-            f"{lo}..{hi}, or serve with an engine that can express them (vLLM takes 0..{num_layers}).")
-    shift = -1 if engine in ("sglang", "specforge") else 0
-    return [k + shift for k in indices]
-
-
-def from_engine_ids(ids: list[int], engine: str, num_layers: int) -> list[int]:
-    shift = 1 if engine in ("sglang", "specforge") else 0
-    lo, hi = _engine_range(engine, num_layers)
-    out = [int(x) + shift for x in ids]
-    bad = [x for x, k in zip(ids, out, strict=True) if not lo <= k <= hi]
-    if bad:
-        raise LayoutError(
-            f"{engine} layer ids {bad} are out of range for a {num_layers}-layer target "
-            f"(valid {engine} ids: {lo - shift}..{hi - shift}); the draft was made for another model "
-            "or the ids are in another engine's convention")
-    return out
-
-
-def engine_ids_table(indices: list[int], num_layers: int) -> dict[str, list[int] | str]:
-    """The same layout in every engine's convention; an engine that cannot express it says why."""
-    out: dict[str, list[int] | str] = {}
-    for eng in ENGINES:
-        try:
-            out[eng] = to_engine_ids(indices, eng, num_layers)
-        except LayoutError as e:
-            out[eng] = f"not expressible: {str(e).split('.')[0]}"
-    return out

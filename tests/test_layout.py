@@ -1,15 +1,7 @@
 import pytest
 
-from eyas.layout import (
-    Layout,
-    LayoutError,
-    TargetIdentity,
-    check_layouts,
-    default_aux_indices,
-    engine_ids_table,
-    from_engine_ids,
-    to_engine_ids,
-)
+from eyas.conventions import default_aux_indices, engine_ids_table, from_engine_ids, to_engine_ids
+from eyas.layout import Layout, LayoutError, TargetIdentity, check_layouts
 
 
 def ident(**kw):

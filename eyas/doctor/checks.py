@@ -5,7 +5,7 @@ Checks (each a named `Check` with status pass/warn/fail/skip, the numbers behind
   hidden_size      fc input = n_aux x target hidden; the draft shares the target's embeddings
   vocab_map        d2t/t2d consistent and in range; the same draft vocabulary as at training (hash)
   config_hidden    config.json `target_hidden_size` present and right (engines fall back to hidden_size)
-  config_ids       which stream indices SGLang and vLLM capture when they read config.json (eyas.doctor.engines)
+  config_ids       which stream indices SGLang and vLLM capture when they read config.json (eyas.conventions)
   data_layout      (--data) which stream each stored feature slice really holds, measured against the target
                    through datagen's capture path (the numerics the shards were stored in)
   accuracy         per-step held-out accuracy: stored shards (training path) vs features captured fresh
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from ..conventions import default_aux_indices, engine_views, to_engine_ids
 from ..draft import DraftCheckpoint, Eagle3Draft
-from ..layout import default_aux_indices
-from .engines import engine_views
+from ..errors import LayoutError
 from .identity import _read_config, check_identity
 from .inference import (
     EvalSample,
@@ -177,8 +177,6 @@ def _check_accuracy(serve: dict[str, Any], train: dict[str, Any] | None, recorde
 # ---- 3. the layout verdict ------------------------------------------------------------------------
 
 def _check_layout(rank: LayoutRanking, recorded: list[int], L: int, configured: dict[str, list[int]]) -> Check:
-    from ..layout import LayoutError, to_engine_ids
-
     def show(x: LayoutScore | None) -> str:
         if x is None:
             return "n/a"

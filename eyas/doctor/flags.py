@@ -2,7 +2,7 @@
 `--speculative-config` JSON against an EAGLE-3 draft folder, and print the corrected command.
 
 Aux-layer ids never travel in flags: both engines read them from the draft folder's config.json (SGLang only
-`eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM the top-level list; see eyas/doctor/engines.py). vLLM's
+`eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM the top-level list; see eyas/conventions.py). vLLM's
 `eagle_aux_layer_semantics` may come from either the config or --speculative-config.
 So the lint reads that file exactly as each engine does (`engine_views`) and compares what the
 engine will capture with the layout the draft was trained on (the eyas manifest). Every rule is a
@@ -17,9 +17,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..layout import default_aux_indices
-from .engines import DraftInfo, FlagsError, config_fix, engine_views, read_draft_dir
+from ..conventions import SEMANTICS_KEY, config_fix, default_aux_indices, engine_views, off_by_one_note
+from ..errors import EyasError
+from .draft_dir import DraftInfo, read_draft_dir, sglang_loadable
 from .report import Check, render_checks, render_fixes
+
+
+class FlagsError(EyasError):
+    """The command or the draft folder cannot be read; the message says what was expected."""
+
 
 # ---- command parsing ----------------------------------------------------------------------------
 
@@ -286,11 +292,8 @@ def _ids_check(info: DraftInfo, engine: str, semantics: str | None = None) -> tu
         if v.indices is None:
             why.append(f"{v.when or engine}: {v.source}")
             continue
-        kind = ""
-        if [k - 1 for k in v.indices] == info.layout or [k + 1 for k in v.indices] == info.layout:
-            other = "vLLM (input-of)" if engine == "sglang" else "SGLang (output-of)"
-            kind = f" — off by one: ids written in {other}'s convention"
-        elif v.indices == default_aux_indices(L):
+        kind = off_by_one_note(engine, v.indices, info.layout)
+        if not kind and v.indices == default_aux_indices(L):
             kind = " — the engine default, not what the draft was trained on"
         why.append(f"{v.when or engine}: {v.source} -> stream {v.indices}, trained on {info.layout}{kind}")
     status = "fail" if len(bad) == len(views) or any(v.indices is None for v in bad) else "warn"
@@ -302,7 +305,7 @@ def _ids_check(info: DraftInfo, engine: str, semantics: str | None = None) -> tu
 
 def lint_serve_command(argv: list[str], draft_dir: str | Path, num_layers: int | None = None) -> FlagLint:
     cmd = parse_serve_command(argv)
-    info = read_draft_dir(draft_dir, num_layers)
+    info = read_draft_dir(draft_dir, num_layers, FlagsError)
     if cmd.engine == "sglang":
         return _lint_sglang(cmd, info)
     return _lint_vllm(cmd, info)
@@ -378,41 +381,11 @@ def _lint_sglang(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
     # 3. draft path vs the folder linted
     _path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
     # 4. can SGLang load this folder at all
-    checks.append(_sglang_loadable(info))
+    checks.append(sglang_loadable(info))
     # 5. aux ids, read from the draft config.json as SGLang does
     ids_check, edit = _ids_check(info, "sglang")
     checks.append(ids_check)
     return FlagLint("sglang", checks, argv, [edit] if edit else [])
-
-
-def _sglang_loadable(info: DraftInfo) -> Check:
-    """SGLang serves EAGLE-3 drafts through LlamaForCausalLMEagle3 (python/sglang/srt/models/llama_eagle3.py),
-    whose load_weights keeps a tensor only when `name` or `model.<name>` is one of its parameters and drops every
-    other name without a word: a folder with `layers.0.*` names (a speculators checkpoint, or a vLLM-format
-    export written by older eyas) starts, and drafts with a randomly initialised layer — acceptance near zero,
-    no error anywhere."""
-    if str(info.config.get("speculators_model_type", "")):
-        return Check("weights", "fail", f"{info.path} is a speculators-format draft (speculators_model_type "
-                     f"{info.config['speculators_model_type']!r}): SGLang has no loader for it (it reads "
-                     "LlamaForCausalLMEagle3 folders)", fix="export the draft with `eyas export --format sglang` "
-                     "(or serve this folder with vLLM)")
-    names = info.weight_names
-    if names is None:
-        return Check("weights", "skip", "no *.safetensors in the draft folder: weight names not checked")
-    bare = [n[len("model."):] if n.startswith("model.") else n for n in names]
-    mid = [n for n in bare if n.startswith("midlayer.")]
-    lay = [n for n in bare if n.startswith("layers.")]
-    if lay and not mid:
-        return Check("weights", "fail", f"the draft layer's weights are named layers.0.* ({len(lay)} tensors, e.g. "
-                     f"{lay[0]}): SGLang's LlamaForCausalLMEagle3.load_weights silently skips them, so the server "
-                     "would draft with a randomly initialised layer", numbers={"layers_0": len(lay), "midlayer": 0},
-                     fix="re-export with `eyas export --format sglang` (or --format vllm: both write midlayer.*, "
-                         "which vLLM renames itself), or rename layers.0. -> midlayer. in the safetensors")
-    if not mid:
-        return Check("weights", "fail", f"no midlayer.* weights among {len(names)} tensors (e.g. {bare[:3]}): not "
-                     "an EAGLE-3 draft SGLang can load", fix="point --speculative-draft-model-path at an EAGLE-3 "
-                     "draft folder (eyas export --format sglang)")
-    return Check("weights", "pass", f"weights named midlayer.* ({len(mid)} tensors), as SGLang loads them")
 
 
 def _path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: str) -> None:
@@ -473,7 +446,7 @@ def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
     _path_check(checks, model or None, info, '"model" in --speculative-config')
     if not model:
         spec["model"] = str(info.path)
-    ids_check, edit = _ids_check(info, "vllm", spec.get("eagle_aux_layer_semantics"))
+    ids_check, edit = _ids_check(info, "vllm", spec.get(SEMANTICS_KEY))
     checks.append(ids_check)
     new_json = json.dumps(spec)
     if cmd.json_only:

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ..conventions import config_fix, engine_views
 from ..draft import DraftCheckpoint
 from ..layout import layout_diff
-from .engines import engine_views
 from .inference import FINAL_ONLY
 from .report import Check
 
@@ -162,8 +162,6 @@ def _check_engine_config(target, ckpt: DraftCheckpoint) -> list[Check]:
 
 
 def _check_config_ids(cfg: dict[str, Any], trained: list[int], L: int) -> Check:
-    from .engines import config_fix
-
     lines, worst, fixes = [], "pass", []
     views_out: dict[str, Any] = {}
     for eng in ("sglang", "vllm"):

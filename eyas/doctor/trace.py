@@ -65,9 +65,9 @@ def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_n
     """Run one prompt through eyas.engine.Engine and record, per round, the shape and mean norm of every
     captured stream index, their concatenation, fc, the draft layer, the draft logits (top tokens) and
     the tokens accepted."""
+    from ..conventions import engine_ids_table
     from ..engine.decode import Engine
     from ..engine.params import SamplingParams, SpecParams
-    from ..layout import engine_ids_table
 
     eng = Engine(target, ckpt, spec or SpecParams())
     d, tm, tok = eng.draft, eng.model, target.tokenizer

@@ -3,7 +3,7 @@
 Export writes the format's weight names (safetensors), a config whose aux ids are explicit in the
 engine's own convention, an eyas manifest (kind `eyas-export`: layout in stream indices, the format, the
 source draft's manifest hash, the launch command, the command that made it) and prints the launch command.
-Ids an engine cannot express are refused by eyas.layout.to_engine_ids, never shifted.
+Ids an engine cannot express are refused by eyas.conventions.to_engine_ids, never shifted.
 """
 
 from __future__ import annotations
@@ -19,18 +19,12 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__
+from ..conventions import engine_ids_table, read_ids, to_engine_ids
 from ..draft import MANIFEST, DraftCheckpoint, load_draft
 from ..errors import EyasError
 from ..files import atomic_folder
-from ..layout import Layout, LayoutError, engine_ids_table, to_engine_ids
-from .formats import (
-    EXPORT_FORMATS,
-    read_ids,
-    sglang_config,
-    speculators_config,
-    to_format_names,
-    vllm_config,
-)
+from ..layout import Layout, LayoutError
+from .formats import EXPORT_FORMATS, sglang_config, speculators_config, to_format_names, vllm_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "model.safetensors"

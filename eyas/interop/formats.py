@@ -1,81 +1,46 @@
-"""Foreign EAGLE-3 draft formats: weight names, config keys, and what each one's layer ids mean.
+"""Foreign EAGLE-3 draft formats: weight names and config keys. What each format's aux-layer ids mean, how each
+engine reads them and every translation between them: eyas/conventions.py (the one place that knows).
 
 Pure functions (no file IO): export.py and importer.py use them in both directions. Facts below were read in
 the engines' own code (stored public copies, read for facts only; no code copied):
 
-eyas        stream index k in 0..L (eyas/layout.py): 0 = embedding output, i = output of layer i-1 =
-            input of layer i, L = last layer output before the final norm.
-SGLang      draft config `eagle_config.eagle_aux_hidden_state_layer_ids` only; a top-level list is never
-            read (python/sglang/srt/model_executor/model_runner.py ModelRunner.__init__: `eagle_config[
-            "eagle_aux_hidden_state_layer_ids"]`, None when eagle_config or the key is absent; every eyas file
-            that reads or writes ids says the same: eyas/draft.py, eyas/doctor/engines.py). The target then
-            does `layers_to_capture = [x + 1 for x in ids]` and captures the residual stream entering
-            layer i inside its layer loop (python/sglang/srt/models/llama.py, qwen2.py, ...
-            `set_eagle3_layers_to_capture`): id x = output of layer x = stream x+1, expressible stream
-            1..L-1; no ids -> stream [2, L//2, L-3].
-            Draft (python/sglang/srt/models/llama_eagle3.py): `fc` = Linear(3 * target_hidden_size
+SGLang      Draft (python/sglang/srt/models/llama_eagle3.py): `fc` = Linear(3 * target_hidden_size
             (falls back to hidden_size)), so exactly 3 aux states; weights `fc.`, `midlayer.`, `norm.`,
             `lm_head.`, `d2t` (hot_token_id = d2t + arange), `t2d` ignored; any other name (`layers.0.*`)
             is skipped without a word by LlamaForCausalLMEagle3.load_weights; `tie_word_embeddings: true`
             would make lm_head the embedding table, so exports write false.
-            SGLang's newer deepseek path shifts only when ids[0] == 1 (model-specific); exports target the
-            llama-family path above, which is what LlamaForCausalLMEagle3 drafts run with.
-SpecForge   trains and saves in SGLang's convention and names (configs/*-eagle3.json: `eagle_config`
-            ids, default output-of ids [1, L//2-1, L-4]; `draft_vocab_size`, `LlamaForCausalLMEagle3`).
-vLLM        top-level `eagle_aux_hidden_state_layer_ids` first; if absent it falls back to
-            `eagle_config`'s list used AS-IS (vllm/v1/worker/gpu_model_runner.py
-            `_get_eagle3_aux_layers_from_config`; older vllm/model_executor/models/eagle3 utils read the
-            top level only). The target captures before running layer idx
-            (vllm/model_executor/models/interfaces.py `EagleModelMixin._maybe_add_hidden_state`, which
-            takes the bare hidden state when there is no residual yet): id x = input of layer x =
-            stream x, 0 = embedding. Newer vLLM also reads `eagle_aux_layer_semantics`
-            (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py resolve_eagle3_aux_layer_semantics: the
-            --speculative-config value first, then the draft config's key, default "vllm" = as-is; "sglang"
-            adds 1 to every id, method eagle3 only); exports write "vllm" explicitly.
-            Draft (vllm/model_executor/models/llama_eagle3.py): renames `midlayer.` to `layers.0.` itself
+SpecForge   saves in SGLang's names (`draft_vocab_size`, `LlamaForCausalLMEagle3`).
+vLLM        Draft (vllm/model_executor/models/llama_eagle3.py): renames `midlayer.` to `layers.0.` itself
             (LlamaModel.load_weights), so the SGLang names load in vLLM; fc input = target_hidden_size * 3,
             `d2t` -> draft_id_to_target_id, `t2d` skipped, `eagle_config.use_aux_hidden_state`,
             `norm_before_residual` flag; its lm_head is always its own ParallelLMHead (never tied).
 speculators (0.9.0: speculators/models/eagle3/config.py `Eagle3SpeculatorConfig`, core.py
-            `Eagle3DraftModel`, models/utils.py `resolve_target_layer_ids`): top-level
-            `eagle_aux_hidden_state_layer_ids`, input-of like vLLM, valid 0..L (L = final state);
-            `speculators_model_type: "eagle3"`, `speculators_config` {algorithm, proposal_methods,
-            default_proposal_method, verifier {name_or_path, architectures}}, `transformer_layer_config`
-            (a Llama config: vocab_size = target vocab, rope), `draft_vocab_size`, `target_hidden_size`,
-            `norm_before_residual` (False = the residual is the un-normed hidden, eyas's draft),
-            `norm_before_fc`/`fc_norm`/`norm_output` (extra norms eyas's draft does not have).
+            `Eagle3DraftModel`): `speculators_model_type: "eagle3"`, `speculators_config` {algorithm,
+            proposal_methods, default_proposal_method, verifier {name_or_path, architectures}},
+            `transformer_layer_config` (a Llama config: vocab_size = target vocab, rope), `draft_vocab_size`,
+            `target_hidden_size`, `norm_before_residual` (False = the residual is the un-normed hidden, eyas's
+            draft), `norm_before_fc`/`fc_norm`/`norm_output` (extra norms eyas's draft does not have).
             fc = Linear(len(ids) * hidden_size); weights `layers.0.*`, `fc.`, `norm.`, `lm_head.`, `d2t`,
             `t2d` (only when the draft vocab is smaller), optional `embed_tokens.`. vLLM reads this config
             through vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, where an absent
             `norm_before_residual` means True — so exports always write it.
-EAGLE ref.  (SafeAILab/EAGLE eagle/model/modeling_llama_kv.py): captures the inputs of layers 2, L//2,
-            L-3, hard-coded; configs carry no ids; weights named like SGLang's, often pickled
-            (pytorch_model.bin).
+EAGLE ref.  (SafeAILab/EAGLE): weights named like SGLang's, often pickled (pytorch_model.bin).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..conventions import FormatError, read_ids, sglang_config_ids, speculators_config_ids, vllm_config_ids
 from ..draft import DraftConfig
-from ..errors import EyasError
-from ..layout import Layout, LayoutError, default_aux_indices, from_engine_ids, to_engine_ids
+from ..errors import LayoutError
+from ..layout import Layout
 
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
-IMPORT_FORMATS = ("auto", "sglang", "specforge", "vllm", "speculators", "eagle")
-ID_CONVENTIONS = ("eyas", "eagle", "sglang", "specforge", "vllm", "speculators")
-# which convention each format's ids are written in (eyas/layout.py translators)
-FORMAT_ENGINE = {"sglang": "sglang", "specforge": "specforge", "vllm": "vllm", "speculators": "speculators",
-                 "eagle": "eagle"}
 SPECULATORS_SCHEMA_VERSION = "0.9.0"  # the speculators release whose config schema the export follows
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-class FormatError(EyasError):
-    """A foreign checkpoint that eyas cannot read faithfully; the message says what and why."""
 
 
 # ---- weight names --------------------------------------------------------------------------------
@@ -145,10 +110,8 @@ def sglang_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any
     L = _layers(layout)
     out = cfg.hf_config(None)
     out.update(_rope(cfg))
-    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": to_engine_ids(layout.aux_indices, "sglang", L),
-                           "use_aux_hidden_state": True}
-    out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm", L)
-    out["eagle_aux_layer_semantics"] = "vllm"  # the top-level ids are input-of: newer vLLM must not add 1
+    out.update(sglang_config_ids(layout.aux_indices, L))
+    out.update(vllm_config_ids(layout.aux_indices, L))  # with the explicit semantics: newer vLLM must not add 1
     out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
     return out
 
@@ -159,16 +122,12 @@ def vllm_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any]:
     L = _layers(layout)
     out = cfg.hf_config(None)
     out.update(_rope(cfg))
-    out["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "vllm", L)
-    # explicit, so a vLLM whose default ever changes (or a copied "sglang" value) cannot shift the ids by one
-    out["eagle_aux_layer_semantics"] = "vllm"
+    out.update(vllm_config_ids(layout.aux_indices, L))
     out["norm_before_residual"] = False  # vLLM's draft layer reads this flag; eyas's residual is the raw h
-    eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
     try:
-        eagle_config["eagle_aux_hidden_state_layer_ids"] = to_engine_ids(layout.aux_indices, "sglang", L)
-    except LayoutError:
-        pass  # e.g. stream 0: SGLang cannot capture it; the manifest records why
-    out["eagle_config"] = eagle_config
+        out.update(sglang_config_ids(layout.aux_indices, L))
+    except LayoutError:  # e.g. stream 0: SGLang cannot capture it; the manifest records why
+        out["eagle_config"] = {"use_aux_hidden_state": True}
     out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
     return out
 
@@ -211,7 +170,7 @@ def speculators_config(cfg: DraftConfig, layout: Layout, dtype: str, verifier: s
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": to_engine_ids(layout.aux_indices, "speculators", L),
+        **speculators_config_ids(layout.aux_indices, L),
         "norm_before_residual": False,
         "norm_before_fc": False,
         "fc_norm": False,
@@ -230,42 +189,6 @@ def _layers(layout: Layout) -> int:
 
 # ---- reading a foreign config --------------------------------------------------------------------
 
-@dataclass
-class IdsFound:
-    top: list[int] | None  # top-level eagle_aux_hidden_state_layer_ids
-    eagle_config: list[int] | None  # eagle_config.eagle_aux_hidden_state_layer_ids
-    semantics: str | None = None  # vLLM's eagle_aux_layer_semantics for the top-level ids (None: absent = "vllm")
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"eagle_aux_hidden_state_layer_ids": self.top,
-                             "eagle_config.eagle_aux_hidden_state_layer_ids": self.eagle_config}
-        if self.semantics is not None:
-            d["eagle_aux_layer_semantics"] = self.semantics
-        return d
-
-
-def _int_list(v: Any, where: str) -> list[int] | None:
-    if v is None:
-        return None
-    if not isinstance(v, list | tuple) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise FormatError(f"{where} must be a list of integers, found {v!r}")
-    return [int(x) for x in v] or None
-
-
-def read_ids(config: dict[str, Any]) -> IdsFound:
-    ec = config.get("eagle_config")
-    if ec is not None and not isinstance(ec, dict):
-        raise FormatError(f"eagle_config must be an object, found {type(ec).__name__}: {str(ec)[:120]}")
-    sem = config.get("eagle_aux_layer_semantics")
-    if sem is not None and sem not in ("vllm", "sglang"):
-        raise FormatError(f"eagle_aux_layer_semantics is {sem!r}; vLLM knows only 'vllm' (ids as-is, input-of) and "
-                          "'sglang' (ids output-of, vLLM adds 1) — fix the config")
-    return IdsFound(top=_int_list(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"),
-                    eagle_config=_int_list((ec or {}).get("eagle_aux_hidden_state_layer_ids"),
-                                           "eagle_config.eagle_aux_hidden_state_layer_ids"),
-                    semantics=sem)
-
-
 def detect_format(config: dict[str, Any]) -> tuple[str, str]:
     """(format, why) from config keys alone. speculators has a marker key; the others are told apart by
     where their ids live, which is why eagle_config-only and id-less configs stay ambiguous."""
@@ -280,129 +203,6 @@ def detect_format(config: dict[str, Any]) -> tuple[str, str]:
     if ids.eagle_config is not None:
         return "sglang", "config has only eagle_config.eagle_aux_hidden_state_layer_ids (SGLang/SpecForge style)"
     return "eagle", "config has no aux layer ids anywhere (EAGLE reference style)"
-
-
-@dataclass
-class Readings:
-    """The stream indices a config's ids could mean, and how sure we are."""
-    candidates: dict[str, list[int]]  # reading name -> stream indices, only readings that are valid here
-    preferred: str | None  # the reading the format itself defines (None: the format defines no ids)
-    ambiguous: bool  # True when more than one reading is plausible and nothing marks which
-    notes: list[str] = field(default_factory=list)  # what was checked, every oddity found
-
-
-def _try(ids: list[int] | None, engine: str, L: int) -> tuple[list[int] | None, str | None]:
-    if ids is None:
-        return None, None
-    try:
-        return from_engine_ids(ids, engine, L), None
-    except LayoutError as e:
-        return None, str(e)
-
-
-def id_readings(found: IdsFound, fmt: str, L: int, explicit_format: bool) -> Readings:
-    """Every valid reading of the ids in a config of format `fmt` for an L-layer target."""
-    sg_default = to_engine_ids(default_aux_indices(L), "sglang", L) if L >= 4 else None
-    notes: list[str] = []
-    if fmt == "speculators":
-        if found.top is None:
-            return Readings({"eagle default (speculators' fallback)": default_aux_indices(L)}, None, True,
-                            ["speculators config has no eagle_aux_hidden_state_layer_ids; speculators and vLLM "
-                             f"would fall back to input-of [2, L//2, L-3] = {default_aux_indices(L)}"])
-        s, err = _try(found.top, "speculators", L)
-        if s is None:
-            raise FormatError(f"speculators ids {found.top}: {err}")
-        return Readings({"speculators (input-of)": s}, "speculators (input-of)", False,
-                        [f"speculators ids {found.top} are input-of = stream {s}"])
-    if fmt == "eagle":
-        cands = {"EAGLE reference (inputs of layers 2, L//2, L-3)": default_aux_indices(L)}
-        notes.append("no ids in the config; the EAGLE reference code captures the inputs of layers "
-                     f"2, L//2, L-3 = stream {default_aux_indices(L)}, but a config without ids may come from "
-                     "anywhere")
-        return Readings(cands, "EAGLE reference (inputs of layers 2, L//2, L-3)", not explicit_format, notes)
-    if fmt in ("sglang", "specforge"):
-        if found.eagle_config is None:
-            if found.top is not None:
-                raise FormatError(f"--format {fmt}: the config has only top-level ids {found.top}, which SGLang "
-                                  "never reads; use --format vllm, or pass --aux-ids/--ids-convention")
-            return Readings({"SGLang default (layers_to_capture [2, L//2, L-3])": default_aux_indices(L)}, None,
-                            True, ["no eagle_config ids: SGLang would capture its default stream "
-                                   f"{default_aux_indices(L)}"])
-        s, s_err = _try(found.eagle_config, "sglang", L)
-        v, v_err = _try(found.eagle_config, "vllm", L)
-        cands: dict[str, list[int]] = {}
-        if s is not None:
-            cands["sglang (eagle_config, output-of: id + 1)"] = s
-        if v is not None and v != s:
-            cands["vllm fallback (eagle_config used as-is, input-of)"] = v
-        if s is None:
-            notes.append(f"eagle_config ids {found.eagle_config} are impossible in SGLang's output-of convention "
-                         f"({s_err}); only the as-is (input-of) reading is valid: they were written for vLLM")
-            if v is None:
-                raise FormatError(f"eagle_config ids {found.eagle_config} are out of range for a {L}-layer target "
-                                  f"in every convention ({v_err}); the draft was made for another model")
-            return Readings(cands, None, False, notes)
-        notes.append(f"eagle_config ids {found.eagle_config} read by SGLang as output-of = stream {s}")
-        if found.top is not None:
-            tv, _ = _try(found.top, "vllm", L)
-            if tv == s:
-                notes.append(f"top-level ids {found.top} (input-of) agree: stream {s}")
-                return Readings({"sglang (eagle_config, output-of: id + 1)": s},
-                                "sglang (eagle_config, output-of: id + 1)", False, notes)
-        if found.eagle_config == default_aux_indices(L) and L >= 4:
-            notes.append(f"eagle_config ids {found.eagle_config} equal the EAGLE-3 default stream indices "
-                         "(input-of): possibly vLLM-convention ids placed where SGLang reads output-of ids")
-        return Readings(cands, "sglang (eagle_config, output-of: id + 1)", not explicit_format, notes)
-    if fmt == "vllm":
-        if found.top is None:
-            if found.eagle_config is None:
-                return Readings({"vLLM default (input of layers 2, L//2, L-3)": default_aux_indices(L)}, None, True,
-                                ["no ids: vLLM would use the target model's default stream "
-                                 f"{default_aux_indices(L)}"])
-            v, v_err = _try(found.eagle_config, "vllm", L)
-            s, _ = _try(found.eagle_config, "sglang", L)
-            if v is None:
-                raise FormatError(f"eagle_config ids {found.eagle_config}: {v_err}")
-            cands = {"vllm fallback (eagle_config used as-is, input-of)": v}
-            if s is not None and s != v:
-                cands["sglang (eagle_config, output-of: id + 1)"] = s
-            return Readings(cands, "vllm fallback (eagle_config used as-is, input-of)", not explicit_format,
-                            [f"--format vllm with only eagle_config ids {found.eagle_config}: vLLM uses them as-is "
-                             f"(stream {v}), an off-by-one if they were written for SGLang (stream {s})"])
-        if found.semantics == "sglang":
-            # newer vLLM adds 1 to these (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
-            # apply_eagle3_aux_layer_semantics): the config itself says they are output-of ids
-            s, s_err = _try(found.top, "sglang", L)
-            if s is None:
-                raise FormatError(f"top-level ids {found.top} with eagle_aux_layer_semantics 'sglang': {s_err}")
-            name = "vllm (top level, eagle_aux_layer_semantics sglang: id + 1)"
-            return Readings({name: s}, name, False, [f"top-level ids {found.top} marked eagle_aux_layer_semantics "
-                                                     f"'sglang' (output-of) = stream {s}"])
-        v, v_err = _try(found.top, "vllm", L)
-        s_alt, _ = _try(found.top, "sglang", L)
-        if v is None:
-            raise FormatError(f"top-level ids {found.top}: {v_err}")
-        cands = {"vllm (top level, input-of)": v}
-        notes.append(f"top-level ids {found.top} read by vLLM as input-of = stream {v}")
-        ambiguous = False
-        if found.eagle_config is not None:
-            es, _ = _try(found.eagle_config, "sglang", L)
-            if es == v:
-                notes.append(f"eagle_config ids {found.eagle_config} (output-of) agree: stream {v}")
-            else:
-                ambiguous = not explicit_format
-                notes.append(f"eagle_config ids {found.eagle_config} disagree: SGLang would read stream {es}, vLLM "
-                             f"reads stream {v} from the top level — the two engines would feed different layers")
-                if es is not None:
-                    cands["sglang (eagle_config, output-of: id + 1)"] = es
-        if sg_default is not None and found.top == sg_default and v != default_aux_indices(L):
-            notes.append(f"top-level ids {found.top} equal SGLang's default output-of ids: if they came from "
-                         f"SGLang/SpecForge they mean stream {s_alt}, not {v} (SGLang ids placed at vLLM's top level)")
-            if s_alt is not None:
-                cands.setdefault("sglang ids misplaced at the top level (id + 1)", s_alt)
-            ambiguous = not explicit_format
-        return Readings(cands, "vllm (top level, input-of)", ambiguous, notes)
-    raise FormatError(f"unknown format {fmt!r}; expected one of {IMPORT_FORMATS}")
 
 
 # ---- draft config from a foreign config + its weights --------------------------------------------

@@ -1,7 +1,7 @@
 """`eyas import`: take SGLang/SpecForge, vLLM, speculators and EAGLE reference drafts back as eyas drafts.
 
 Import translates the checkpoint's ids into stream indices (what each format's ids mean:
-eyas/interop/formats.py), checks every shape against the target, and writes an eyas draft whose manifest records
+eyas/conventions.py), checks every shape against the target, and writes an eyas draft whose manifest records
 how the layout was decided. When the ids are missing or ambiguous it runs the doctor's layout inference
 (eyas.doctor.inference.infer_layout), and otherwise refuses, naming the readings and the flags that pick one.
 """
@@ -18,24 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 from .. import __version__
+from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
 from ..doctor.inference import infer_layout, layout_candidates
 from ..draft import MANIFEST, DraftCheckpoint, Eagle3Draft, load_draft, save_draft
 from ..files import read_json
-from ..layout import Layout, LayoutError, from_engine_ids
+from ..layout import Layout, LayoutError
 from .export import ExportError, check_out, sha256_of
-from .formats import (
-    ID_CONVENTIONS,
-    IMPORT_FORMATS,
-    IdsFound,
-    Readings,
-    check_vocab_map,
-    detect_format,
-    draft_config_from,
-    explain_unexpected,
-    id_readings,
-    read_ids,
-    to_eyas_names,
-)
+from .formats import check_vocab_map, detect_format, draft_config_from, explain_unexpected, to_eyas_names
 
 
 @dataclass
