@@ -66,10 +66,10 @@ def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_n
     captured stream index, their concatenation, fc, the draft layer, the draft logits (top tokens) and
     the tokens accepted."""
     from ..conventions import engine_ids_table
-    from ..engine.decode import Engine
+    from ..engine.load import EngineParts, make_engine
     from ..engine.params import SamplingParams, SpecParams
 
-    eng = Engine(target, ckpt, spec or SpecParams())
+    eng = make_engine(EngineParts(target, ckpt, None), spec or SpecParams())
     d, tm, tok = eng.draft, eng.model, target.tokenizer
     idx = list(ckpt.layout.aux_indices)
     H = target.hidden_size

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import EyasError
-from .weights import WEIGHTS
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # torch generators take a 64-bit seed
+WEIGHTS = ("auto", "native", "native-bf16", "fp32")  # the target forward (eyas.engine.weights)
 DRAFT_WEIGHTS = ("auto", "q8", "fp32")
 
 
@@ -80,6 +80,19 @@ def tree_defaults(device: str, method: str, **given) -> dict:
     return {k: base[k] if given.get(k) is None else given[k] for k in base}
 
 
+def default_help(key: str) -> str:
+    """A TREE_DEFAULTS entry for a --help string: "default 2 on the CPU, 4 on CUDA"."""
+    return f"default {TREE_DEFAULTS['cpu'][key]:g} on the CPU, {TREE_DEFAULTS['cuda'][key]:g} on CUDA"
+
+
+def defaults_text(device: str) -> str:
+    """TREE_DEFAULTS for `device` as the README and the Makefile state them (a test holds them to it):
+    "depth 2, topk 2, 3 tokens, lookup 4, min-prob 0.35"."""
+    d = TREE_DEFAULTS[device]
+    return (f"depth {d['depth']}, topk {d['topk']}, {d['tokens']} tokens, lookup {d['lookup']}, "
+            f"min-prob {d['min_prob']:g}")
+
+
 @dataclass
 class SpecParams:
     method: str = "tree"  # tree | chain | lookup (the lookup chain alone: no draft) | plain
@@ -107,7 +120,16 @@ class SpecParams:
             return 0, 1, 1  # the root; the lookup chain comes on top
         return self.depth, self.topk, self.tokens
 
+    def check(self) -> None:
+        """What validate refuses that needs no loaded draft, so bad flags fail before anything loads; the bound
+        that needs the draft (topk within its vocabulary) waits for the Engine's validate."""
+        self._validate(None, self.method in DRAFT_METHODS)
+
     def validate(self, draft_vocab: int | None) -> None:
+        """draft_vocab: the loaded draft's vocabulary size, None without a draft."""
+        self._validate(draft_vocab, draft_vocab is not None)
+
+    def _validate(self, draft_vocab: int | None, has_draft: bool) -> None:
         if self.weights not in WEIGHTS:
             raise EngineError(f"--weights {self.weights!r}: expected one of {', '.join(WEIGHTS)}")
         if self.draft_weights not in DRAFT_WEIGHTS:
@@ -132,7 +154,7 @@ class SpecParams:
                 raise EngineError("--min-prob filters a draft's candidates; method lookup drafts nothing: "
                                   "drop --min-prob")
             return
-        if draft_vocab is None:
+        if not has_draft:
             raise EngineError(f"method {self.method!r} needs an EAGLE-3 draft; pass a draft (--draft PATH or "
                               "--draft default) or use method 'plain'")
         if self.method == "chain":
@@ -144,7 +166,7 @@ class SpecParams:
             raise EngineError(f"tree depth {d} < 1; use --depth 1 or more")
         if k < 1:
             raise EngineError(f"tree topk {k} < 1; use --topk 1 or more")
-        if k > draft_vocab:
+        if draft_vocab is not None and k > draft_vocab:
             raise EngineError(f"tree topk {k} exceeds the draft vocabulary ({draft_vocab} tokens)")
         if k == 1 and n != d + 1:
             raise EngineError(f"a tree with topk 1 is a chain of {d} tokens: tokens must be depth + 1 = {d + 1}, "

@@ -16,9 +16,7 @@ if TYPE_CHECKING:
 from ..target.capture import decoder_parts
 from ..target.family import ModelError
 from .forward import TargetModel, _check_family
-
-WEIGHTS = ("auto", "native", "native-bf16", "fp32")
-
+from .params import WEIGHTS  # re-exported: stated in params, which the CLI imports without torch
 
 NATIVE_ACT = {"native": "q8", "native-bf16": "bf16"}  # weights mode -> 4-bit matrices' activations
 
