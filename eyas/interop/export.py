@@ -146,30 +146,9 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     launch = (launch or LaunchParams()).resolved()
     ckpt = draft if isinstance(draft, DraftCheckpoint) else load_draft(draft)
-    layout, cfg = ckpt.layout, ckpt.model.config
-    if layout.target is None:
-        raise ExportError("the draft's layout has no target identity; its ids cannot be translated")
-    L = layout.target.num_layers
-    aux = list(layout.aux_indices)
-    if len(set(aux)) != len(aux):
-        raise ExportError(f"the layout {aux} repeats a stream index: SGLang, vLLM and speculators capture each layer "
-                          "once per forward (`if i in layers_to_capture` inside the layer loop), so fc would get fewer "
-                          "states than it takes. Retrain with distinct --aux-indices")
-    # engines concatenate the captured states in ascending layer order, whatever order the ids are listed in;
-    # an eyas layout in another order is exported with fc's input blocks permuted to match (exact)
-    order = sorted(range(len(aux)), key=aux.__getitem__)
-    if order != list(range(len(aux))):
-        layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
-                        target=layout.target, norms=dict(layout.norms))
-    try:
-        to_engine_ids(layout.aux_indices, fmt, L)  # refuses what the engine cannot express, with why
-    except LayoutError as e:
-        raise ExportError(f"cannot export to {fmt}: {e}") from e
-    if fmt in ("sglang", "vllm") and layout.num_aux != 3:
-        raise ExportError(f"the draft concatenates {layout.num_aux} aux states ({layout.aux_indices}); {fmt}'s "
-                          "EAGLE-3 draft builds fc over exactly 3 (sglang/srt/models/llama_eagle3.py, vllm/"
-                          "model_executor/models/llama_eagle3.py). Export --format speculators, whose fc takes "
-                          "len(ids) states, or retrain with 3 aux indices")
+    cfg = ckpt.model.config
+    layout, order = export_layout(ckpt.layout, fmt)
+    L, aux = layout.target.num_layers, list(ckpt.layout.aux_indices)
     recorded = target or recorded_target(ckpt) or layout.target.name or "TARGET"
     serve_as = serving_target(str(recorded))
     out = Path(out)
@@ -182,21 +161,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         verifier = verifier or default_verifier(target, recorded_target(ckpt), layout.target.name)
         config = speculators_config(cfg, layout, dtype, verifier=verifier, verifier_architecture=layout.target.
                                     architecture, speculative_tokens=launch.steps)
-    sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
-    if order != list(range(len(aux))):
-        W = sd["fc.weight"]  # [H, n_aux * Ht], column blocks in eyas layout order
-        sd["fc.weight"] = W.view(W.shape[0], len(aux), -1)[:, order].reshape(W.shape).contiguous()
-    sd = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v) for k, v in sd.items()}
-    sd = to_format_names(sd, fmt)
-    if fmt == "speculators":
-        want = (cfg.vocab_size, cfg.hidden_size)
-        if embeddings is None:
-            raise ExportError("a speculators export needs the target's token embeddings (speculators leaves a "
-                              "missing embed_tokens.weight uninitialised); pass the target (eyas export --target)")
-        if tuple(embeddings.shape) != want:
-            raise ExportError(f"target embeddings {tuple(embeddings.shape)} do not fit the draft (vocab, hidden) "
-                              f"{want}: wrong target")
-        sd["embed_tokens.weight"] = embeddings.detach().cpu().to(DTYPES[dtype]).contiguous()
+    sd = export_weights(ckpt, order, fmt, dtype, embeddings)
     launch_cmd = launch_command(fmt, serve_as, str(out.resolve()), launch)
     src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
     manifest = {
@@ -230,6 +195,57 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
 
     atomic_folder(out, write)
     return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
+
+
+def export_layout(layout: Layout, fmt: str) -> tuple[Layout, list[int]]:
+    """The layout as `fmt` will capture it (ascending) and the order of the draft's fc blocks in it; refuses what
+    the engine cannot express or its draft cannot take."""
+    if layout.target is None:
+        raise ExportError("the draft's layout has no target identity; its ids cannot be translated")
+    L = layout.target.num_layers
+    aux = list(layout.aux_indices)
+    if len(set(aux)) != len(aux):
+        raise ExportError(f"the layout {aux} repeats a stream index: SGLang, vLLM and speculators capture each layer "
+                          "once per forward (`if i in layers_to_capture` inside the layer loop), so fc would get fewer "
+                          "states than it takes. Retrain with distinct --aux-indices")
+    # engines concatenate the captured states in ascending layer order, whatever order the ids are listed in;
+    # an eyas layout in another order is exported with fc's input blocks permuted to match (exact)
+    order = sorted(range(len(aux)), key=aux.__getitem__)
+    if order != list(range(len(aux))):
+        layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
+                        target=layout.target, norms=dict(layout.norms))
+    try:
+        to_engine_ids(layout.aux_indices, fmt, L)  # refuses what the engine cannot express, with why
+    except LayoutError as e:
+        raise ExportError(f"cannot export to {fmt}: {e}") from e
+    if fmt in ("sglang", "vllm") and layout.num_aux != 3:
+        raise ExportError(f"the draft concatenates {layout.num_aux} aux states ({layout.aux_indices}); {fmt}'s "
+                          "EAGLE-3 draft builds fc over exactly 3 (sglang/srt/models/llama_eagle3.py, vllm/"
+                          "model_executor/models/llama_eagle3.py). Export --format speculators, whose fc takes "
+                          "len(ids) states, or retrain with 3 aux indices")
+    return layout, order
+
+
+def export_weights(ckpt: DraftCheckpoint, order: list[int], fmt: str, dtype: str,
+                   embeddings: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The draft's tensors in `fmt`'s names and `dtype`, fc's input blocks permuted into `order`."""
+    cfg = ckpt.model.config
+    sd = {k: v.detach().cpu().contiguous() for k, v in ckpt.model.state_dict().items()}
+    if order != list(range(len(order))):
+        W = sd["fc.weight"]  # [H, n_aux * Ht], column blocks in eyas layout order
+        sd["fc.weight"] = W.view(W.shape[0], len(order), -1)[:, order].reshape(W.shape).contiguous()
+    sd = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v) for k, v in sd.items()}
+    sd = to_format_names(sd, fmt)
+    if fmt == "speculators":
+        want = (cfg.vocab_size, cfg.hidden_size)
+        if embeddings is None:
+            raise ExportError("a speculators export needs the target's token embeddings (speculators leaves a "
+                              "missing embed_tokens.weight uninitialised); pass the target (eyas export --target)")
+        if tuple(embeddings.shape) != want:
+            raise ExportError(f"target embeddings {tuple(embeddings.shape)} do not fit the draft (vocab, hidden) "
+                              f"{want}: wrong target")
+        sd["embed_tokens.weight"] = embeddings.detach().cpu().to(DTYPES[dtype]).contiguous()
+    return sd
 
 
 def default_verifier(target: str | None, recorded: str | None, name: str | None) -> str:

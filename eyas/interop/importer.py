@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from .. import __version__
 from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
 from ..doctor.inference import infer_layout, layout_candidates
-from ..draft import MANIFEST, DraftCheckpoint, Eagle3Draft, load_draft, save_draft
+from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
 from ..files import read_json
 from ..layout import Layout, LayoutError
 from .export import ExportError, check_out, sha256_of
@@ -173,32 +173,8 @@ def check_import_options(fmt: str, aux_indices: list[int] | None, aux_ids: list[
         raise ExportError(f"--ids-convention {ids_convention!r}: expected one of {', '.join(ID_CONVENTIONS)}")
 
 
-def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", allow_pickle: bool = False,
-                 aux_indices: list[int] | None = None, aux_ids: list[int] | None = None,
-                 ids_convention: str | None = None, infer: bool = True, infer_samples: list | None = None,
-                 command: str | None = None) -> ImportResult:
-    """A foreign draft folder -> an eyas draft at `out` for `target` (a loaded eyas Target).
-    Precedence for the layout: --aux-indices / --aux-ids (explicit) > the eyas-export manifest > the format's
-    reading of the config ids when unambiguous > the doctor's inference; anything else is an error."""
-    check_import_options(fmt, aux_indices, aux_ids, ids_convention)
-    ident = target.identity
-    L, Ht, V = ident.num_layers, ident.hidden_size, ident.vocab_size
-    check_out(Path(out), "eyas-draft", Path(src))
-    foreign = read_folder(src, allow_pickle)
-    warnings: list[str] = []
-    notes: list[str] = []
-
-    explicit_format = fmt != "auto"
-    if fmt == "auto":
-        if foreign.eyas_export is not None:
-            fmt, why = foreign.eyas_export.get("format", "auto"), "eyas export manifest"
-        else:
-            fmt, why = detect_format(foreign.config)
-    else:
-        why = "--format"
-    found = read_ids(foreign.config)
-
-    sd, extra = to_eyas_names(foreign.weights)
+def _num_aux(sd: dict[str, torch.Tensor], foreign: Foreign, src: str | Path, Ht: int) -> int:
+    """How many aux states fc takes, from its input width and the target's hidden size."""
     if "fc.weight" not in sd:
         raise ExportError(f"{src}: no fc.weight among the weights ({sorted(foreign.weights)[:10]}...); "
                           "not an EAGLE-3 draft")
@@ -210,27 +186,17 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     if fc_in % Ht:
         raise ExportError(f"fc.weight takes {fc_in} inputs, not a multiple of the target's hidden size {Ht}: this "
                           "draft was trained for another target (fc input = n_aux x target hidden)")
-    n_aux = fc_in // Ht
+    return fc_in // Ht
 
-    # -- the layout: explicit > eyas manifest > unambiguous config ids > inference
-    readings = id_readings(found, "sglang" if fmt == "specforge" else fmt, L, explicit_format)
-    notes += readings.notes
-    stream, decided_by = _decide_layout(readings, foreign, found, aux_indices, aux_ids, ids_convention, L, warnings)
-    if n_aux != (len(stream) if stream is not None else n_aux):
-        raise ExportError(f"fc.weight takes {n_aux} x {Ht} inputs but the layout has {len(stream)} indices {stream}")
-    cfg = draft_config_from(foreign.config, sd, n_aux, notes)
-    if cfg.target_hidden_size != Ht:
-        raise ExportError(f"config target_hidden_size {cfg.target_hidden_size} but the target's hidden size is {Ht}")
-    if cfg.vocab_size != V:
-        raise ExportError(f"config vocab_size {cfg.vocab_size} but the target's vocabulary has {V} tokens: the draft "
-                          "was made for another model or tokenizer")
-    emb = target.embed_tokens().weight
+
+def _build_draft(cfg: DraftConfig, sd: dict[str, torch.Tensor], extra: dict[str, torch.Tensor], emb: torch.Tensor,
+                 V: int, notes: list[str], warnings: list[str]) -> Eagle3Draft:
+    """eyas's draft with the foreign weights, the checked vocabulary map and the target's embeddings."""
     if emb.shape[1] != cfg.hidden_size:
         raise ExportError(f"draft hidden_size {cfg.hidden_size} but the target's embeddings are {emb.shape[1]} wide; "
                           "the draft reuses the target's token embeddings, so they must match")
     ids = check_vocab_map(sd.pop("d2t", None), sd.get("t2d"), V, cfg.draft_vocab_size)
     sd.pop("t2d", None)
-
     model = Eagle3Draft(cfg)
     expected = {k for k in model.state_dict() if k not in ("d2t", "t2d")}
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
@@ -257,47 +223,110 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
                 warnings.append(f"the checkpoint's embed_tokens differ from the target's (max |diff| {d:.3g}): it "
                                 "was trained with another embedding table; eyas uses the target's")
     model.eval()
+    return model
 
-    inference = None
+
+def _inference(target, model: Eagle3Draft, readings: Readings, found: IdsFound, n_aux: int,
+               samples: list | None) -> dict[str, Any] | None:
+    """The doctor's layout inference over the readings with the draft's number of aux states; with no ids at all,
+    its search around the reference default. None when there is nothing to rank."""
     ids_missing = found.top is None and found.eagle_config is None
-    if readings.ambiguous or stream is None or len(readings.candidates) > 1:
-        cands = {n: s for n, s in readings.candidates.items() if len(s) == n_aux}
-        if infer and (cands or ids_missing):
-            # no ids at all: let the doctor search around the reference default; else rank the readings
-            inference = run_inference(target, model, None if ids_missing else cands,
-                                      recorded=next(iter(cands.values()), None), samples=infer_samples)
-        if inference is not None:
-            chosen, best = inference.get("chosen"), inference.get("aux_indices")
-            if stream is None and inference["confident"]:
-                stream, decided_by = list(best), f"doctor inference: {chosen}"
-            elif stream is not None and inference["confident"] and list(best) != stream:
-                warnings.append(f"layout inference prefers {chosen} (accuracy {inference['accuracy']:.3f}) over the "
-                                f"stream {stream} from {decided_by}; check the table in the manifest")
-    if stream is None:
-        lines = [f"cannot tell which target layers this draft reads ({why}; ids found: {found.to_dict()})."]
-        lines += [f"  - {n}: stream {s}" for n, s in readings.candidates.items()]
-        lines += [f"  note: {n}" for n in readings.notes]
-        if inference is not None:
-            lines.append(f"Layout inference did not separate them (held-out loss margin {inference['margin_loss']} "
-                         f"nats, paired standard error {inference['se_loss']} on {inference.get('tokens')} tokens):")
-            lines += [f"  accuracy {r['accuracy']}  loss {r['loss']}  {r['label']}" for r in inference["table"][:6]]
-        else:
-            lines.append("Layout inference (eyas.doctor.inference.infer_layout) " + (
-                "had no reading with the draft's number of aux states to rank" if infer
-                else "is disabled (--no-infer)") + ".")
-        lines.append("Pick the layout explicitly: --format sglang|vllm|eagle if you know where the draft was trained, "
-                     "or --aux-ids 1,14,26 --ids-convention sglang, or --aux-indices (eyas stream indices).")
-        raise ExportError("\n".join(lines))
-    if readings.ambiguous and inference is None and decided_by and not decided_by.startswith("--"):
-        warnings.append(f"the ids were ambiguous; using {decided_by} because you passed --format {fmt}")
+    cands = {n: s for n, s in readings.candidates.items() if len(s) == n_aux}
+    if not (cands or ids_missing):
+        return None
+    return run_inference(target, model, None if ids_missing else cands, recorded=next(iter(cands.values()), None),
+                         samples=samples)
 
+
+def _as_captured(stream: list[int], decided_by: str, n_aux: int, notes: list[str]) -> list[int]:
+    """The stream as the engine fed fc: each layer once, in ascending order (unless the user or the doctor chose
+    the order, which then names fc's blocks as they are)."""
     if len(set(stream)) != len(stream):
         raise ExportError(f"the layout {stream} repeats a stream index: engines capture each layer once per forward, "
                           f"so they would feed fc fewer than the {n_aux} states it takes; the config's ids are wrong")
     if stream != sorted(stream) and not decided_by.startswith(("--aux-indices", "doctor inference")):
         notes.append(f"ids listed as stream {stream}: engines concatenate captured states in ascending layer order, "
                      f"so fc's input blocks are read as stream {sorted(stream)}")
-        stream = sorted(stream)
+        return sorted(stream)
+    return stream
+
+
+def _refuse_undecided(why: str, found: IdsFound, readings: Readings, inference: dict[str, Any] | None,
+                      infer: bool) -> None:
+    """No layout could be decided: name every reading, what inference found, and the flags that pick one."""
+    lines = [f"cannot tell which target layers this draft reads ({why}; ids found: {found.to_dict()})."]
+    lines += [f"  - {n}: stream {s}" for n, s in readings.candidates.items()]
+    lines += [f"  note: {n}" for n in readings.notes]
+    if inference is not None:
+        lines.append(f"Layout inference did not separate them (held-out loss margin {inference['margin_loss']} "
+                     f"nats, paired standard error {inference['se_loss']} on {inference.get('tokens')} tokens):")
+        lines += [f"  accuracy {r['accuracy']}  loss {r['loss']}  {r['label']}" for r in inference["table"][:6]]
+    else:
+        lines.append("Layout inference (eyas.doctor.inference.infer_layout) " + (
+            "had no reading with the draft's number of aux states to rank" if infer
+            else "is disabled (--no-infer)") + ".")
+    lines.append("Pick the layout explicitly: --format sglang|vllm|eagle if you know where the draft was trained, "
+                 "or --aux-ids 1,14,26 --ids-convention sglang, or --aux-indices (eyas stream indices).")
+    raise ExportError("\n".join(lines))
+
+
+def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", allow_pickle: bool = False,
+                 aux_indices: list[int] | None = None, aux_ids: list[int] | None = None,
+                 ids_convention: str | None = None, infer: bool = True, infer_samples: list | None = None,
+                 command: str | None = None) -> ImportResult:
+    """A foreign draft folder -> an eyas draft at `out` for `target` (a loaded eyas Target).
+    Precedence for the layout: --aux-indices / --aux-ids (explicit) > the eyas-export manifest > the format's
+    reading of the config ids when unambiguous > the doctor's inference; anything else is an error."""
+    check_import_options(fmt, aux_indices, aux_ids, ids_convention)
+    ident = target.identity
+    L, Ht, V = ident.num_layers, ident.hidden_size, ident.vocab_size
+    check_out(Path(out), "eyas-draft", Path(src))
+    foreign = read_folder(src, allow_pickle)
+    warnings: list[str] = []
+    notes: list[str] = []
+
+    explicit_format = fmt != "auto"
+    if fmt == "auto":
+        if foreign.eyas_export is not None:
+            fmt, why = foreign.eyas_export.get("format", "auto"), "eyas export manifest"
+        else:
+            fmt, why = detect_format(foreign.config)
+    else:
+        why = "--format"
+    found = read_ids(foreign.config)
+
+    sd, extra = to_eyas_names(foreign.weights)
+    n_aux = _num_aux(sd, foreign, src, Ht)
+
+    # -- the layout: explicit > eyas manifest > unambiguous config ids > inference
+    readings = id_readings(found, "sglang" if fmt == "specforge" else fmt, L, explicit_format)
+    notes += readings.notes
+    stream, decided_by = _decide_layout(readings, foreign, found, aux_indices, aux_ids, ids_convention, L, warnings)
+    if n_aux != (len(stream) if stream is not None else n_aux):
+        raise ExportError(f"fc.weight takes {n_aux} x {Ht} inputs but the layout has {len(stream)} indices {stream}")
+    cfg = draft_config_from(foreign.config, sd, n_aux, notes)
+    if cfg.target_hidden_size != Ht:
+        raise ExportError(f"config target_hidden_size {cfg.target_hidden_size} but the target's hidden size is {Ht}")
+    if cfg.vocab_size != V:
+        raise ExportError(f"config vocab_size {cfg.vocab_size} but the target's vocabulary has {V} tokens: the draft "
+                          "was made for another model or tokenizer")
+    model = _build_draft(cfg, sd, extra, target.embed_tokens().weight, V, notes, warnings)
+
+    inference = None
+    if infer and (readings.ambiguous or stream is None or len(readings.candidates) > 1):
+        inference = _inference(target, model, readings, found, n_aux, infer_samples)
+    if inference is not None:
+        chosen, best = inference.get("chosen"), inference.get("aux_indices")
+        if stream is None and inference["confident"]:
+            stream, decided_by = list(best), f"doctor inference: {chosen}"
+        elif stream is not None and inference["confident"] and list(best) != stream:
+            warnings.append(f"layout inference prefers {chosen} (accuracy {inference['accuracy']:.3f}) over the "
+                            f"stream {stream} from {decided_by}; check the table in the manifest")
+    if stream is None:
+        _refuse_undecided(why, found, readings, inference, infer)
+    if readings.ambiguous and inference is None and decided_by and not decided_by.startswith("--"):
+        warnings.append(f"the ids were ambiguous; using {decided_by} because you passed --format {fmt}")
+    stream = _as_captured(stream, decided_by, n_aux, notes)
     layout = Layout(aux_indices=stream, target=ident)
     info = {
         "source": str(src),
