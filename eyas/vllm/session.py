@@ -4,10 +4,9 @@ vLLM takes minutes to start on a CPU (and an 8-GPU target longer), so `datagen -
 and sends it every chunk's generation and capture: one JSON line per command on the worker's stdin, one
 `EYAS-RESULT {json}` line back on its stdout; every other line is vLLM's log, passed to `log`.
 
-Stream index <-> vLLM aux id: vLLM's top-level `eagle_aux_hidden_state_layer_ids` mean the input of layer x
-(0 = the embedding output, L = the last layer's output before the final norm), which is eyas's stream index
-itself, so `aux_ids(indices, L)` is the sorted set of the layout's indices plus L (vLLM returns its states in
-ascending id order; eyas reorders them into the layout's order).
+Stream index -> vLLM aux id: eyas/conventions.py translates (vLLM's top-level ids are input-of, so they equal the
+stream indices); `aux_ids(indices, L)` asks for the layout's indices plus the final state L, sorted (vLLM returns
+its states in ascending id order; eyas reorders them into the layout's order).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..conventions import CONVENTIONS, to_engine_ids
 from .env import WORKERS, VllmError
 
 RESULT = "EYAS-RESULT "
@@ -29,12 +29,13 @@ WORKER = "capture_worker.py"
 
 
 def aux_ids(indices: list[int], num_layers: int) -> list[int]:
-    """The vLLM `eagle_aux_hidden_state_layer_ids` that capture eyas stream `indices` and the final pre-norm
-    state (stream L): the same numbers (vLLM's top-level ids are input-of, 0 = embedding), sorted, unique."""
-    bad = [k for k in indices if not 0 <= k <= num_layers]
+    """The vLLM top-level aux ids that capture eyas stream `indices` and the final pre-norm state (stream L),
+    sorted, unique."""
+    lo, hi = CONVENTIONS["vllm"].stream_range(num_layers)
+    bad = [k for k in indices if not lo <= k <= hi]
     if bad:
-        raise VllmError(f"stream indices {bad} are outside 0..{num_layers}")
-    return sorted(set(indices) | {num_layers})
+        raise VllmError(f"stream indices {bad} are outside {lo}..{hi}")
+    return to_engine_ids(sorted(set(indices) | {num_layers}), "vllm", num_layers)
 
 
 class VllmSession:
