@@ -1,11 +1,12 @@
-"""A/B of two builds of eyas/kernels.c on the 4-bit matmul, interleaved in one process.
+"""A/B of two builds of eyas's C kernels (eyas/native/*.c) on the 4-bit matmul, interleaved in one process.
 
 This machine's speed drifts by 20-30% from one minute to the next (shared host), so two separate runs cannot
-tell a 5% kernel change from noise. This script builds eyas/kernels.c as it is in the work tree (A) and a
-second source (B: a file, or `git show REV:eyas/kernels.c` with --rev), loads both, and alternates them call
-by call on the same random 4-bit matrix and activations; medians and B/A per row count.
+tell a 5% kernel change from noise. This script builds the kernels as they are in the work tree (A) and a
+second set (B: the work tree's with one file replaced by a variant, named like the file it replaces, e.g.
+matmul_q4.c; or REV's eyas/native/*.c with --rev), loads both, and alternates them call by call on the same
+random 4-bit matrix and activations; medians and B/A per row count.
 
-    python benchmarks/kernel_ab.py --b /tmp/kernels-variant.c [--rows 1,2,4,8] [--n 3072 --k 576] [--threads 1]
+    python benchmarks/kernel_ab.py --b /tmp/variant/matmul_q4.c [--rows 1,2,4,8] [--n 3072 --k 576] [--threads 1]
     python benchmarks/kernel_ab.py --rev HEAD~1
     python benchmarks/kernel_ab.py --b VARIANT.c --cold-mb 128 --threads 2   # weights streamed from DRAM
 
@@ -21,21 +22,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import io
+import shutil
 import statistics
 import subprocess
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from eyas.native.kernels import _FLAGS, _SRC, _compiler, pack_q4
+from eyas.native.kernels import _HEADERS, _SOURCES, _compiler, build, pack_q4
 
 
-def build(src: Path, out: Path) -> ctypes.CDLL:
-    r = subprocess.run([_compiler(), *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"building {src} failed: {r.stderr.strip()[:400]}")
+def load(sources: list[Path], out: Path) -> ctypes.CDLL:
+    """Build `sources` into `out` and bind the 4-bit matmul."""
+    build(_compiler(), sources, out)
     so = ctypes.CDLL(str(out))
     p, i32 = ctypes.c_void_p, ctypes.c_int
     so.eyas_q4_matmul_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
@@ -43,11 +46,32 @@ def build(src: Path, out: Path) -> ctypes.CDLL:
     return so
 
 
+def b_sources(a: argparse.Namespace, tmp: Path) -> Path:
+    """A folder holding B's kernel sources: REV's eyas/native/*.c and *.h, or the work tree's with --b in place."""
+    b = tmp / "b"
+    b.mkdir()
+    if a.rev:
+        tar = subprocess.run(["git", "archive", a.rev, "eyas/native"], capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+            for m in t.getmembers():
+                if m.isfile() and m.name.endswith((".c", ".h")):
+                    (b / Path(m.name).name).write_bytes(t.extractfile(m).read())
+        return b
+    for f in (*_SOURCES, *_HEADERS):
+        shutil.copy(f, b / f.name)
+    variant = Path(a.b)
+    if not (b / variant.name).exists():
+        raise SystemExit(f"--b {variant}: name it after the kernel file it replaces "
+                         f"({', '.join(f.name for f in _SOURCES)})")
+    shutil.copy(variant, b / variant.name)
+    return b
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--b", help="the B source file")
-    src.add_argument("--rev", help="git revision whose eyas/kernels.c is B")
+    src.add_argument("--b", help="B: a variant of one kernel file, named like it (e.g. matmul_q4.c)")
+    src.add_argument("--rev", help="git revision whose eyas/native/*.c are B")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--n", type=int, default=3072)
     ap.add_argument("--k", type=int, default=576)
@@ -57,11 +81,7 @@ def main() -> None:
     ap.add_argument("--cold-mb", type=float, default=0.0, help="cycle over distinct matrices totalling this much")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="eyas-ab-"))
-    b_src = Path(a.b) if a.b else tmp / "b.c"
-    if a.rev:
-        b_src.write_bytes(subprocess.run(["git", "show", f"{a.rev}:eyas/kernels.c"], capture_output=True,
-                                         check=True).stdout)
-    libs = {"A": build(_SRC, tmp / "a.so"), "B": build(b_src, tmp / "b.so")}
+    libs = {"A": load(list(_SOURCES), tmp / "a.so"), "B": load(sorted(b_sources(a, tmp).glob("*.c")), tmp / "b.so")}
     torch.manual_seed(0)
     n, k = a.n, a.k
     d = torch.rand(n, k // 32) * 0.01

@@ -132,7 +132,8 @@ def test_portable_build_computes_the_same_bits_as_the_avx2_build(tmp_path):
     cc = kernels._compiler()
     so = tmp_path / "portable.so"
     flags = [f for f in kernels._FLAGS if f != "-march=native"] + ["-march=x86-64"]
-    if shutil.which(cc) is None or subprocess.run([cc, *flags, str(kernels._SRC), "-o", str(so), "-lm"]).returncode:
+    if shutil.which(cc) is None or subprocess.run([cc, *flags, *map(str, kernels._SOURCES), "-o", str(so),
+                                                     "-lm"]).returncode:
         pytest.skip("no C compiler for the portable build")
     port = ctypes.CDLL(str(so))
     torch.manual_seed(5)

@@ -1,7 +1,8 @@
-"""Build and call eyas's batch-invariant CPU kernels (eyas/kernels.c) through ctypes.
+"""Build and call eyas's batch-invariant CPU kernels (the .c files beside this one) through ctypes.
 
-The C source needs no torch headers, so the first build takes about a second with the machine's compiler
-(`$CC`, else cc/gcc) and is cached under $EYAS_CACHE/kernels by a hash of source, compiler and flags.
+The C sources need no torch headers, so the first build takes about a second with the machine's compiler
+(`$CC`, else cc/gcc) and is cached under $EYAS_CACHE/kernels by a hash of the sources (header included),
+compiler and flags.
 `-march=native`: the cached object is tied to this CPU, which the hash's machine tag records.
 """
 
@@ -13,6 +14,7 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -22,7 +24,11 @@ from ..errors import EyasError
 from ..files import atomic_write, cache_dir
 from ..rope import rope_cos_sin
 
-_SRC = Path(__file__).with_name("kernels.c")
+_DIR = Path(__file__).parent
+# one shared library from these files, one concern each (kernels.h says which); kernels.h holds what they share
+_SOURCES = tuple(_DIR / f for f in ("attention.c", "layer_ops.c", "matmul_head.c", "matmul_q4.c", "matmul_q8.c",
+                                    "q4_layers.c", "draft_layer.c"))
+_HEADERS = (_DIR / "kernels.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -39,22 +45,28 @@ def _compiler() -> str:
                       "--weights fp32")
 
 
+def build(cc: str, sources: Sequence[Path], out: Path) -> None:
+    """Compile and link `sources` (each finds kernels.h beside itself) into the shared library `out`."""
+    r = subprocess.run([cc, *_FLAGS, *map(str, sources), "-o", str(out), "-lm"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise KernelError(f"building eyas's CPU kernel with {cc} failed: {r.stderr.strip()[:400]}; "
+                          "run with --weights fp32 to avoid it")
+
+
+def _source_hash() -> bytes:
+    """Every source and header, named, so that any edit (or a renamed file) gives another cache entry."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+
+
 @cache
 def lib() -> ctypes.CDLL:
     cc = _compiler()
-    src = _SRC.read_bytes()
-    tag = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + platform.node().encode()
+    tag = hashlib.sha256(_source_hash() + cc.encode() + " ".join(_FLAGS).encode() + platform.node().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"eyas_kernels-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-
-        def build(tmp: Path) -> None:
-            r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp), "-lm"], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise KernelError(f"building eyas's CPU kernel with {cc} failed: {r.stderr.strip()[:400]}; "
-                                  "run with --weights fp32 to avoid it")
-        atomic_write(out, build)
+        atomic_write(out, lambda tmp: build(cc, _SOURCES, tmp))
     so = ctypes.CDLL(str(out))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     so.eyas_attention.argtypes = [p, p, p, i64, i32, i32, i32, i32, i32, i32, p, i64, f32, p, i32]
@@ -133,12 +145,12 @@ def _tile_lanes(s: torch.Tensor, pad: int) -> torch.Tensor:
     return s.view(G, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8).view(G, nb, 32)
 
 
-Q8_TILE_BYTES = 288  # one 8-output group x one 32-block: float d[8], 256 int8 weights (kernels.c)
+Q8_TILE_BYTES = 288  # one 8-output group x one 32-block: float d[8], 256 int8 weights (matmul_q8.c)
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """q int8 [N, K], d fp32 [N, K/32] (w = d*q) -> uint8 [ceil(N/8), K/32, 288] tiles interleaved by 8 outputs
-    (eyas/kernels.c: eyas_q8q8_matmul); N is padded with zero outputs."""
+    (matmul_q8.c: eyas_q8q8_matmul); N is padded with zero outputs."""
     n, k = q.shape
     nb, G = k // 32, (n + 7) // 8
     pad = 8 * G - n
@@ -159,12 +171,12 @@ def q8q8_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-Q4_TILE_BYTES = 192  # one 8-output group x one 32-block: float d[8], float m[8], 128 nibble bytes (kernels.c)
+Q4_TILE_BYTES = 192  # one 8-output group x one 32-block: float d[8], float m[8], 128 nibble bytes (matmul_q4.c)
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """q int [N, K] (0..15, GGUF element order), d, m fp32 [N, K/32] (w = d*q + m) -> uint8 [ceil(N/8), K/32, 192]
-    tiles interleaved by 8 outputs (eyas/kernels.c: eyas_q4_matmul_bf16); N is padded with zero outputs."""
+    tiles interleaved by 8 outputs (matmul_q4.c: eyas_q4_matmul_bf16); N is padded with zero outputs."""
     n, k = q.shape
     nb, G = k // 32, (n + 7) // 8
     pad = 8 * G - n

@@ -6,7 +6,7 @@ matrices in 4 bits (98 MB). Native mode keeps them quantized:
   group 32) with bf16 activations. A Q4_1 block w = d*q + m is the kernel's (q - 8)*scale + zero with
   scale d and zero m + 8d; the kernel takes its scales in the activations' dtype, so d and m + 8d are
   rounded to bf16 (fp16 and fp32 activations run 10-100x slower on CPUs without bf16 units).
-- Q8_0 matrices (SmolLM2's tied embedding/head) run through eyas's own kernel (eyas/kernels.c) in fp32
+- Q8_0 matrices (SmolLM2's tied embedding/head) run through eyas's own kernel (eyas/native/matmul_head.c) in fp32
   with the file's exact values (w = d*q), reading a quarter of the fp32 bytes.
 Every kernel here gives a row the same bits whatever the number of rows in the call (checked by tests):
 that is what keeps speculative decoding token-identical to plain decoding in this mode.
@@ -224,7 +224,7 @@ def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torc
                 num_kv_heads: int, act: str = "q8") -> NativeWeights:
     """Read `gguf`'s quantized matrices for `layers` and `head_module` (the decoder layers and output head of
     the HF model transformers loaded from that file).
-    act: the 4-bit matrices' activations: q8 (eyas/kernels.c, llama.cpp's Q8_1 per-block quantization, the
+    act: the 4-bit matrices' activations: q8 (eyas/native/matmul_q4.c, llama.cpp's Q8_1 per-block quantization, the
     file's exact scales) or bf16 (torch's int4 kernel, scales rounded to bf16)."""
     if act not in ACTS:
         raise NativeError(f"native activations {act!r}: expected one of {', '.join(ACTS)}")

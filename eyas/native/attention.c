@@ -1,0 +1,134 @@
+/* eyas CPU kernels: batch-invariant attention, and RoPE + KV-cache write + attention for the native layer. */
+#include "kernels.h"
+
+static inline float fold8(const float *a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* q . k for hd % 16 == 0: lane t of two chains (16-element steps) takes elements t (mod 16) and t + 8 (mod 16)
+ * by fused multiply-add; the chains add, then fold8 */
+static inline float dot_hd16(const float *a, const float *b, int hd) {
+    float t[8];
+#ifdef EYAS_Q4_AVX2
+    __m256 e = _mm256_setzero_ps(), o = e;
+    for (int d = 0; d < hd; d += 16) {
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), e);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), o);
+    }
+    _mm256_storeu_ps(t, _mm256_add_ps(e, o));
+#else
+    float o[8] = {0};
+    for (int u = 0; u < 8; u++) t[u] = 0.0f;
+    for (int d = 0; d < hd; d += 16)
+        for (int u = 0; u < 8; u++) {
+            t[u] = fmaf(a[d + u], b[d + u], t[u]);
+            o[u] = fmaf(a[d + 8 + u], b[d + 8 + u], o[u]);
+        }
+    for (int u = 0; u < 8; u++) t[u] += o[u];
+#endif
+    return fold8(t);
+}
+
+/* one query row of one head over its visible keys, in position order: scores and max, exp-weights (hidden
+ * keys weigh exactly 0 and are skipped), their sum, then the weighted values. Keys are walked one by one in
+ * slot order and every per-key quantity is the key's own, so a tree row (its ancestors at other slots, the
+ * rest masked) computes the bits the same token gets in plain decoding. hd % 16 == 0 runs dot_hd16 and
+ * fused multiply-adds; other head sizes the plain-C path. hd is a literal at the call sites. */
+static inline void attend_row(const float *qi, const float *kb, const float *vb, const uint8_t *mi, int lim,
+                              float scale, float *row, float *o, const int hd) {
+    const int v16 = hd % 16 == 0;
+    float m = -INFINITY;
+    for (int j = 0; j < lim; j++) {
+        float sj = -INFINITY;
+        if (!mi || mi[j]) {
+            sj = (v16 ? dot_hd16(qi, kb + (int64_t)j * hd, hd) : dot_f32(qi, kb + (int64_t)j * hd, hd)) * scale;
+            if (sj > m) m = sj;
+        }
+        row[j] = sj;
+    }
+    float acc[256];
+    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
+    float l = 0.0f;
+    if (m != -INFINITY) {
+        for (int j = 0; j < lim; j++) row[j] -= m;
+        exp_det_n(row, lim);
+        for (int j = 0; j < lim; j++) l += row[j];
+        for (int j = 0; j < lim; j++) {
+            const float p = row[j];
+            if (p == 0.0f) continue;
+            const float *vj = vb + (int64_t)j * hd;
+            if (v16)
+                for (int d = 0; d < hd; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+            else
+                for (int d = 0; d < hd; d++) acc[d] += p * vj[d];
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < hd; d++) o[d] = acc[d] * inv;
+}
+
+/* q [B, S, nh, hd]; k, v: one layer's cache [B, kvh, maxlen, hd]; keys 0..start+S-1 are valid.
+ * mask: NULL (causal: row i sees keys 0..start+i) or uint8 [*, S, start+S] with batch stride mask_bstride
+ * (0 = one mask for every sequence). out [B, S, nh, hd]. hd <= 256.
+ * Work item = (sequence, head, row): a row's arithmetic never depends on the other rows. */
+void eyas_attention(const float *q, const float *k, const float *v, int64_t maxlen, int B, int S, int nh,
+                    int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride, float scale,
+                    float *out, int nthreads) {
+    const int T = start + S;
+    const int group = nh / kvh;
+    const int items = B * nh * S;
+#pragma omp parallel num_threads(items > 1 ? nthreads : 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
+#pragma omp for schedule(static)
+        for (int it = 0; it < items; it++) {
+            const int b = it / (nh * S), h = (it / S) % nh, i = it % S, g = h / group;
+            const float *kb = k + ((int64_t)b * kvh + g) * maxlen * hd;
+            const float *vb = v + ((int64_t)b * kvh + g) * maxlen * hd;
+            const uint8_t *mi = mask ? mask + b * mask_bstride + (int64_t)i * T : NULL;
+            const int lim = mask ? T : start + i + 1;
+            const float *qi = q + (((int64_t)b * S + i) * nh + h) * hd;
+            float *o = out + (((int64_t)b * S + i) * nh + h) * hd;
+            switch (hd) {
+            case 64: attend_row(qi, kb, vb, mi, lim, scale, row, o, 64); break;
+            case 128: attend_row(qi, kb, vb, mi, lim, scale, row, o, 128); break;
+            default: attend_row(qi, kb, vb, mi, lim, scale, row, o, hd);
+            }
+        }
+        free(row);
+    }
+}
+
+/* qkv [B, S, (nh + 2 kvh) hd] bf16 from the fused projection; cos, sin [B, S, hd] (HF rotary, rotate-half form).
+ * Rotates q and k, writes k and v into cache slots start..start+S-1 (or, with slots and S = 1, row b's at slot
+ * slots[b] <= start: rows of different lengths in one cache, the mask saying which slots each row sees), attends
+ * (eyas_attention) and writes out [B, S, nh hd] bf16. qbuf, obuf: fp32 scratch of B*S*nh*hd. */
+void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
+                      int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
+                      int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads) {
+    const int half = hd / 2, width = (nh + 2 * kvh) * hd;
+    for (int b = 0; b < B; b++)
+        for (int s = 0; s < S; s++) {
+            const int64_t slot = slots ? slots[b] : start + s;
+            const uint16_t *row = qkv + ((int64_t)b * S + s) * width;
+            const float *cs = cos + ((int64_t)b * S + s) * hd, *sn = sin + ((int64_t)b * S + s) * hd;
+            for (int h = 0; h < nh + kvh; h++) {
+                const uint16_t *src = row + h * hd;
+                float *dst = h < nh ? qbuf + (((int64_t)b * S + s) * nh + h) * hd
+                                    : kc + (((int64_t)b * kvh + (h - nh)) * maxlen + slot) * hd;
+                for (int d = 0; d < hd; d++) {
+                    const float x = from_bf16(src[d]);
+                    const float rot = d < half ? -from_bf16(src[d + half]) : from_bf16(src[d - half]);
+                    dst[d] = x * cs[d] + rot * sn[d];
+                }
+            }
+            for (int h = 0; h < kvh; h++) {
+                const uint16_t *src = row + (nh + kvh + h) * hd;
+                float *dst = vc + (((int64_t)b * kvh + h) * maxlen + slot) * hd;
+                for (int d = 0; d < hd; d++) dst[d] = from_bf16(src[d]);
+            }
+        }
+    eyas_attention(qbuf, kc, vc, maxlen, B, S, nh, kvh, hd, start, mask, mask_bstride, scale, obuf, nthreads);
+    const int64_t n = (int64_t)B * S * nh * hd;
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(obuf[i]);
+}
