@@ -11,7 +11,7 @@ import each other):
   draft    eyas/draft.py and eyas/inspect.py: the EAGLE-3 module over a target; inspect over a target
   engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, decode, load
   data     eyas/data: conversations, datagen, shards, ngrams (needs the target to capture)
-  train    eyas/train: config, sources, checkpoint, loop, ttt (reads shards)
+  train    eyas/train: config, sources, checkpoint, ttt, step, prepare, report, loop (reads shards)
   doctor   eyas/doctor: checks, inference, flags lint, trace (measures with ttt)
   interop  eyas/interop: conventions, formats, export, import (import asks the doctor's layout inference)
   bench, serve   eyas/bench, eyas/serve: peers on the engine; neither needs the other
