@@ -25,3 +25,35 @@ def smollm2():
     from eyas.target.load import load_target
 
     return load_target("smollm2-135m", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory):
+    """A folder with the bundled target's tokenizer files (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja), without loading its weights: the converted cache folder load_target reads its tokenizer
+    from, when this GGUF's conversion is there; else the GGUF's own tokenizer saved the way the conversion saves
+    it (transformers' GGUF tokenizer reader, ~10 s, still no weights)."""
+    from transformers import AutoTokenizer
+
+    from eyas.files import cache_dir
+    from eyas.target.convert import file_fingerprint
+    from eyas.target.family import bundled_gguf
+    from eyas.target.load import _cache_entry_ok
+
+    gguf = bundled_gguf("smollm2-135m")
+    fp = file_fingerprint([gguf])
+    folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"  # load_target's cache entry
+    if _cache_entry_ok(folder, fp) and (folder / "tokenizer.json").is_file():
+        return folder
+    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_dir):
+    """The bundled target's tokenizer (what `smollm2.tokenizer` is), read the way load_target reads it, without
+    the model: for tests that only tokenize or render its chat template. Tests that change it deepcopy it first."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)

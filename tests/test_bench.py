@@ -24,18 +24,18 @@ from tests.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2):
+def tiny_dir(tmp_path_factory, smollm2_tokenizer, smollm2_tokenizer_dir):
     """A tiny random Llama with the SmolLM2 tokenizer (vocab 49152), saved as a HF folder, plus a
     random eyas draft saved next to it."""
     root = tmp_path_factory.mktemp("tiny-bench")
-    model = tiny_model("llama", seed=0, vocab=smollm2.identity.vocab_size, hidden=32, layers=4)
+    model = tiny_model("llama", seed=0, vocab=len(smollm2_tokenizer), hidden=32, layers=4)
     model.config.eos_token_id = 2
     model.config.bos_token_id = 1
     model.config.pad_token_id = 2
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 2
     model.save_pretrained(root / "target", safe_serialization=True)
-    for f in smollm2.path.iterdir():
+    for f in smollm2_tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
             shutil.copy(f, root / "target" / f.name)
     target = load_target(str(root / "target"), dtype="fp32")
@@ -66,8 +66,8 @@ def test_first_diff():
     assert first_diff([1, 2], [1, 2, 3]) == 2
 
 
-def test_end_tokens_of_smollm2_template(smollm2):
-    assert end_token_ids(smollm2.tokenizer) == [2]  # <|im_end|> is both eos and the template's end token
+def test_end_tokens_of_smollm2_template(smollm2_tokenizer):
+    assert end_token_ids(smollm2_tokenizer) == [2]  # <|im_end|> is both eos and the template's end token
 
 
 def test_hf_runner_counts_forwards(tiny_target):
@@ -131,12 +131,13 @@ def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
         _prepare_out(cfg, tmp_path / "o", tiny_target)
 
 
-def test_missing_bundled_draft_is_a_clear_error(tiny_target):
-    from eyas.draft import DraftError, bundled_draft_path, resolve_draft
+def test_missing_bundled_draft_is_a_clear_error(tiny_target, tmp_path, monkeypatch):
+    """An install without the shipped draft (the package data left out): --draft default names the ways on."""
+    import eyas.draft
+    from eyas.draft import DraftError, resolve_draft
 
-    if bundled_draft_path().is_dir():
-        pytest.skip("a bundled draft ships now")
-    with pytest.raises(DraftError, match="--draft random"):
+    monkeypatch.setattr(eyas.draft, "bundled_draft_path", lambda name="default": tmp_path / "not-shipped" / name)
+    with pytest.raises(DraftError, match="is not shipped in this install.*--draft random"):
         resolve_draft("default", tiny_target)
 
 

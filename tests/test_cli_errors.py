@@ -20,15 +20,15 @@ DEFAULT_DRAFT = ROOT / "eyas" / "assets" / "drafts" / "default"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, smollm2):
+def files(tmp_path_factory, smollm2_tokenizer, smollm2_tokenizer_dir):
     """Bad inputs of every kind next to two tiny HF targets (SmolLM2's tokenizer): a Llama one eyas decodes
     and a Gemma-2 one it does not."""
     root = tmp_path_factory.mktemp("cli-errors")
 
     def target(family: str) -> Path:
-        m = tiny_model(family, vocab=smollm2.identity.vocab_size, hidden=32, layers=4)
+        m = tiny_model(family, vocab=len(smollm2_tokenizer), hidden=32, layers=4)
         m.save_pretrained(root / family, safe_serialization=True)
-        for f in smollm2.path.iterdir():
+        for f in smollm2_tokenizer_dir.iterdir():
             if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
                 shutil.copy(f, root / family / f.name)
         return root / family

@@ -147,8 +147,8 @@ MULTI = [
 ]
 
 
-def test_loss_mask_decodes_to_exactly_the_assistant_replies(smollm2):
-    tok = smollm2.tokenizer
+def test_loss_mask_decodes_to_exactly_the_assistant_replies(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     ids, mask, exact = tokenize_conversation_checked(tok, MULTI)
     assert exact
     assert ids.tolist() == tok(tok.apply_chat_template(MULTI, tokenize=False), add_special_tokens=False)["input_ids"]
@@ -163,8 +163,8 @@ def test_loss_mask_decodes_to_exactly_the_assistant_replies(smollm2):
     assert torch.equal(ids2, ids[:20]) and torch.equal(mask2, mask[:20])
 
 
-def test_loss_mask_when_bpe_merges_across_the_header(smollm2):
-    tok = smollm2.tokenizer
+def test_loss_mask_when_bpe_merges_across_the_header(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nok then"}]
     ids, mask, exact = tokenize_conversation_checked(tok, msgs)
     assert not exact  # the header's '\n' merges with the reply's '\n\n'
@@ -173,8 +173,8 @@ def test_loss_mask_when_bpe_merges_across_the_header(smollm2):
     assert len(spans) == 1 and spans[0].endswith("ok then<|im_end|>") and "assistant" not in spans[0]
 
 
-def test_template_that_rewrites_history_is_refused(smollm2):
-    tok = copy.deepcopy(smollm2.tokenizer)
+def test_template_that_rewrites_history_is_refused(smollm2_tokenizer):
+    tok = copy.deepcopy(smollm2_tokenizer)
     # a template that drops earlier assistant replies (as reasoning templates drop their thinking)
     tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
                          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"

@@ -50,8 +50,8 @@ def _save_tiny(path: Path, tokenizer, seed: int) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(smollm2, tmp_path_factory):
-    return _save_tiny(tmp_path_factory.mktemp("tiny-target"), smollm2.tokenizer, seed=0)
+def tiny_dir(smollm2_tokenizer, tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("tiny-target"), smollm2_tokenizer, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -303,7 +303,7 @@ def test_start_row_reads_only_later_rows_and_is_fixed_for_the_folder(tmp_path, t
         _cfg(tmp_path / "o4", tiny_dir, conv_file, start_row=6, end_row=6).validate()
 
 
-def test_mismatched_rerun_is_refused(tmp_path, tiny_dir, conv_file, smollm2):
+def test_mismatched_rerun_is_refused(tmp_path, tiny_dir, conv_file, smollm2_tokenizer):
     cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=2)
     assert runner.invoke(app, _args(cfg)).exit_code == 0
     for extra, field in [(["--max-len", "80"], "max_len"), (["--aux-indices", "1,2,3"], "aux_indices"),
@@ -311,7 +311,7 @@ def test_mismatched_rerun_is_refused(tmp_path, tiny_dir, conv_file, smollm2):
         res = runner.invoke(app, _args(cfg) + extra)
         assert res.exit_code == 2, res.output
         assert field in res.output and "refusing" in res.output, res.output
-    other = _save_tiny(tmp_path / "other", smollm2.tokenizer, seed=1)
+    other = _save_tiny(tmp_path / "other", smollm2_tokenizer, seed=1)
     res = runner.invoke(app, _args(cfg) + ["--target", str(other)])
     assert res.exit_code == 2 and "target.fingerprint" in res.output, res.output
     other_data = tmp_path / "other.jsonl"
@@ -403,8 +403,8 @@ def test_self_source_needs_a_bound_regeneration_and_a_chat_tuned_target(tmp_path
         run_datagen(cfg(), command="t", progress=False, log=lambda s: None)
 
 
-def test_user_turn_opening_is_the_templates_text_before_the_users(smollm2, tmp_path):
-    tok = smollm2.tokenizer
+def test_user_turn_opening_is_the_templates_text_before_the_users(smollm2_tokenizer, tmp_path):
+    tok = smollm2_tokenizer
     opening = user_turn_opening(tok)
     assert tok.decode(opening) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                                    "Hugging Face<|im_end|>\n<|im_start|>user\n")

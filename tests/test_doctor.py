@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from eyas.data.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
 from eyas.doctor.checks import run_doctor
-from eyas.doctor.inference import LayoutRanking, infer_layout, layout_candidates
+from eyas.doctor.inference import infer_layout, layout_candidates
+from eyas.doctor.ranking import LayoutRanking
 from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
 from eyas.engine.forward import TargetModel
 from eyas.layout import Layout
@@ -272,7 +273,7 @@ def test_unpaired_accuracy_uses_the_spread_between_conversations():
 
 
 def test_ties_go_to_the_simplest_explanation():
-    from eyas.doctor.inference import LayoutScore
+    from eyas.doctor.ranking import LayoutScore
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(2000, generator=g) * 5
@@ -562,8 +563,8 @@ def test_real_target_random_head_is_named(smollm2, real_random):
 @pytest.mark.integration
 def test_self_source_samples_are_the_targets_own_prompts_on_held_out_rows(smollm2):
     from eyas.data.regen import user_turn_opening
-    from eyas.doctor.inference import conversation_samples
     from eyas.doctor.report import DoctorError
+    from eyas.doctor.samples import conversation_samples
 
     tok = smollm2.tokenizer
     evs = conversation_samples(tok, "self", 2, 96, 5.0, regen=(smollm2, {"seed": 0, "max_new_tokens": 16}, 2))
@@ -577,6 +578,7 @@ def test_self_source_samples_are_the_targets_own_prompts_on_held_out_rows(smollm
 
 
 @pytest.mark.integration
+@pytest.mark.asset
 def test_shipped_draft_passes_on_the_real_target(smollm2):
     rep = run_doctor(smollm2, load_draft("default"))
     assert rep.ok, [(c.name, c.status, c.summary) for c in rep.checks]
@@ -584,6 +586,7 @@ def test_shipped_draft_passes_on_the_real_target(smollm2):
 
 
 @pytest.mark.integration
+@pytest.mark.asset
 def test_shifted_copy_of_the_shipped_draft_fails_with_the_true_layout_first(smollm2, tmp_path):
     true = load_draft("default").layout.aux_indices
     d = relabel_dir(bundled_draft_path(), tmp_path / "shifted", [k + 1 for k in true])

@@ -319,6 +319,7 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [SpecParams("chain", steps=2), SpecParams("tree", depth=2, topk=3, tokens=7),
                                   SpecParams("tree", depth=2, topk=3, tokens=7, lookup=3),
                                   SpecParams("lookup", lookup=3)],
@@ -400,12 +401,12 @@ def test_draft_for_another_target_is_refused(tiny):
         Engine(tiny, bad, SpecParams("chain", steps=2))
 
 
-def test_chat_input_ids_uses_template(smollm2):
-    ids = chat_input_ids(smollm2.tokenizer, [{"role": "user", "content": "Hi"}])
-    text = smollm2.tokenizer.decode(ids)
+def test_chat_input_ids_uses_template(smollm2_tokenizer):
+    ids = chat_input_ids(smollm2_tokenizer, [{"role": "user", "content": "Hi"}])
+    text = smollm2_tokenizer.decode(ids)
     assert text.rstrip().endswith("<|im_start|>assistant") and "Hi" in text
     with pytest.raises(EngineError, match="role"):
-        chat_input_ids(smollm2.tokenizer, [{"content": "x"}])
+        chat_input_ids(smollm2_tokenizer, [{"content": "x"}])
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma3_text"])

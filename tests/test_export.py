@@ -508,10 +508,11 @@ def test_printed_launch_commands(tmp_path, target):
 
 @pytest.mark.parametrize("aux", [LAYOUT, [0, 3, 8]])
 def test_printed_commands_pass_the_flag_lint(tmp_path, target, aux):
-    """`eyas doctor flags` (eyas.flags, another engineer's lint) accepts every launch command export prints."""
+    """`eyas doctor flags` (eyas.doctor.flags) accepts every launch command export prints."""
     import shlex
 
-    flags = pytest.importorskip("eyas.doctor.flags", reason="the serve-flag lint lives in eyas.doctor.flags")
+    from eyas.doctor import flags
+
     src = make_draft(tmp_path / "d", target, aux)
     cases = [("vllm", LaunchParams(3)), ("speculators", LaunchParams(4)), ("sglang", LaunchParams(3)),
              ("sglang", LaunchParams(5, 4, 24))]
@@ -605,7 +606,6 @@ def test_cli_round_trip_on_smollm2(tmp_path, smollm2):
 def trained(tmp_path_factory):
     """A draft trained (TTT, a few hundred steps) on the tiny target's own text with layout [1, 3, 6], so its
     accuracy depends on which layers feed it: what layout inference measures."""
-    pytest.importorskip("eyas.doctor.inference", reason="layout inference lives in eyas.doctor")
     from eyas.train.ttt import ttt_forward
 
     mcfg, cls = tiny_config("llama", layers=L)

@@ -135,6 +135,7 @@ def test_table_chains_longer_than_the_context_chain(tiny, table_dir):
         assert len(res.stats.accepted_per_depth) == 4
 
 
+@pytest.mark.slow
 def test_sampling_with_the_table_matches_plain_distribution(tiny, table_dir):
     """Table tokens are point-mass proposals judged by rejection sampling: the joint distribution of the first
     two sampled tokens equals plain sampling's (chi-square, as in test_engine)."""

@@ -39,10 +39,10 @@ MAX_NEW = 512
 # ---- fixtures -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(smollm2, tmp_path_factory):
+def tiny(smollm2_tokenizer, tmp_path_factory):
     """A tiny random Llama with the SmolLM2 tokenizer, saved and reloaded as a target, plus a random draft."""
     root = tmp_path_factory.mktemp("serve")
-    cfg, cls = tiny_config("llama", vocab=len(smollm2.tokenizer), hidden=32, layers=8)
+    cfg, cls = tiny_config("llama", vocab=len(smollm2_tokenizer), hidden=32, layers=8)
     cfg.max_position_embeddings = 2048
     cfg.bos_token_id, cfg.eos_token_id = 1, 2  # <|im_start|>, <|im_end|>
     cfg._attn_implementation = "eager"
@@ -50,7 +50,7 @@ def tiny(smollm2, tmp_path_factory):
     model = cls(cfg).eval()
     model.config.architectures = [cls.__name__]
     model.save_pretrained(root / "target", safe_serialization=True)
-    smollm2.tokenizer.save_pretrained(root / "target")
+    smollm2_tokenizer.save_pretrained(root / "target")
     target = load_target(str(root / "target"))
     dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=1024)
     torch.manual_seed(1)
@@ -128,8 +128,8 @@ def msgs(text):
 
 # ---- text streaming (no server) -------------------------------------------------------------------
 
-def test_text_stream_holds_partial_utf8(smollm2):
-    tok = smollm2.tokenizer
+def test_text_stream_holds_partial_utf8(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     text = "héllo 你好 😀 naïve ☃ end"
     ids = tok.encode(text)
     ts = TextStream(tok, [], max_tokens=100)
@@ -141,8 +141,8 @@ def test_text_stream_holds_partial_utf8(smollm2):
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
-def test_text_stream_stop_across_chunks(smollm2, chunk):
-    tok = smollm2.tokenizer
+def test_text_stream_stop_across_chunks(smollm2_tokenizer, chunk):
+    tok = smollm2_tokenizer
     ids = tok.encode("The answer is forty-two. STOP HERE and then more text")
     stop = "STOP HERE"
     ts = TextStream(tok, ["zzz", stop], max_tokens=100)
@@ -159,8 +159,8 @@ def test_text_stream_stop_across_chunks(smollm2, chunk):
     assert len(ts.ids) == n
 
 
-def test_text_stream_releases_false_stop_prefix_and_limits(smollm2):
-    tok = smollm2.tokenizer
+def test_text_stream_releases_false_stop_prefix_and_limits(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     ids = tok.encode("abc STOx def")
     ts = TextStream(tok, ["STOP"], max_tokens=100)
     out = "".join(ts.push([i]) for i in ids)
@@ -534,10 +534,10 @@ class EndlessServer:
         self.thread.join(timeout=30)
 
 
-def test_shutdown_answers_queued_503_and_ends_stream(smollm2):
+def test_shutdown_answers_queued_503_and_ends_stream(smollm2_tokenizer):
     """At SIGTERM (uvicorn's handle_exit sets should_exit) a running stream ends with an error event and
     [DONE], queued requests get a JSON 503, and neither waits out uvicorn's graceful-shutdown timeout."""
-    srv = EndlessServer(smollm2.tokenizer)
+    srv = EndlessServer(smollm2_tokenizer)
     worker = srv.app.state.worker
     body = {"model": MODEL, "prompt": "go", "max_tokens": 1000}
     events: list[str] = []
@@ -587,10 +587,10 @@ def test_shutdown_answers_queued_503_and_ends_stream(smollm2):
     assert ex.value.status == 503 and ex.value.code == "shutting_down"
 
 
-def test_tokenizing_does_not_wait_for_the_engine(smollm2):
+def test_tokenizing_does_not_wait_for_the_engine(smollm2_tokenizer):
     """While the engine is busy with an endless generation, other requests still tokenize: a too-long prompt
     gets its 400 at once rather than after the running generation."""
-    srv = EndlessServer(smollm2.tokenizer)
+    srv = EndlessServer(smollm2_tokenizer)
     try:
         with httpx.stream("POST", srv.url + COMPL, json={"model": MODEL, "prompt": "go", "stream": True,
                                                           "max_tokens": 1000}, timeout=60) as r:
@@ -605,6 +605,7 @@ def test_tokenizing_does_not_wait_for_the_engine(smollm2):
 
 # ---- concurrency ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_load_50_requests_8_clients_match_engine(served):
     """50 greedy requests (chat/completions x stream/non-stream) from 8 concurrent clients: zero errors and
     every output equal to Engine.generate for the same request (so no two requests' tokens ever mix)."""

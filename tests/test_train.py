@@ -169,6 +169,7 @@ def test_lr_schedule():
 
 # ---- training -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_training_lifts_heldout_accuracy_far_above_chance(world):
     root, target = world
     before = train(_cfg(root, "before", max_steps=1, lr=1e-9), target=target).final_metrics
@@ -386,6 +387,7 @@ def _killed_run(root: Path, out: str, at: int, **options):
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_gives_the_same_run(world):
     root, _ = world
     args = ("--max-steps", "10", "--save-every", "4", "--eval-every", "5")
@@ -406,6 +408,7 @@ def test_resume_after_sigkill_gives_the_same_run(world):
     assert evals == [5, 10]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(world):
     root, _ = world
     args = ("--max-steps", "5", "--eval-every", "5")
