@@ -68,7 +68,9 @@ def main() -> None:
 def bench_rows(target, a) -> list[dict]:
     from eyas.bench.prompts import load_prompts
     from eyas.bench.run import prompt_ids
-    from eyas.doctor.inference import Serving, _fresh, _prepare, _score, as_samples
+    from eyas.doctor.samples import as_samples
+    from eyas.doctor.scoring import _score
+    from eyas.doctor.streams import Serving, _fresh, _prepare
     from eyas.engine.decode import Engine
     from eyas.engine.params import SamplingParams, SpecParams
 

@@ -38,23 +38,12 @@ from ..conventions import default_aux_indices, engine_views, to_engine_ids
 from ..draft import DraftCheckpoint, Eagle3Draft
 from ..errors import LayoutError
 from .identity import _read_config, check_identity
-from .inference import (
-    EvalSample,
-    LayoutRanking,
-    LayoutScore,
-    Serving,
-    _Fresh,
-    _fresh,
-    _prepare,
-    _rank,
-    _score,
-    as_samples,
-    capture_path_streams,
-    conversation_samples,
-    layout_candidates,
-    shard_samples,
-)
+from .inference import _rank, layout_candidates
+from .ranking import LayoutRanking, LayoutScore
 from .report import Check, jsonable, render_checks, render_fixes
+from .samples import EvalSample, as_samples, conversation_samples, shard_samples
+from .scoring import _score
+from .streams import Serving, _Fresh, _fresh, _prepare, capture_path_streams
 
 # ---- thresholds (why each value) ------------------------------------------------------------------
 SKEW_POINTS = 2.0  # the bar: a training/serving accuracy gap above 2 points is skew

@@ -11,7 +11,7 @@ import torch
 from ..conventions import config_fix, engine_views
 from ..draft import DraftCheckpoint
 from ..layout import layout_diff
-from .inference import FINAL_ONLY
+from .ranking import FINAL_ONLY
 from .report import Check
 
 # ---- 1. identity: no compute ----------------------------------------------------------------------
