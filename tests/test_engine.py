@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, bundled_draft_path, random_draft
+from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, random_draft
 from eyas.engine.decode import Engine, chat_input_ids
 from eyas.engine.params import EngineError, SamplingParams, SpecParams
 from eyas.engine.sampling import warp
@@ -446,7 +446,7 @@ def test_smollm2_mtbench_speculative_equals_plain(smollm2):
 
 # ---- CLI ----------------------------------------------------------------------------------------------------
 
-def test_generate_cli(tmp_path, tiny):
+def test_generate_cli(tmp_path, tiny, monkeypatch):
     from typer.testing import CliRunner
 
     from eyas.cli import app
@@ -476,8 +476,9 @@ def test_generate_cli(tmp_path, tiny):
     cases = [(["--draft", "none", "--method", "tree"], "needs a draft"),
              (["--draft", "random", "--topk", "1", "--depth", "3", "--tokens", "8"], "--tokens 4"),
              (["--draft", "random", "--temperature", "-1"], "temperature")]
-    if not bundled_draft_path().is_dir():  # until the shipped draft exists
-        cases.append((["--draft", "default"], "bundled draft"))
+    # an install without the shipped draft (the package data left out): --draft default is one clear error
+    monkeypatch.setattr("eyas.draft.bundled_draft_path", lambda name="default": tmp_path / "not-shipped" / name)
+    cases.append((["--draft", "default"], "bundled draft"))
     for extra, match in cases:
         bad = runner.invoke(app, base + extra)
         assert bad.exit_code == 2 and match in bad.output, (extra, bad.output)
