@@ -39,6 +39,8 @@ from ..target.template import (
     same_template,
     use_template,
 )
+from ..vllm.env import VllmError, vllm_python, vllm_version
+from ..vllm.session import VllmSession, aux_ids
 from .conversations import (
     SELF_SOURCE,
     Conversation,
@@ -54,6 +56,7 @@ from .conversations import (
 )
 from .regen import (
     SELF_PROMPT,
+    engine_for,
     generate_replies,
     regen_engine,
     regen_numerics,
@@ -134,6 +137,12 @@ class DatagenConfig:
     threads: int = 0  # torch CPU threads (0 = torch's default); 1 is far faster on an oversubscribed machine
     chat_template: str | None = None  # --chat-template FILE|NAME (None: the tokenizer's own; eyas.template)
     raw: bool = False  # base models: rows as plain text, no template (see _raw_items for the loss mask)
+    engine: str = "eyas"  # eyas | vllm: who runs the target (vllm: eyas.vllm.capture_worker, see _vllm_request)
+    vllm_python: str | None = None  # --vllm-python (else $EYAS_VLLM_PYTHON, else .venv-vllm)
+    vllm_tp: int = 1  # vLLM tensor_parallel_size
+    vllm_pp: int = 1  # vLLM pipeline_parallel_size
+    vllm_args: list[str] = field(default_factory=list)  # more vLLM engine args, KEY=VALUE (VALUE read as JSON)
+    vllm_session: Any = field(default=None, repr=False, compare=False)  # the running worker (run_datagen sets it)
 
     def template(self) -> ChatTemplate:
         return resolve_template(self.chat_template, self.raw)
@@ -162,11 +171,17 @@ class DatagenConfig:
              "no --raw"),
             (self.data != SELF_SOURCE or self.num is not None or self.end_row is not None,
              "--data self is an endless source: pass --num N (conversations) or --end-row E"),
+            (self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"),
+            (self.vllm_tp >= 1 and self.vllm_pp >= 1,
+             f"--vllm-tp and --vllm-pp must be >= 1, got {self.vllm_tp} and {self.vllm_pp}"),
+            (self.engine == "vllm" or (self.vllm_tp == 1 and self.vllm_pp == 1 and not self.vllm_args),
+             "--vllm-tp, --vllm-pp and --vllm-arg apply to --engine vllm only: add --engine vllm"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise DatagenError(msg)
         self.template()  # a bad --chat-template fails before anything loads
+        vllm_engine_args(self)  # a malformed --vllm-arg too
         for name in (self.dtype, self.target_dtype):
             try:
                 parse_dtype(name)
@@ -176,9 +191,9 @@ class DatagenConfig:
 
 # config keys that define the dataset's content: a rerun into the same folder must match them
 _IDENTITY_KEYS = ("source", "source_fingerprint", "start_row", "max_len", "regenerate", "max_turns", "dtype",
-                  "target_dtype")
+                  "target_dtype", "engine")
 _REGEN_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "repetition_limit", "regen_weights")
-_LEGACY = {"regen_weights": "fp32", "start_row": 0}  # manifests from before the key: what they ran
+_LEGACY = {"regen_weights": "fp32", "start_row": 0, "engine": "eyas"}  # manifests from before the key: what they ran
 
 
 def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[str, Any]:
@@ -188,7 +203,9 @@ def _manifest_config(cfg: DatagenConfig, source: str, source_fp: str) -> dict[st
         "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
         "max_turns": cfg.max_turns, "repetition_limit": cfg.repetition_limit, "dtype": cfg.dtype,
         "target_dtype": cfg.target_dtype, "num": cfg.num, "shard_samples": cfg.shard_samples,
-        "shard_tokens": cfg.shard_tokens, "threads": torch.get_num_threads(), "regen_weights": cfg.regen_weights,
+        "shard_tokens": cfg.shard_tokens, "threads": torch.get_num_threads(),
+        # vLLM writes the replies in its own numerics: a folder is never resumed with the other engine's
+        "regen_weights": "vllm" if cfg.engine == "vllm" else cfg.regen_weights, "engine": cfg.engine,
     }
 
 
@@ -273,8 +290,7 @@ def _raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, st
     on_progress("regen raw")
     seed = (cfg.seed * 1_000_003 + prompts[0][0] * 1_009) % (2**63)
     t0 = time.perf_counter()
-    replies = generate_replies(target, [p for _, p in prompts], cfg, seed, stop_ids,
-                               regen_engine(target, cfg.regen_weights))
+    replies = generate_replies(target, [p for _, p in prompts], cfg, seed, stop_ids, engine_for(target, cfg))
     stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
     for (row_id, prompt), (reply, why) in zip(prompts, replies, strict=True):
         stats["regenerated_replies"] += 1
@@ -313,7 +329,6 @@ def capture_samples(target: Target, items: list[tuple[int, torch.Tensor, torch.T
     real tokens and returns Samples in the order of `items`, features cast to store_dtype on the CPU."""
     dev = target.device
     H = target.hidden_size
-    nA = layout.num_aux
     out: list[Sample | None] = [None] * len(items)
     for batch in length_batches([len(it[1]) for it in items], 1 << 30, capture_tokens):
         S = max(len(items[i][1]) for i in batch)
@@ -324,31 +339,40 @@ def capture_samples(target: Target, items: list[tuple[int, torch.Tensor, torch.T
             am[b, :len(items[i][1])] = 1
         cap = capture(target.model, ids.to(dev), layout, attention_mask=am.to(dev), logits="none")
         real = am.to(dev).bool()  # [B, S]
-        aux, final = cap.aux[real], cap.final_prenorm[real]  # [N, nA*H], [N, H] real tokens only
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-            raise DatagenError(f"the target produced non-finite hidden states for rows "
-                               f"{[items[i][0] for i in batch]}; run it in fp32 (--target-dtype fp32)")
-        if norms is not None:
-            per = aux.float().view(-1, nA, H).norm(dim=-1).sum(0).tolist()  # [nA]
-            for k, v in zip(layout.aux_indices, per, strict=True):
-                norms.sums[str(k)] = norms.sums.get(str(k), 0.0) + v
-            norms.sums["final"] = norms.sums.get("final", 0.0) + final.float().norm(dim=-1).sum().item()
-            norms.tokens += aux.shape[0]
-        aux_s, final_s = aux.to(store_dtype).cpu(), final.to(store_dtype).cpu()
-        if not (torch.isfinite(aux_s).all() and torch.isfinite(final_s).all()):
-            peak = max(aux.abs().max().item(), final.abs().max().item())
-            raise DatagenError(f"features overflow the stored dtype {store_dtype} (max |x| = {peak:.0f}; the "
-                               "target has massive activations): store them with --dtype bf16 or fp32")
-        off = 0
-        for i in batch:
-            n = len(items[i][1])
-            row_id, input_ids, loss_mask = items[i]
-            out[i] = Sample(row_id=row_id, input_ids=input_ids, loss_mask=loss_mask,
-                            aux=aux_s[off:off + n], final=final_s[off:off + n])
-            off += n
+        # [N, nA*H], [N, H] real tokens only
+        _store_batch(items, batch, cap.aux[real], cap.final_prenorm[real], layout, H, store_dtype, norms, out)
         if on_batch:
             on_batch(len(batch), int(am.sum()))
     return [s for s in out if s is not None]
+
+
+def _store_batch(items: list[tuple[int, torch.Tensor, torch.Tensor]], batch: list[int], aux: torch.Tensor,
+                 final: torch.Tensor, layout: Layout, H: int, store_dtype: torch.dtype,
+                 norms: NormAccumulator | None, out: list[Sample | None]) -> None:
+    """One captured batch (aux [N, nA*H] in layout order, final [N, H], the batch's rows back to back) checked,
+    counted into the norms and sliced into Samples at out[i]: shared by eyas's capture and vLLM's."""
+    nA = layout.num_aux
+    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        raise DatagenError(f"the target produced non-finite hidden states for rows "
+                           f"{[items[i][0] for i in batch]}; run it in fp32 (--target-dtype fp32)")
+    if norms is not None:
+        per = aux.float().view(-1, nA, H).norm(dim=-1).sum(0).tolist()  # [nA]
+        for k, v in zip(layout.aux_indices, per, strict=True):
+            norms.sums[str(k)] = norms.sums.get(str(k), 0.0) + v
+        norms.sums["final"] = norms.sums.get("final", 0.0) + final.float().norm(dim=-1).sum().item()
+        norms.tokens += aux.shape[0]
+    aux_s, final_s = aux.to(store_dtype).cpu(), final.to(store_dtype).cpu()
+    if not (torch.isfinite(aux_s).all() and torch.isfinite(final_s).all()):
+        peak = max(aux.abs().max().item(), final.abs().max().item())
+        raise DatagenError(f"features overflow the stored dtype {store_dtype} (max |x| = {peak:.0f}; the "
+                           "target has massive activations): store them with --dtype bf16 or fp32")
+    off = 0
+    for i in batch:
+        n = len(items[i][1])
+        row_id, input_ids, loss_mask = items[i]
+        out[i] = Sample(row_id=row_id, input_ids=input_ids, loss_mask=loss_mask,
+                        aux=aux_s[off:off + n], final=final_s[off:off + n])
+        off += n
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -462,6 +486,104 @@ def _chunks(cfg: DatagenConfig, watermark: int, remaining: int | None) -> Iterat
     yield convs, skips, last, True
 
 
+ENGINES = ("eyas", "vllm")
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def vllm_engine_args(cfg: DatagenConfig) -> dict[str, Any]:
+    """vLLM engine args from --vllm-tp / --vllm-pp and each --vllm-arg KEY=VALUE (VALUE read as JSON when it
+    parses, else as a string), passed to vllm.LLM as they are: how a multi-GPU user shards the target."""
+    import json
+
+    args: dict[str, Any] = {}
+    if cfg.vllm_tp != 1:
+        args["tensor_parallel_size"] = cfg.vllm_tp
+    if cfg.vllm_pp != 1:
+        args["pipeline_parallel_size"] = cfg.vllm_pp
+    for item in cfg.vllm_args:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise DatagenError(f"--vllm-arg expects KEY=VALUE (a vllm.LLM engine argument, e.g. "
+                               f"gpu_memory_utilization=0.85), got {item!r}")
+        try:
+            args[key.strip().replace("-", "_")] = json.loads(value)
+        except ValueError:
+            args[key.strip().replace("-", "_")] = value
+    return args
+
+
+class _LazySession:
+    """The vLLM worker, started by the first command sent to it."""
+
+    def __init__(self, start: Callable[[], VllmSession]):
+        self.start, self.session = start, None
+
+    def call(self, op: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self.session is None:
+            self.session = self.start()
+        return self.session.call(op, timeout)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+def _start_vllm(py: Path, cfg: DatagenConfig, target: Target, layout: Layout, out: Path,
+                log: Callable[[str], None]) -> VllmSession:
+    """Start the vLLM worker on the target's HF folder, capturing the layout's stream indices and the final
+    pre-norm state (stream L) through extract_hidden_states; refuses a vLLM whose model differs in shape."""
+    if target.path is None:
+        raise DatagenError(f"--engine vllm needs the target as a HF folder; {cfg.target} has none")
+    work = out / ".vllm"
+    for f in (work / "hidden-states").glob("*"):  # a killed run's leftovers
+        f.unlink()
+    req = {"model": str(target.path), "dtype": _VLLM_DTYPES[cfg.target_dtype],
+           "max_model_len": cfg.max_len + 16,  # a row of max_len tokens still gets its one generated token
+           "aux_ids": aux_ids(layout.aux_indices, target.num_layers), "seed": cfg.seed,
+           "engine_args": vllm_engine_args(cfg)}
+    log(f"starting vLLM ({py}) on {target.path} with eagle_aux_hidden_state_layer_ids {req['aux_ids']} "
+        "(= eyas stream indices; the last is the final pre-norm state)")
+    session = VllmSession(py, req, work, log=lambda line: None)
+    info = session.info
+    if (info["num_layers"], info["hidden_size"]) != (target.num_layers, target.hidden_size):
+        session.close()
+        raise DatagenError(f"vLLM loaded a model of {info['num_layers']} layers x {info['hidden_size']}, eyas's "
+                           f"target has {target.num_layers} x {target.hidden_size}: pass the same model to both")
+    log(f"vLLM {info['vllm']} ready on {info['device']} in {info['load_seconds']} s")
+    return session
+
+
+@torch.no_grad()
+def capture_samples_vllm(session: VllmSession, items: list[tuple[int, torch.Tensor, torch.Tensor]],
+                         layout: Layout, num_layers: int, hidden: int, store_dtype: torch.dtype, capture_tokens: int,
+                         work: Path, norms: NormAccumulator | None = None,
+                         on_batch: Callable[[int, int], None] | None = None) -> list[Sample]:
+    """capture_samples through vLLM: each batch of at most capture_tokens tokens is prefilled by the worker,
+    whose extract_hidden_states connector returns every position's states at aux_ids (ascending); they are put
+    in the layout's order (aux) and stream L (final), then checked and stored exactly as eyas's own capture."""
+    from safetensors.torch import load_file
+
+    ids = aux_ids(layout.aux_indices, num_layers)
+    pick = [ids.index(k) for k in layout.aux_indices]
+    out: list[Sample | None] = [None] * len(items)
+    for batch in length_batches([len(it[1]) for it in items], 1 << 30, capture_tokens):
+        file = work / "capture.safetensors"
+        r = session.call({"op": "capture", "rows": [items[i][1].tolist() for i in batch], "file": str(file)})
+        t = load_file(r["file"])
+        file.unlink()
+        hs = t["hidden_states"]  # [N, len(ids), H]
+        if hs.shape[1:] != (len(ids), hidden) or t["lengths"].tolist() != [len(items[i][1]) for i in batch]:
+            raise VllmError(f"the vLLM worker returned states of shape {tuple(hs.shape)} for rows of lengths "
+                            f"{t['lengths'].tolist()}; expected [tokens, {len(ids)}, {hidden}] for "
+                            f"{[len(items[i][1]) for i in batch]}")
+        aux = hs[:, pick].reshape(hs.shape[0], -1)
+        final = hs[:, ids.index(num_layers)]
+        _store_batch(items, batch, aux, final, layout, hidden, store_dtype, norms, out)
+        if on_batch:
+            on_batch(len(batch), int(hs.shape[0]))
+    return [s for s in out if s is not None]
+
+
 def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[str], None] = print,
                 progress: bool = True, target: Target | None = None) -> dict[str, Any]:
     """Run (or resume) a datagen job into cfg.out; returns the final manifest (with derived rates)."""
@@ -472,9 +594,11 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     # everything a bad flag or file can fail on comes before --out is created: a failed first run leaves nothing
     source, source_fp = _source_identity(cfg.data)
     choice = cfg.template()
+    py = vllm_python(cfg.vllm_python, "datagen --engine vllm") if cfg.engine == "vllm" else None
     if target is None:
         require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
-        target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device)
+        # vLLM runs the target, so eyas needs its tokenizer, config and identity only (no weights: it may not fit)
+        target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device, load_weights=py is None)
     use_template(target, choice)
     if cfg.data == SELF_SOURCE:
         try:
@@ -486,8 +610,8 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     except LayoutError as e:
         raise DatagenError(f"--aux-indices {cfg.aux_indices}: {e}") from e
     conf = _manifest_config(cfg, source, source_fp)
-    if cfg.regenerate:  # what wrote the replies: hf-generate, eyas-fp32 or eyas-native (--regen-weights)
-        conf["regen_engine"] = regen_numerics(regen_engine(target, cfg.regen_weights))
+    if cfg.regenerate:  # what wrote the replies: hf-generate, eyas-fp32, eyas-native (--regen-weights) or vllm
+        conf["regen_engine"] = "vllm" if py else regen_numerics(regen_engine(target, cfg.regen_weights))
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
@@ -495,7 +619,21 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
         m["config"]["regen_engine"] = conf.get("regen_engine")
         m["commands"].append(command or " ".join(sys.argv))
         atomic_write_json(out / MANIFEST, m)
-        _run_chunks(cfg, target, layout, m, out, log, progress)
+        if py is not None:  # started at the first chunk with work: a finished folder costs no vLLM start
+            def start() -> VllmSession:
+                session = _start_vllm(py, cfg, target, layout, out, log)
+                m["config"]["vllm"] = {"version": vllm_version(py), "python": str(py),
+                                       "device": session.info["device"],
+                                       "aux_ids": aux_ids(layout.aux_indices, target.num_layers),
+                                       "engine_args": vllm_engine_args(cfg)}  # speed settings: may change
+                return session
+            cfg.vllm_session = _LazySession(start)
+        try:
+            _run_chunks(cfg, target, layout, m, out, log, progress)
+        finally:
+            if cfg.vllm_session is not None:
+                cfg.vllm_session.close()
+                cfg.vllm_session = None
         if not m["counts"].get("samples"):  # the whole run so far, so a resumed run with samples passes
             rows = m["counts"].get("rows", 0)
             raise DatagenError(f"no samples: all {rows} source rows read from {cfg.data} were skipped "
@@ -574,7 +712,12 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
                 bar.update(n_samples)
                 postfix("capture")
 
-            samples = capture_samples(target, items, layout, store_dtype, cfg.capture_tokens, norms, on_batch)
+            if cfg.vllm_session is not None:
+                samples = capture_samples_vllm(cfg.vllm_session, items, layout, target.num_layers,
+                                               target.hidden_size, store_dtype, cfg.capture_tokens, out / ".vllm",
+                                               norms, on_batch)
+            else:
+                samples = capture_samples(target, items, layout, store_dtype, cfg.capture_tokens, norms, on_batch)
             bar.update(len(convs) - len(samples))  # conversations skipped after loading still count as processed
             # shards hold samples in source order, split so none exceeds shard_tokens
             entries, group, group_tokens = [], [], 0

@@ -63,6 +63,38 @@ def regen_engine(target: Target, weights: str = "auto") -> TargetModel | None:
         return None
 
 
+def engine_for(target: Target, cfg) -> TargetModel | None:
+    """regen_engine for cfg (DatagenConfig), or None when vLLM writes the replies (cfg.vllm_session): the target
+    was then loaded without weights, so eyas builds no forward of its own."""
+    if getattr(cfg, "vllm_session", None) is not None:
+        return None
+    return regen_engine(target, cfg.regen_weights)
+
+
+def vllm_generate(session, prompts: list[list[int]], caps: list[int], stop_ids: list[int], repetition_limit: int,
+                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[Reply]:
+    """Replies written by vLLM (eyas.vllm.session.VllmSession), ended by eyas's rules: at the first end-of-turn
+    token, or where the reply first completes a repetition_limit-token loop (vLLM has no such stop, so it may
+    write past the loop; the reply is cut there, the same prefix eyas's engine stops at), or at its cap. Each
+    request is seeded from `seed` and its index, so a rerun of a sampled chunk repeats it."""
+    out = session.call({"op": "generate", "prompts": prompts, "max_tokens": caps, "temperature": temperature,
+                        "top_p": top_p, "seeds": [(seed + j) % (2**31) for j in range(len(prompts))],
+                        "stop_ids": stop_ids})
+    stops = set(stop_ids)
+    replies: list[Reply] = []
+    for toks, finish in zip(out["replies"], out["finish"], strict=True):
+        end = next((j for j, t in enumerate(toks) if t in stops), None)
+        body = toks if end is None else toks[:end]
+        loop = loop_end(body, repetition_limit)
+        if loop is not None:
+            replies.append((body[:loop], "repetition"))
+        elif end is not None or finish == "stop":  # vLLM's own eos (its generation config) ends a turn too
+            replies.append((body, "eos"))
+        else:
+            replies.append((body, "length"))
+    return replies
+
+
 def regen_numerics(engine: TargetModel | None) -> str:
     """What wrote the replies, for the manifest: hf-generate, eyas-fp32 (HF weights) or eyas-native."""
     if engine is None:
@@ -269,6 +301,8 @@ def generate_replies(target: Target, prompts: list[list[int]], cfg, seed: int, s
     most gen_batch rows whose KV cache holds at most gen_tokens slots), else one HF generate call."""
     caps = [max(1, min(cfg.max_new_tokens, cfg.max_len - len(p))) for p in prompts]
     opts = dict(repetition_limit=cfg.repetition_limit, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+    if getattr(cfg, "vllm_session", None) is not None:  # vLLM schedules and batches the prompts itself
+        return vllm_generate(cfg.vllm_session, prompts, caps, stop_ids, **opts)
     if engine is not None:
         # one pool per width class: a long prompt narrows only the pool of the prompts as long as it
         # (widths fall as lengths rise, so sorting by length makes each class one run of jobs)
@@ -323,7 +357,7 @@ def sample_user_turns(target: Target, convs: list[Conversation], cfg, stats: Cou
                         f"({toks / max(time.perf_counter() - t0, 1e-9):.0f} tok/s)")
 
     turns = generate_replies(target, [opening] * len(convs), gen_cfg, seed, stop_token_ids(target),
-                             regen_engine(target, cfg.regen_weights), report)
+                             engine_for(target, cfg), report)
     stats["self_prompt_ms"] += int(1000 * (time.perf_counter() - t0))
     out, seen = [], set()
     for c, (ids, why) in zip(convs, turns, strict=True):
@@ -349,7 +383,8 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
     is dropped with everything after it (truncation would cut it anyway)."""
     tok = target.tokenizer
     stop_ids = stop_token_ids(target)
-    engine = regen_engine(target, cfg.regen_weights)
+    engine = engine_for(target, cfg)
+    whole_turn = engine is not None or getattr(cfg, "vllm_session", None) is not None
     msgs = [[dict(m) for m in c.messages] for c in convs]
     turns = [[i for i, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
     cut = [len(ms) for ms in msgs]  # messages kept per conversation
@@ -366,8 +401,9 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
                 continue
             jobs.append((ci, i, prompt))
         lens = [len(p) + min(cfg.max_new_tokens, cfg.max_len - len(p)) for _, _, p in jobs]
-        # the engine's pool refills rows as replies finish, so it takes a whole turn at once
-        groups = ([sorted(range(len(jobs)), key=lambda j: lens[j])] if engine is not None and jobs
+        # the engine's pool refills rows as replies finish (and vLLM schedules its own batches), so either takes
+        # a whole turn at once
+        groups = ([sorted(range(len(jobs)), key=lambda j: lens[j])] if whole_turn and jobs
                   else batches(lens))
         for bi, batch in enumerate(groups):
             if on_progress:

@@ -119,6 +119,8 @@ def main() -> None:
                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}},
         "kv_transfer_config": kv,
     }
+    if cpu:  # torch.compile of the CPU graph takes minutes on a small machine and gains little there
+        args["enforce_eager"] = True
     args.update(req.get("engine_args") or {})
     t0 = time.perf_counter()
     llm = LLM(**args)
