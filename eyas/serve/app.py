@@ -160,6 +160,18 @@ async def prepare(req: GenRequest, cfg: ServeConfig, encode: Callable[[GenReques
     return input_ids, max_new
 
 
+@dataclass
+class ServeState:
+    """What the route handlers share: the config, the engine's worker, the metrics, the request encoder (the
+    event loop's own tokenizer copy) and the vocab size token-id prompts are checked against."""
+    cfg: ServeConfig
+    worker: Worker
+    metrics: Metrics
+    encode: Callable[[GenRequest], list[int]]
+    vocab: int
+    created: int  # the model card's creation time: when the app was made
+
+
 def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     """The FastAPI app over one engine (an eyas.engine.Engine; its tokenizer is passed separately)."""
     cfg.check()
@@ -172,9 +184,9 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     def encode(req: GenRequest) -> list[int]:
         return tokenize(req, enc_tok, enc_lock)
 
-    created = oai.now()
     target = getattr(engine, "target", None)
     vocab = target.identity.vocab_size if target is not None else len(tokenizer)
+    state = ServeState(cfg, worker, metrics, encode, vocab, oai.now())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -186,6 +198,15 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="eyas", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, cfg
+    add_error_handlers(app)
+    add_routes(app, state)
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style JSON body: ours, FastAPI's validation, Starlette's (404: the routes there
+    are) and anything unexpected (a 500; the server lives on)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -210,129 +231,33 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
         return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
                                         code="internal_error"))
 
-    async def watch_disconnect(request: Request, job: Job) -> None:
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                job.cancelled.set()
-                return
 
-    def finish_metrics(job: Job, endpoint: str, finish: str, prompt_tokens: int, completion_tokens: int) -> None:
-        metrics.inc("eyas_requests_finished_total", endpoint=endpoint, finish_reason=finish)
-        metrics.inc("eyas_prompt_tokens_total", prompt_tokens)
-        metrics.inc("eyas_completion_tokens_total", completion_tokens)
-        metrics.observe("eyas_request_latency_seconds", time.perf_counter() - job.arrived, endpoint=endpoint)
-        if job.first_token_at is not None:
-            metrics.observe("eyas_time_to_first_token_seconds", job.first_token_at - job.arrived, endpoint=endpoint)
-
-    async def generate(request: Request, parse) -> Response:
-        arrived = time.perf_counter()
-        check_auth(request, cfg.api_key)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            raise APIError(413, f"the request body is {int(size)} bytes; at most {MAX_BODY} are accepted",
-                           code="request_too_large")
-        try:
-            body = await request.body()
-        except ClientDisconnect:
-            return Response(status_code=499)  # the client left before sending its request
-        if len(body) > MAX_BODY:
-            raise APIError(413, f"the request body is {len(body)} bytes; at most {MAX_BODY} are accepted",
-                           code="request_too_large")
-        # off the event loop: parsing and checking a body of up to MAX_BODY bytes takes a while
-        req = await asyncio.to_thread(parse, body)
-        check_model(req.model, cfg)
-        input_ids, max_new = await prepare(req, cfg, encode, vocab)
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                max_new_tokens=max_new, stop=list(req.stop), seed=req.seed)
-        try:
-            params.validate()
-        except EngineError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-        endpoint = request.url.path
-        job = Job(input_ids=input_ids, params=params, stop=req.stop, loop=asyncio.get_running_loop(),
-                  arrived=arrived, endpoint=endpoint)
-        rid, created = oai.new_id(req.kind), oai.now()
-        worker.submit(job)  # raises the 503 once the server is shutting down
-        if req.stream:
-            return StreamingResponse(stream_events(job, req, rid, created, len(input_ids)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(watch_disconnect(request, job))
-        parts: list[str] = []
-        try:
-            while True:
-                ev = await job.events.get()
-                if ev.kind == "error":
-                    raise ev.error
-                if ev.kind == "cancelled":  # the client is gone; this answer is never read
-                    return Response(status_code=499)
-                parts.append(ev.text)
-                if ev.kind == "done":
-                    job.done = True
-                    break
-        finally:
-            watcher.cancel()
-            if not job.done:  # the client left (or the handler failed): stop the generation
-                job.cancelled.set()
-        finish_metrics(job, endpoint, ev.finish_reason, len(input_ids), ev.completion_tokens)
-        return JSONResponse(oai.completion_body(req.kind, rid, created, req.model, "".join(parts), ev.finish_reason,
-                                                len(input_ids), ev.completion_tokens))
-
-    async def stream_events(job: Job, req: GenRequest, rid: str, created: int, prompt_tokens: int
-                            ) -> AsyncIterator[bytes]:
-        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> bytes:
-            return oai.sse(oai.chunk_body(req.kind, rid, created, req.model, text, finish, req.include_usage, first))
-
-        try:
-            if req.kind == "chat":  # the role comes first, as OpenAI sends it
-                yield chunk("", first=True)
-            while True:
-                ev = await job.events.get()
-                if ev.kind == "start":
-                    continue
-                if ev.kind == "cancelled":
-                    return
-                if ev.kind == "error":
-                    yield oai.sse(ev.error.body())
-                    break
-                if ev.text:
-                    yield chunk(ev.text)
-                if ev.kind == "done":
-                    yield chunk(None, ev.finish_reason) if req.kind == "chat" else chunk("", ev.finish_reason)
-                    if req.include_usage:
-                        yield oai.sse(oai.usage_chunk(req.kind, rid, created, req.model, prompt_tokens,
-                                                      ev.completion_tokens))
-                    job.done = True
-                    finish_metrics(job, job.endpoint, ev.finish_reason, prompt_tokens, ev.completion_tokens)
-                    break
-            yield oai.sse("[DONE]")
-        finally:
-            # reached on completion, and on disconnect (Starlette cancels this generator's task)
-            if not job.done:
-                job.cancelled.set()
+def add_routes(app: FastAPI, state: ServeState) -> None:
+    """The OpenAI routes (completions, models), /health and /metrics."""
+    cfg = state.cfg
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, oai.parse_chat)
+        return await generate(state, request, oai.parse_chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, oai.parse_completion)
+        return await generate(state, request, oai.parse_completion)
 
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request, cfg.api_key)
-        return {"object": "list", "data": [oai.model_card(cfg.model_name, created)]}
+        return {"object": "list", "data": [oai.model_card(cfg.model_name, state.created)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(request: Request, name: str):
         check_auth(request, cfg.api_key)
         check_model(name, cfg)
-        return oai.model_card(cfg.model_name, created)
+        return oai.model_card(cfg.model_name, state.created)
 
     @app.get("/health")
     async def health():
+        worker = state.worker
         alive = worker._thread is not None and worker._thread.is_alive()
         status = "shutting down" if worker._stopping else "ok" if alive else "engine worker not running"
         return JSONResponse({"status": status, "model": cfg.model_name}, status_code=200 if status == "ok" else 503)
@@ -340,10 +265,132 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics_text(request: Request):
         check_auth(request, cfg.api_key)
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.add_middleware(CountRequests, metrics=metrics)
-    return app
+
+async def read_body(request: Request) -> bytes | None:
+    """The request body, refused (413) above MAX_BODY bytes: by its declared size before reading it, and by what
+    arrived. None when the client left before sending it."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise APIError(413, f"the request body is {int(size)} bytes; at most {MAX_BODY} are accepted",
+                       code="request_too_large")
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        return None
+    if len(body) > MAX_BODY:
+        raise APIError(413, f"the request body is {len(body)} bytes; at most {MAX_BODY} are accepted",
+                       code="request_too_large")
+    return body
+
+
+async def generate(state: ServeState, request: Request, parse) -> Response:
+    """One completion request: checked, tokenized and queued on the engine worker; answered as a stream of
+    server-sent events or as one JSON body."""
+    arrived = time.perf_counter()
+    cfg = state.cfg
+    check_auth(request, cfg.api_key)
+    body = await read_body(request)
+    if body is None:
+        return Response(status_code=499)  # the client left before sending its request
+    # off the event loop: parsing and checking a body of up to MAX_BODY bytes takes a while
+    req = await asyncio.to_thread(parse, body)
+    check_model(req.model, cfg)
+    input_ids, max_new = await prepare(req, cfg, state.encode, state.vocab)
+    params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            max_new_tokens=max_new, stop=list(req.stop), seed=req.seed)
+    try:
+        params.validate()
+    except EngineError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+    job = Job(input_ids=input_ids, params=params, stop=req.stop, loop=asyncio.get_running_loop(),
+              arrived=arrived, endpoint=request.url.path)
+    rid, created = oai.new_id(req.kind), oai.now()
+    state.worker.submit(job)  # raises the 503 once the server is shutting down
+    if req.stream:
+        return StreamingResponse(stream_events(state.metrics, job, req, rid, created, len(input_ids)),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await whole_answer(state.metrics, request, job, req, rid, created, len(input_ids))
+
+
+async def watch_disconnect(request: Request, job: Job) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancelled.set()
+            return
+
+
+def finish_metrics(metrics: Metrics, job: Job, endpoint: str, finish: str, prompt_tokens: int,
+                   completion_tokens: int) -> None:
+    metrics.inc("eyas_requests_finished_total", endpoint=endpoint, finish_reason=finish)
+    metrics.inc("eyas_prompt_tokens_total", prompt_tokens)
+    metrics.inc("eyas_completion_tokens_total", completion_tokens)
+    metrics.observe("eyas_request_latency_seconds", time.perf_counter() - job.arrived, endpoint=endpoint)
+    if job.first_token_at is not None:
+        metrics.observe("eyas_time_to_first_token_seconds", job.first_token_at - job.arrived, endpoint=endpoint)
+
+
+async def whole_answer(metrics: Metrics, request: Request, job: Job, req: GenRequest, rid: str, created: int,
+                       prompt_tokens: int) -> Response:
+    """A non-streamed answer: the job's text in one JSON body once it is done; the generation stops when the
+    client leaves meanwhile."""
+    watcher = asyncio.create_task(watch_disconnect(request, job))
+    parts: list[str] = []
+    try:
+        while True:
+            ev = await job.events.get()
+            if ev.kind == "error":
+                raise ev.error
+            if ev.kind == "cancelled":  # the client is gone; this answer is never read
+                return Response(status_code=499)
+            parts.append(ev.text)
+            if ev.kind == "done":
+                job.done = True
+                break
+    finally:
+        watcher.cancel()
+        if not job.done:  # the client left (or the handler failed): stop the generation
+            job.cancelled.set()
+    finish_metrics(metrics, job, job.endpoint, ev.finish_reason, prompt_tokens, ev.completion_tokens)
+    return JSONResponse(oai.completion_body(req.kind, rid, created, req.model, "".join(parts), ev.finish_reason,
+                                            prompt_tokens, ev.completion_tokens))
+
+
+async def stream_events(metrics: Metrics, job: Job, req: GenRequest, rid: str, created: int, prompt_tokens: int
+                        ) -> AsyncIterator[bytes]:
+    def chunk(text: str | None, finish: str | None = None, first: bool = False) -> bytes:
+        return oai.sse(oai.chunk_body(req.kind, rid, created, req.model, text, finish, req.include_usage, first))
+
+    try:
+        if req.kind == "chat":  # the role comes first, as OpenAI sends it
+            yield chunk("", first=True)
+        while True:
+            ev = await job.events.get()
+            if ev.kind == "start":
+                continue
+            if ev.kind == "cancelled":
+                return
+            if ev.kind == "error":
+                yield oai.sse(ev.error.body())
+                break
+            if ev.text:
+                yield chunk(ev.text)
+            if ev.kind == "done":
+                yield chunk(None, ev.finish_reason) if req.kind == "chat" else chunk("", ev.finish_reason)
+                if req.include_usage:
+                    yield oai.sse(oai.usage_chunk(req.kind, rid, created, req.model, prompt_tokens,
+                                                  ev.completion_tokens))
+                job.done = True
+                finish_metrics(metrics, job, job.endpoint, ev.finish_reason, prompt_tokens, ev.completion_tokens)
+                break
+        yield oai.sse("[DONE]")
+    finally:
+        # reached on completion, and on disconnect (Starlette cancels this generator's task)
+        if not job.done:
+            job.cancelled.set()
 
 
 # ---- running it ----------------------------------------------------------------------------------
