@@ -600,7 +600,7 @@ def test_shifted_copy_of_the_shipped_draft_fails_with_the_true_layout_first(smol
 
 
 def test_untrained_weight_signatures():
-    from eyas.doctor.checks import _looks_init
+    from eyas.doctor.head import _looks_init
 
     torch.manual_seed(0)
     assert "torch's default init" in _looks_init(torch.nn.Linear(576, 4096, bias=False).weight)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import EyasError
 
 STATUSES = ("pass", "warn", "fail", "skip")
+
+
+def pct(x: float | None) -> str:
+    """A share in [0, 1] as a percentage with one decimal; n/a for a missing or NaN measurement."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
 
 
 class DoctorError(EyasError):
