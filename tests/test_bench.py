@@ -167,7 +167,10 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
         assert 0.0 <= m[name]["draft_overhead"] < 1.0
     for name in ("tree-lookup", "lookup"):  # lookup alone loads no draft and is checked lossless too
         assert (m[name]["identical"], m[name]["compared"]) == (2, 2), m[name]["mismatches"]
-    assert m["lookup"]["draft_s"] < m["tree"]["draft_s"]
+    # lookup runs no draft model: counted per row (draft time on a busy machine proves nothing)
+    forwards = {name: sum(r["stats"]["draft_forwards"] for r in saved["rows"] if r["method"] == name)
+                for name in ("lookup", "tree")}
+    assert forwards["lookup"] == 0 < forwards["tree"], forwards
     for name in ("hf-greedy", "hf-lookup"):  # computed, whatever HF's numerics give
         assert m[name]["compared"] == 2 and 0 <= m[name]["identical"] <= 2
     assert m["plain"]["tau"] == 1.0 and m["hf-greedy"]["tau"] == 1.0

@@ -167,7 +167,7 @@ def test_lookup_method_verifies_the_chain_alone_and_stays_lossless(tiny, n):
         res = eng.generate(p, SamplingParams(max_new_tokens=60))
         assert res.token_ids == ref, p
         st = res.stats
-        assert st.draft_s < 0.05 * st.total_s + 1e-3  # no draft model runs: only the lookup search
+        assert st.draft_forwards == 0  # no draft model runs: only the lookup search (counted, not timed)
         assert len(st.accepted_per_depth) == n and st.lookup_accepted == sum(st.accepted_per_depth)
         # every round commits its accepted lookup tokens plus one (the last round's may be cut at the limit)
         assert st.new_tokens == len(ref) and st.rounds + st.lookup_accepted >= len(ref) - 1
@@ -271,8 +271,9 @@ def test_stats_are_consistent(tiny, trained):
     assert st.proposed_per_depth[0] == st.rounds  # depth 1 is attempted every round
     for d in range(1, 3):  # depth d+1 can only be attempted after depth d was accepted
         assert st.proposed_per_depth[d] <= st.accepted_per_depth[d - 1]
+    assert st.draft_forwards >= st.rounds  # every round drafts: step 0 at least
     assert st.total_s >= st.prefill_s + st.draft_s + st.verify_s * 0.99 > 0
-    assert 0.0 < st.draft_share < 1.0 and st.tok_s > 0 and st.decode_tok_s > 0
+    assert 0.0 <= st.draft_share <= 1.0 and st.tok_s > 0 and st.decode_tok_s > 0
     d = st.to_dict()
     assert d["tau"] == st.tau and d["accept_rates"] == st.accept_rates
     plain = Engine(tiny, None, SpecParams(method="plain")).generate(PROMPTS[0], SamplingParams(max_new_tokens=9))

@@ -470,9 +470,14 @@ def test_hostile_request_messages_say_how_to_fix(served):
 def test_huge_prompt_refused_before_tokenizing(served):
     """A 15 MB prompt used to spend ~23 s in the tokenizer (under the lock every request tokenizes behind)
     before its 400; the character bound refuses it at once and says the rule."""
-    t0 = time.perf_counter()
-    e = _err(served.http.post(COMPL, json={"model": MODEL, "prompt": "hello world " * 1_250_000}), 400)
-    assert time.perf_counter() - t0 < 10
+    state = served.app.state.serve
+    encode, encoded = state.encode, []
+    state.encode = lambda req: encoded.append(req) or encode(req)  # counts what reached the tokenizer
+    try:
+        e = _err(served.http.post(COMPL, json={"model": MODEL, "prompt": "hello world " * 1_250_000}), 400)
+    finally:
+        state.encode = encode
+    assert encoded == []  # refused by its length in characters, never tokenized
     assert e["code"] == "context_length_exceeded" and "16 characters per token" in e["message"]
     assert "15000000 characters" in e["message"]
     e = _err(served.http.post(CHAT, json={**OK, "messages": [{"role": "user", "content": "hi " * 100_000}]}), 400)
@@ -565,11 +570,10 @@ def test_shutdown_answers_queued_503_and_ends_stream(smollm2_tokenizer):
         while worker._waiting < 2:
             assert time.time() < deadline, "the requests did not queue"
             time.sleep(0.01)
-        t0 = time.perf_counter()
         srv.server.should_exit = True
         for t in threads:
             t.join(timeout=30)
-        assert time.perf_counter() - t0 < 10  # answered by the drain, not by the 20 s grace-period cancel
+        # answered by the drain (JSON 503 below), not by the 20 s grace-period cancel (a plain-text 500)
         for r in results.values():
             assert r.headers["content-type"].startswith("application/json"), r.text
             e = _err(r, 503)
@@ -595,10 +599,10 @@ def test_tokenizing_does_not_wait_for_the_engine(smollm2_tokenizer):
         with httpx.stream("POST", srv.url + COMPL, json={"model": MODEL, "prompt": "go", "stream": True,
                                                           "max_tokens": 1000}, timeout=60) as r:
             next(line for line in r.iter_lines() if line.startswith("data: "))
-            t0 = time.perf_counter()
+            # the endless generation never ends on its own: an answer at all proves tokenizing did not wait for it
             e = _err(httpx.post(srv.url + CHAT, json={"model": MODEL, "messages": msgs("word " * 100)},
                                 timeout=60), 400)
-            assert e["code"] == "context_length_exceeded" and time.perf_counter() - t0 < 5
+            assert e["code"] == "context_length_exceeded"
     finally:
         srv.close()
 

@@ -275,7 +275,7 @@ def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[
         stats = {k: getattr(s, k) for k in ("prompt_tokens", "new_tokens", "target_forwards", "rounds", "prefill_s",
                                             "draft_s", "verify_s", "total_s", "accepted_per_depth",
                                             "proposed_per_depth", "lookup_proposed", "lookup_accepted",
-                                            "ngram_proposed", "ngram_accepted")}
+                                            "ngram_proposed", "ngram_accepted", "draft_forwards")}
         stats["tau"] = s.tau
         return Output(ids, dt, int(s.target_forwards), res.finish_reason, stats)
 

@@ -66,6 +66,7 @@ class GenStats:
     lookup_accepted: int = 0  # accepted tokens that came from those nodes
     ngram_proposed: int = 0  # the same for the n-gram table's nodes (rounds where context lookup had nothing)
     ngram_accepted: int = 0
+    draft_forwards: int = 0  # draft-layer calls (step 0 and each tree depth): a count, unlike draft_s, tests can trust
 
     @property
     def tau(self) -> float:
@@ -378,6 +379,7 @@ class _Run:
         """Rows hidden [1,R,H], ids/pos [1,R] written at draft-cache slots [slot, slot+R) -> layer out [1,R,H].
         mask [1,1,R,slot+R] bool over cache+new."""
         d = self.e.draft
+        self.stats.draft_forwards += 1
         if self.e.draft_layer is not None:
             return self.e.draft_layer(hidden, d.embed(ids), pos, self.dk, self.dv, slot, mask)
         R = ids.shape[1]

@@ -198,6 +198,7 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="eyas", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, cfg
+    app.state.serve = state  # what the routes read at request time (tests wrap state.encode to count calls)
     add_error_handlers(app)
     add_routes(app, state)
     app.add_middleware(CountRequests, metrics=metrics)
