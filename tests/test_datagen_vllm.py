@@ -46,10 +46,13 @@ def test_vllm_datagen_matches_eyas_capture_and_regeneration(vllm_py, smollm2, tm
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     common = dict(data=str(data), num=len(ROWS), max_new_tokens=24, dtype="fp32", target_dtype="fp32",
                   shard_samples=len(ROWS))
-    m = run_datagen(DatagenConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_python=str(vllm_py), **common),
+    # shared: the replies come from the capture engine itself, so CI starts one vLLM engine, not two
+    m = run_datagen(DatagenConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_python=str(vllm_py),
+                                  vllm_generator="shared", **common),
                     log=lambda s: None, progress=False, target=smollm2)
     assert m["complete"] and m["config"]["engine"] == "vllm" and m["config"]["regen_engine"] == "vllm"
     assert m["config"]["vllm"]["aux_ids"] == [2, 15, 27, 30]  # stream indices [2, 15, 27] + final pre-norm L
+    assert m["config"]["vllm"]["generator"] == "shared"
     ref = run_datagen(DatagenConfig(out=str(tmp_path / "eyas"), regen_weights="fp32", **common),
                       log=lambda s: None, progress=False, target=smollm2)
     assert ref["counts"]["samples"] == m["counts"]["samples"] == len(ROWS)

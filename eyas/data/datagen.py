@@ -142,6 +142,7 @@ class DatagenConfig:
     vllm_tp: int = 1  # vLLM tensor_parallel_size
     vllm_pp: int = 1  # vLLM pipeline_parallel_size
     vllm_args: list[str] = field(default_factory=list)  # more vLLM engine args, KEY=VALUE (VALUE read as JSON)
+    vllm_generator: str = "auto"  # shared | separate engine for the replies (auto: separate on CPU, shared on CUDA)
     vllm_session: Any = field(default=None, repr=False, compare=False)  # the running worker (run_datagen sets it)
 
     def template(self) -> ChatTemplate:
@@ -172,6 +173,8 @@ class DatagenConfig:
             (self.data != SELF_SOURCE or self.num is not None or self.end_row is not None,
              "--data self is an endless source: pass --num N (conversations) or --end-row E"),
             (self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"),
+            (self.vllm_generator in ("auto", "shared", "separate"),
+             f"--vllm-generator must be auto, shared or separate, got {self.vllm_generator!r}"),
             (self.vllm_tp >= 1 and self.vllm_pp >= 1,
              f"--vllm-tp and --vllm-pp must be >= 1, got {self.vllm_tp} and {self.vllm_pp}"),
             (self.engine == "vllm" or (self.vllm_tp == 1 and self.vllm_pp == 1 and not self.vllm_args),
@@ -540,7 +543,7 @@ def _start_vllm(py: Path, cfg: DatagenConfig, target: Target, layout: Layout, ou
     req = {"model": str(target.path), "dtype": _VLLM_DTYPES[cfg.target_dtype],
            "max_model_len": cfg.max_len + 16,  # a row of max_len tokens still gets its one generated token
            "aux_ids": aux_ids(layout.aux_indices, target.num_layers), "seed": cfg.seed,
-           "engine_args": vllm_engine_args(cfg)}
+           "generator": cfg.vllm_generator, "engine_args": vllm_engine_args(cfg)}
     log(f"starting vLLM ({py}) on {target.path} with eagle_aux_hidden_state_layer_ids {req['aux_ids']} "
         "(= eyas stream indices; the last is the final pre-norm state)")
     session = VllmSession(py, req, work, log=lambda line: None)
@@ -549,7 +552,8 @@ def _start_vllm(py: Path, cfg: DatagenConfig, target: Target, layout: Layout, ou
         session.close()
         raise DatagenError(f"vLLM loaded a model of {info['num_layers']} layers x {info['hidden_size']}, eyas's "
                            f"target has {target.num_layers} x {target.hidden_size}: pass the same model to both")
-    log(f"vLLM {info['vllm']} ready on {info['device']} in {info['load_seconds']} s")
+    log(f"vLLM {info['vllm']} ready on {info['device']} in {info['load_seconds']} s (replies on a "
+        f"{info['generator']} engine)")
     return session
 
 
@@ -623,7 +627,7 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
             def start() -> VllmSession:
                 session = _start_vllm(py, cfg, target, layout, out, log)
                 m["config"]["vllm"] = {"version": vllm_version(py), "python": str(py),
-                                       "device": session.info["device"],
+                                       "device": session.info["device"], "generator": session.info["generator"],
                                        "aux_ids": aux_ids(layout.aux_indices, target.num_layers),
                                        "engine_args": vllm_engine_args(cfg)}  # speed settings: may change
                 return session
