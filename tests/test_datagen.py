@@ -226,6 +226,7 @@ def loop_end_len(reply):
     return loop_end(reply, 4)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path, tiny_dir, tiny_target, conv_file):
     cfg = _cfg(tmp_path / "killed", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,
                max_len=96, num=30)
