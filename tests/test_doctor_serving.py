@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from eyas.cli import app
 from eyas.doctor.serving import (
+    FAULTS,
     Prediction,
     ServerClient,
     ServingError,
@@ -86,7 +87,12 @@ def test_verdict_on_synthetic_counters():
     mine = Prediction([40, 20, 10], 100, [[1, 2]])
     assert judge(counters([40, 20, 10], 100), mine, True).status == "pass"
     close = judge(counters([45, 18, 12], 104), mine, False)  # other numerics: a few tokens differ
-    assert close.status == "pass" and "within 0.1" in close.line and close.notes
+    assert close.status == "pass" and "within 0.1" in close.line and "numerics differ" in close.notes[0]
+    near = judge(counters([39, 19, 11], 101), mine, True)  # same tokens, slightly different counts, no fault
+    assert near.status == "pass" and "none of eyas's planted faults" in near.notes[0]
+    shifted = next(f for f in FAULTS if f[0] == "aux_ids_minus_1")
+    v = judge(counters([39, 19, 11], 101), mine, True, reproduced=shifted)  # small loss, but the fault reproduces it
+    assert v.status == "fail" and v.line.startswith("likely the aux layer ids") and "reproduces" in v.line
     v = judge(counters([2, 0, 0], 150), mine, True)  # drafted tokens are never the target's
     assert v.status == "fail" and "vocab map" in v.line
     v = judge(counters([15, 5, 1], 130), mine, True)  # position 0 collapses, not to zero
@@ -218,7 +224,9 @@ def _start(py: Path, model: Path, draft: Path, log: Path) -> tuple[subprocess.Po
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config", spec]
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config", spec,
+           # eager: vLLM's CPU torch.compile warm-up took ~10 minutes of a loaded 2-core box, eager ~3
+           "--enforce-eager"]
     with open(log, "w") as f:
         # its own session, so the whole process group (API server, engine core, worker) can be ended at teardown
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
