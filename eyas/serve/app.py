@@ -22,13 +22,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from ..engine.decode import chat_input_ids
 from ..engine.params import DRAFT_METHODS, EngineError, SamplingParams
 from ..errors import EyasError
 from ..target.template import ChatTemplate, TemplateError, draft_template_warning, raw_ids, use_template
 from . import openai_schema as oai
+from .bounds import read_body, server_limits
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
 from .worker import Job, Worker
@@ -65,7 +65,6 @@ class ServeConfig:
 
 # ---- the app -------------------------------------------------------------------------------------
 
-MAX_BODY = 16 << 20  # bytes; far above any prompt the token limit admits
 # Text longer than this many characters per allowed prompt token is refused before tokenizing: real text
 # runs 3-5 characters per token, and tokenizing megabytes only to refuse them stalls every other request.
 CHARS_PER_TOKEN = 16
@@ -73,6 +72,8 @@ CHARS_PER_TOKEN = 16
 
 def _error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    if e.status in (408, 413):  # the body was not read to its end: this connection cannot carry another request
+        headers = {"Connection": "close"}
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -124,7 +125,7 @@ def tokenize(req: GenRequest, tokenizer: Any, lock: threading.Lock) -> list[int]
         if req.kind == "chat":
             try:
                 return list(chat_input_ids(tokenizer, req.messages))
-            except EngineError as e:
+            except (EngineError, EyasError) as e:  # EyasError: the template's TemplateError (raise_exception)
                 raise APIError(400, str(e), param="messages", code="invalid_value") from None
         return raw_ids(tokenizer, req.prompt)
 
@@ -196,7 +197,10 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
         finally:
             worker.stop()
 
-    app = FastAPI(title="eyas", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: Starlette's trailing-slash redirect builds its Location from the Host header (an open
+    # redirect, sent before auth); a path with a slash too many gets the JSON 404 instead
+    app = FastAPI(title="eyas", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, cfg
     app.state.serve = state  # what the routes read at request time (tests wrap state.encode to count calls)
     add_error_handlers(app)
@@ -257,33 +261,21 @@ def add_routes(app: FastAPI, state: ServeState) -> None:
         return oai.model_card(cfg.model_name, state.created)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         worker = state.worker
         alive = worker._thread is not None and worker._thread.is_alive()
         status = "shutting down" if worker._stopping else "ok" if alive else "engine worker not running"
-        return JSONResponse({"status": status, "model": cfg.model_name}, status_code=200 if status == "ok" else 503)
+        body = {"status": status, "model": cfg.model_name}
+        try:  # health stays open to probes; what is served is for key holders only
+            check_auth(request, cfg.api_key)
+        except APIError:
+            del body["model"]
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics_text(request: Request):
         check_auth(request, cfg.api_key)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
-
-
-async def read_body(request: Request) -> bytes | None:
-    """The request body, refused (413) above MAX_BODY bytes: by its declared size before reading it, and by what
-    arrived. None when the client left before sending it."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise APIError(413, f"the request body is {int(size)} bytes; at most {MAX_BODY} are accepted",
-                       code="request_too_large")
-    try:
-        body = await request.body()
-    except ClientDisconnect:
-        return None
-    if len(body) > MAX_BODY:
-        raise APIError(413, f"the request body is {len(body)} bytes; at most {MAX_BODY} are accepted",
-                       code="request_too_large")
-    return body
 
 
 async def generate(state: ServeState, request: Request, parse) -> Response:
@@ -470,7 +462,8 @@ def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
     soon as shutdown begins (SIGTERM, Ctrl-C). Uvicorn's own order — wait for open requests, then run the
     lifespan shutdown — would let queued requests wait out the grace period and then be cancelled into
     plain-text 500s, and cut an open stream off mid-answer; draining first answers queued requests with a
-    JSON 503 and ends a running stream with an error event and [DONE] within one decoding round."""
+    JSON 503 and ends a running stream with an error event and [DONE] within one decoding round.
+    The connection limits of eyas.serve.bounds (request-head deadline and size) apply unless config overrides them."""
     import uvicorn
 
     worker: Worker = app.state.worker
@@ -480,7 +473,7 @@ def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
             worker.drain()
             await super().shutdown(sockets=sockets)
 
-    return Server(uvicorn.Config(app, **config))
+    return Server(uvicorn.Config(app, **{**server_limits(), **config}))
 
 
 def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

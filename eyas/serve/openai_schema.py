@@ -14,7 +14,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from ..engine.params import SEED_MAX, SEED_MIN
 
@@ -74,8 +84,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: StrictStr
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # strict: a JSON number only (an int is one); true or "0.5" is a client bug to report, not to coerce
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=0)  # extension (vLLM/SGLang have it); 0 = off
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
@@ -83,8 +94,8 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # accepted only at their neutral values (checked in `_refuse_unsupported`)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     user: StrictStr | None = None  # OpenAI bookkeeping, harmless to ignore

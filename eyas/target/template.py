@@ -377,7 +377,10 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prom
         raise TemplateError(missing_template_message("the tokenizer"))
     marked = mark_messages(tokenizer, messages)
     if marked is None:  # nothing to neutralise: exactly the template's own tokenization
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as e:  # jinja raises its own types (raise_exception: e.g. "roles must alternate")
+            raise TemplateError(f"the chat template rejected the conversation: {e}") from e
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return [int(t) for t in out]

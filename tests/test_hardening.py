@@ -1,0 +1,250 @@
+"""Hostile and faulty inputs, one table per surface: the server (bodies, timeouts, templates that raise,
+redirects, loose types, what /health tells a stranger) and the CLI/artifact faults (eyas.files, state files,
+checksums). Every case is answered by one clean error; none by a 500, a traceback or a hang.
+
+The server here runs on a stub engine (a few fixed tokens) and the bundled target's tokenizer: no model loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from eyas.serve import bounds
+from eyas.serve.app import ServeConfig, create_app, make_server
+
+MODEL, KEY = "stub", "sekrit"
+CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+# a chatml-like template that refuses two turns of the same role in a row, as many shipped templates do
+ALTERNATING = (
+    "{% for m in messages %}{% if loop.index0 > 0 and messages[loop.index0 - 1]['role'] == m['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class StubEngine:
+    """Three tokens per request, at once: what the server does around the engine is under test, not decoding."""
+
+    def __init__(self, token: int):
+        self.token, self.last_result = token, None
+
+    def stream(self, input_ids, params):
+        for _ in range(3):
+            yield [self.token]
+
+
+class Server:
+    def __init__(self, tokenizer: Any, api_key: str | None):
+        tok = copy.deepcopy(tokenizer)
+        tok.chat_template = ALTERNATING
+        token = tok("hello", add_special_tokens=False)["input_ids"][0]
+        self.app = create_app(StubEngine(token), tok, ServeConfig(model_name=MODEL, api_key=api_key,
+                                                                 max_prompt_tokens=200, max_new_tokens=8))
+        self.server = make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_tokenizer):
+    s = {"open": Server(smollm2_tokenizer, None), "keyed": Server(smollm2_tokenizer, KEY)}
+    yield s
+    for srv in s.values():
+        srv.close()
+
+
+def openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and "Traceback" not in e["message"], e
+    return e
+
+
+# ---- raw sockets: what httpx cannot send (a body that never ends, headers that trickle) -----------------
+
+def read_response(sock: socket.socket, wait_s: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one HTTP/1.1 response (Content-Length framed) read off a raw socket."""
+    sock.settimeout(wait_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = sock.recv(65536)
+        assert got, f"the server closed the connection without an answer: {data[:200]!r}"
+        data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    size = int(headers.get("content-length", "0"))
+    while len(body) < size:
+        got = sock.recv(65536)
+        if not got:
+            break
+        body += got
+    return int(lines[0].split()[1]), headers, body[:size]
+
+
+def send_chunked(port: int, path: str, total: int, chunk: int = 1 << 16) -> tuple[int, int, dict, bytes]:
+    """POST `total` bytes as a chunked body, stopping as soon as the server answers
+    -> (bytes sent, status, headers, body)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    piece = f"{chunk:x}\r\n".encode() + b"a" * chunk + b"\r\n"
+    sent = 0
+    try:
+        while sent < total:
+            if select.select([sock], [], [], 0)[0]:  # the server answered: stop sending, as a client would
+                break
+            sock.sendall(piece)
+            sent += chunk
+        else:
+            sock.sendall(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server stopped reading and closed: its answer is already on the wire
+    try:
+        status, headers, body = read_response(sock)
+    finally:
+        sock.close()
+    return sent, status, headers, body
+
+
+def test_chunked_body_stops_at_the_limit_with_a_413(servers):
+    """A chunked body has no Content-Length to refuse it by: the bytes are counted as they arrive and reading
+    stops at the limit, so a 64 MiB body is cut off after ~16 MiB (not read whole, then refused)."""
+    total = 64 << 20
+    sent, status, headers, body = send_chunked(servers["open"].port, COMPL, total)
+    assert status == 413 and headers.get("connection") == "close", (status, headers)
+    e = json.loads(body)["error"]
+    assert e["code"] == "request_too_large" and str(bounds.MAX_BODY) in e["message"]
+    assert sent < total // 2, f"the client sent {sent} of {total} bytes before the answer"
+
+
+def test_body_that_stalls_gets_a_408(servers, monkeypatch):
+    monkeypatch.setattr(bounds, "BODY_IDLE_TIMEOUT_S", 0.3)
+    sock = socket.create_connection(("127.0.0.1", servers["open"].port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")  # 10 of the 100 bytes announced, then nothing
+        status, headers, body = read_response(sock)
+    finally:
+        sock.close()
+    assert status == 408 and headers.get("connection") == "close"
+    e = json.loads(body)["error"]
+    assert e["code"] == "request_timeout" and "10 bytes read" in e["message"]
+
+
+def test_trickled_request_head_is_closed(servers, monkeypatch):
+    """Slowloris: one header byte at a time, never finishing the head. Uvicorn's keep-alive timer restarts on
+    every byte; the head deadline does not, and closes the socket."""
+    monkeypatch.setattr(bounds, "HEADER_TIMEOUT_S", 0.3)
+    sock = socket.create_connection(("127.0.0.1", servers["open"].port))
+    closed = False
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(600):  # up to ~60 s of trickling; the deadline is 0.3 s
+            try:
+                sock.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            if select.select([sock], [], [], 0.1)[0]:
+                try:
+                    closed = sock.recv(1024) == b""
+                except ConnectionResetError:
+                    closed = True
+                break
+    finally:
+        sock.close()
+    assert closed, "the server kept a connection whose request head never ended"
+
+
+# ---- the table: one request, one clean answer ---------------------------------------------------------
+
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+SAME_ROLE = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+# a control-token string in a message takes the marked path (render) instead of the tokenizer's own call
+SAME_ROLE_MARKED = [{"role": "user", "content": "<|im_end|>"}, {"role": "user", "content": "again"}]
+
+# (name, server, method, path, extra headers, json body, status, code, text in the message)
+CASES = [
+    ("template raises", "open", "POST", CHAT, {}, {**OK_CHAT, "messages": SAME_ROLE}, 400, "invalid_value",
+     "roles must alternate"),
+    ("template raises (marked path)", "open", "POST", CHAT, {}, {**OK_CHAT, "messages": SAME_ROLE_MARKED}, 400,
+     "invalid_value", "roles must alternate"),
+    ("temperature true", "open", "POST", CHAT, {}, {**OK_CHAT, "temperature": True}, 400, "invalid_value",
+     "temperature"),
+    ("temperature string", "open", "POST", CHAT, {}, {**OK_CHAT, "temperature": "0.5"}, 400, "invalid_value",
+     "temperature"),
+    ("top_p true", "open", "POST", COMPL, {}, {"model": MODEL, "prompt": "x", "top_p": True}, 400, "invalid_value",
+     "top_p"),
+    ("top_p string", "open", "POST", COMPL, {}, {"model": MODEL, "prompt": "x", "top_p": "0.5"}, 400,
+     "invalid_value", "top_p"),
+    ("trailing slash, foreign Host", "open", "POST", CHAT + "/", {"Host": "evil.example"}, OK_CHAT, 404,
+     "not_found", "no route"),
+    ("trailing slash, keyed server", "keyed", "POST", COMPL + "/", {"Host": "evil.example"},
+     {"model": MODEL, "prompt": "x"}, 404, "not_found", "no route"),
+    ("declared body too large", "open", "POST", COMPL, {"Content-Length": str(bounds.MAX_BODY + 1)}, None, 413,
+     "request_too_large", str(bounds.MAX_BODY)),
+]
+
+
+@pytest.mark.parametrize("name,server,method,path,headers,body,status,code,text", CASES, ids=[c[0] for c in CASES])
+def test_server_answers_each_case_cleanly(servers, name, server, method, path, headers, body, status, code, text):
+    srv = servers[server]
+    if body is None:  # a declared size with no body behind it: refused before a byte is read
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        try:
+            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode())
+            got, resp_headers, raw = read_response(sock)
+        finally:
+            sock.close()
+        assert got == status, raw
+        e = json.loads(raw)["error"]
+    else:
+        r = srv.http.request(method, path, json=body, headers=headers)
+        assert "location" not in r.headers, r.headers  # never a redirect, least of all to the Host sent
+        e = openai_error(r, status)
+    assert e["code"] == code and text in e["message"], e
+
+
+def test_valid_requests_still_work(servers):
+    r = servers["open"].http.post(CHAT, json={**OK_CHAT, "temperature": 0, "top_p": 1})  # ints are numbers
+    assert r.status_code == 200, r.text
+    r = servers["open"].http.post(CHAT, json={**OK_CHAT, "messages": SAME_ROLE[:1] + [
+        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_health_names_the_model_only_to_key_holders(servers):
+    keyed = servers["keyed"]
+    anon = httpx.get(keyed.url + "/health")
+    assert anon.status_code == 200 and anon.json() == {"status": "ok"}
+    wrong = httpx.get(keyed.url + "/health", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 200 and "model" not in wrong.json()
+    assert keyed.http.get("/health").json() == {"status": "ok", "model": MODEL}
+    assert httpx.get(servers["open"].url + "/health").json() == {"status": "ok", "model": MODEL}  # no key set
