@@ -104,7 +104,8 @@ def bench(
     draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled) or 'random'"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
-    methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset"),
+    methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset; "
+                                "also vllm, vllm-eagle3 (vLLM's own environment, `make vllm`)"),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round"),
     depth: int = TreeDepthOpt,
     topk: int = TreeTopkOpt,
@@ -129,6 +130,10 @@ def bench(
     chat_template: str = ChatTemplateOpt,
     raw: bool = typer.Option(False, "--raw", help="send each prompt's text as is, without a chat template (base "
                              "models; single-turn prompts only)"),
+    vllm_python: str = typer.Option(None, "--vllm-python", help="methods vllm, vllm-eagle3: the python of a vLLM "
+                                    "environment (default $EYAS_VLLM_PYTHON, then ./.venv-vllm from `make vllm`)"),
+    vllm_k: int = typer.Option(None, "--vllm-k", help="vllm-eagle3: num_speculative_tokens (default --steps); "
+                               "compared with eyas chain of the same steps on the fp32 weights"),
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
@@ -149,7 +154,7 @@ def bench(
                           draft_weights=draft_weights, methods=parse_methods(methods),
                           steps=steps, lookup_tokens=lookup_tokens, lookup_alone=alone, ngram=ngram, **tree,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
-                          grid=grid, chat_template=chat_template, raw=raw)
+                          grid=grid, chat_template=chat_template, raw=raw, vllm_python=vllm_python, vllm_k=vllm_k)
         (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
 
 

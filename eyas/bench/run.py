@@ -48,6 +48,8 @@ from ..target.template import (
 )
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
+from .vllm_peer import VLLM_METHODS, check_vllm, finish_vllm, reference_specs, render_vllm, run_vllm_phase
+from .vllm_peer import accept_rates as vllm_accept_rates
 
 METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "lookup", "lookup-context", "hf-lookup")
 OPTIONAL_METHODS = ("llama-cpp",)  # peers outside the default install: asked for by name, skipped when absent
@@ -78,7 +80,7 @@ def parse_int_list(text: str, what: str, minimum: int = 1) -> list[int]:
 
 def parse_methods(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    known = METHODS + OPTIONAL_METHODS
+    known = METHODS + OPTIONAL_METHODS + VLLM_METHODS
     bad = [m for m in names if m not in known]
     if bad or not names:
         raise BenchError(f"--methods {text!r}: unknown {bad}; choose from {','.join(known)}")
@@ -130,6 +132,8 @@ class BenchConfig:
     grid: SweepGrid = field(default_factory=SweepGrid)
     chat_template: str | None = None  # --chat-template FILE|NAME (None: the tokenizer's own)
     raw: bool = False  # prompts as plain text, no template (base models; single-turn prompts)
+    vllm_python: str | None = None  # methods vllm, vllm-eagle3: vLLM's own python (eyas.vllm.env.vllm_python)
+    vllm_k: int | None = None  # vllm-eagle3: num_speculative_tokens (None: --steps, the chain's)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,7 +143,7 @@ class BenchConfig:
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                "draft_weights", "methods",
                "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "lookup_alone", "ngram", "min_prob",
-               "chat_template", "raw")
+               "chat_template", "raw", "vllm_k")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                      "sweep_limit", "grid", "chat_template", "raw")
 
@@ -348,7 +352,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         fwd = sum(r["target_forwards"] - 1 for r in rows)
         gen = sum(r["new_tokens"] + (r["finish"] == "stop") - 1 for r in rows)
         s["tau"] = gen / fwd if fwd else None
-        s["accept_per_depth"] = None
+        s["accept_per_depth"] = vllm_accept_rates(rows)  # vllm-eagle3: from vLLM's own counters; else None
         s["draft_overhead"] = None
     compared = [r for r in rows if r.get("same_as_ref") is not None]
     s["identical"] = sum(bool(r["same_as_ref"]) for r in compared)
@@ -420,12 +424,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
                "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
                "lookup": f"{cfg.get('lookup_alone', 0)} tokens" + (" + table" if results.get("ngram") else ""),
-               "lookup-context": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens"}
+               "lookup-context": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens",
+               "vllm-eagle3": f"k {(results.get('vllm') or {}).get('k')}"}
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS else "#2a6fb0" for m in methods])
+    bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS + VLLM_METHODS else "#2a6fb0"
+                                     for m in methods])
     for bar, m in zip(bars, methods, strict=True):
         sp = summ[m].get(base)
         a.annotate(fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -494,6 +500,8 @@ def render(results: dict[str, Any]) -> None:
             con.print(f"{m}: {s['identical']}/{s['compared']} prompts token-identical to {ref} (another engine's "
                       "numerics; not a lossless check)")
             continue
+        if m in VLLM_METHODS:
+            continue  # compared with eyas fp32 plain, not with ref: render_vllm says so
         for mm in s["mismatches"]:
             con.print(f"[yellow]{m} differs from {ref} on {mm['prompt']} at token {mm['first_diff']}[/yellow]")
     for m, s in summ.items():
@@ -509,6 +517,8 @@ def render(results: dict[str, Any]) -> None:
     for w in sorted({(v["target"], v["note"]) for v in used.values()}, key=str):
         con.print(f"weights: target {w[0]} for {', '.join(m for m, v in used.items() if (v['target'], v['note']) == w)}"
                   + (f" (--weights auto: {w[1]})" if w[1] else ""))
+    if results.get("vllm"):
+        render_vllm(results["vllm"], con)
     con.print(f"results: {results['out']}")
 
 
@@ -530,6 +540,8 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
             run = llama_cpp_runner(target, end_ids, cfg.threads)
             if run is not None:
                 runners[m] = run
+        elif m in VLLM_METHODS:
+            continue  # vLLM's own process runs these, after the eyas methods (eyas.bench.vllm_peer)
         else:
             from ..engine.decode import Engine
             from ..engine.params import SpecParams
@@ -703,14 +715,19 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     if cfg.max_new_tokens < 1:
         raise BenchError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
+    vllm_py = check_vllm(cfg.methods, cfg.vllm_python)  # no vLLM: one line naming `make vllm`, before any load
+    # the vllm methods' eyas fp32 reference engines are checked and their draft loaded like the eyas methods'
+    for spec in reference_specs(cfg):
+        spec.check()
+    drafted = any(m in (*DRAFT_METHODS, "vllm-eagle3") for m in cfg.methods)
     choice = bench_template(cfg, prompts)
-    if draft is None and any(m in DRAFT_METHODS for m in cfg.methods):
+    if draft is None and drafted:
         check_default_draft(cfg.draft, SKIP_SPEC)
     check_ngram_spec(cfg.ngram)
-    if target is None and any(m in ENGINE_METHODS for m in cfg.methods):
+    if target is None and any(m in (*ENGINE_METHODS, *VLLM_METHODS) for m in cfg.methods):
         check_engine_family(cfg.target, f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY)
     target = bench_target(cfg, choice, target)
-    if draft is None and any(m in DRAFT_METHODS for m in cfg.methods):
+    if draft is None and drafted:
         draft = resolve_draft(cfg.draft, target)
     mismatch = template_warning(draft, target, progress)
     end_ids = stop_ids(target)
@@ -722,7 +739,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     done = {r["prompt"] for r in done_rows}
     ngram = resolve_ngram(cfg.ngram, target) if {"lookup", "tree-lookup"} & set(cfg.methods) else None
     runners = build_runners(cfg, target, draft, end_ids, ngram)
-    cfg.methods = [m for m in cfg.methods if m in runners]  # an optional peer that is not installed is skipped
+    # an optional peer that is not installed is skipped
+    cfg.methods = [m for m in cfg.methods if m in runners or m in VLLM_METHODS]
     reference = "plain" if "plain" in cfg.methods else ("hf-greedy" if "hf-greedy" in cfg.methods else None)
 
     say(progress, f"bench: {len(prompts)} prompts x {len(runners)} methods ({', '.join(runners)}), "
@@ -730,8 +748,20 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     for m, run in runners.items():  # warm-up: allocations, lazy init, kernel selection
         say(progress, f"bench: warm-up {m}")
         run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
-    rows = done_rows + interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl", done,
-                                  progress, "bench")
+    rows = done_rows + (interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl", done,
+                                   progress, "bench") if runners else [])
+    vllm_info = None
+    if vllm_py is not None:
+        todo = [i for i, p in enumerate(prompts) if p.id not in done]
+        vouts, vllm_info = run_vllm_phase(cfg, vllm_py, target, draft, end_ids, prompts, ids, todo, out,
+                                          lambda s: say(progress, s))
+        vrows = [{**make_row(o["prompt"], o["method"], Output(o["token_ids"], o["seconds"], o["target_forwards"],
+                                                             o["finish"])), "vllm": o["vllm"]} for o in vouts]
+        rows += vrows
+        vllm_info = finish_vllm(cfg, target, draft, end_ids, prompts, ids, runners, rows, vllm_info,
+                                lambda s: say(progress, s))
+        with open(out / "rows.jsonl", "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in vrows))
     rows.sort(key=lambda r: ([p.id for p in prompts].index(r["prompt"]), cfg.methods.index(r["method"])))
     results = {
         "kind": "eyas-bench", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
@@ -742,6 +772,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         "chat_template": target.chat_template.record(), "template_warning": mismatch,
         "num_prompts": len(prompts), "prompts": [asdict(p) for p in prompts],
         "summary": summarize(rows, cfg.methods), "rows": rows,
+        "vllm": vllm_info,  # vLLM's version, k, draft export, reference, wiring (eyas.bench.vllm_peer)
         # per eyas method: the weights mode that ran (auto resolves per target) and why auto did not run native
         "weights": {m: {"target": r.engine.weights, "draft": r.engine.draft_weights, "note": r.engine.weights_note}
                     for m, r in runners.items() if hasattr(r, "engine")},
