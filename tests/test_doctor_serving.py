@@ -55,8 +55,8 @@ vllm:num_requests_running{engine="0",model_name="m"} NaN
 
 
 def test_prometheus_text_is_parsed_and_summed_over_engines():
-    s = parse_prometheus(VLLM_METRICS + 'weird{label="a \\"quoted\\" b"} 1\nnot a sample line\n')
-    assert s["weird"] == [({"label": 'a "quoted" b'}, 1.0)]
+    s = parse_prometheus(VLLM_METRICS + 'weird{label="a \\"quoted\\" b",m="Modèle\\\\x\\n"} 1\nnot a sample\n')
+    assert s["weird"] == [({"label": 'a "quoted" b', "m": "Modèle\\x\n"}, 1.0)]
     c = spec_counters(VLLM_METRICS)
     assert (c.drafts, c.draft_tokens, c.accepted) == (120, 360, 100)
     assert c.per_pos == [56, 33, 11] and c.k == 3  # the _created series is not a count
@@ -159,10 +159,15 @@ def page_server():
 @pytest.mark.parametrize("pages, says", [
     ({}, "answered 404: not an OpenAI-compatible vLLM"),
     ({"/metrics": (401, "no")}, "--api-key"),
+    ({"/metrics": (500, "boom " * 1000)}, "answered HTTP 500: 'boom boom"),
+    ({"/metrics": (200, "x" * (3 << 20))}, "sent more than 2 MiB"),
     ({"/metrics": (200, "<html>a web page</html>")}, "not Prometheus text"),
     ({"/metrics": (200, "vllm:num_requests_running 0\n")}, "without speculative decoding"),
 ])
-def test_servers_that_are_not_a_speculating_vllm(page_server, pages, says):
+def test_servers_that_are_not_a_speculating_vllm(page_server, pages, says, monkeypatch):
+    import eyas.doctor.serving as serving
+
+    monkeypatch.setattr(serving, "MAX_BODY", 2 << 20)  # the cap, scaled down so the test page stays small
     page_server.pages = pages
     url = f"http://127.0.0.1:{page_server.server_address[1]}"
     r = CliRunner().invoke(app, ["doctor", "serving", "--url", url, "--draft", "default", "--timeout", "5"])

@@ -23,6 +23,7 @@ check's traffic cannot be taken: it is refused in one line.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -44,6 +45,7 @@ GENERATION_TOKENS = "vllm:generation_tokens"
 # eyas's is still "close"; a wiring fault moves position 0 by far more (measured on SmolLM2-135M: aux ids
 # shifted by one 0.43 -> 0.1x, d2t dropped -> ~0).
 RATE_TOL = 0.10
+MAX_BODY = 32 << 20  # bytes read from one GET at most
 NEAR_ZERO = 0.05  # position-0 acceptance below this: the drafted tokens are not the target's tokens at all
 COLLAPSE = 0.6  # server position-0 rate below this fraction of eyas's: the draft's input features are wrong
 
@@ -74,7 +76,9 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
             v = float(value)
         except ValueError:
             continue
-        lab = {k: bytes(val, "utf-8").decode("unicode_escape") for k, val in _LABEL.findall(labels)}
+        # the exposition format escapes only backslash, double quote and newline in label values
+        lab = {k: re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), val)
+               for k, val in _LABEL.findall(labels)}
         out.setdefault(name, []).append((lab, v))
     return out
 
@@ -167,21 +171,30 @@ class ServerClient:
     def close(self) -> None:
         self.http.close()
 
-    def _get(self, path: str):
+    def _get(self, path: str) -> str:
+        """The body of GET path, read up to MAX_BODY bytes (a vLLM /metrics page is ~100 kB; a hostile or wrong
+        server must not make the check read without end)."""
         import httpx
 
         try:
-            r = self.http.get(path)
+            with self.http.stream("GET", path) as r:
+                if r.status_code >= 400:  # the start of the body is enough for the message
+                    self._status(r, path, next(r.iter_bytes(), b"")[:200].decode("utf-8", errors="replace"))
+                body = b""
+                for chunk in r.iter_bytes():
+                    body += chunk
+                    if len(body) > MAX_BODY:
+                        raise ServingError(f"{self.url}{path} sent more than {MAX_BODY >> 20} MiB: not a vLLM "
+                                           "metrics page; point --url at the vLLM server itself")
+                return body.decode("utf-8", errors="replace")
         except httpx.TimeoutException as e:
             raise ServingError(f"{self.url}{path} did not answer within --timeout {self.timeout:g} s; is the server "
                                "busy or still loading? raise --timeout") from e
         except httpx.HTTPError as e:
             raise ServingError(f"cannot reach {self.url} ({type(e).__name__}: {str(e)[:120] or 'no detail'}); is "
                                "the server running at that address and port?") from e
-        self._status(r, path)
-        return r
 
-    def _status(self, r, path: str) -> None:
+    def _status(self, r, path: str, body: str = "") -> None:
         if r.status_code in (401, 403):
             raise ServingError(f"{self.url}{path} answered {r.status_code} (unauthorized): pass the server's key "
                                "with --api-key")
@@ -189,14 +202,14 @@ class ServerClient:
             raise ServingError(f"{self.url}{path} answered 404: not an OpenAI-compatible vLLM server (vLLM serves "
                                f"{path} by default), or --url points below its root")
         if r.status_code >= 400:
-            raise ServingError(f"{self.url}{path} answered HTTP {r.status_code}: {r.text[:200]!r}")
+            raise ServingError(f"{self.url}{path} answered HTTP {r.status_code}: {body[:200]!r}")
 
     def counters(self) -> SpecCounters:
-        return spec_counters(self._get("/metrics").text, self.url)
+        return spec_counters(self._get("/metrics"), self.url)
 
     def model(self) -> str:
         try:
-            data = self._get("/v1/models").json()["data"]
+            data = json.loads(self._get("/v1/models"))["data"]
             return str(data[0]["id"])
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise ServingError(f"{self.url}/v1/models did not list a model (expected {{\"data\": [{{\"id\": ...}}]}}): "
@@ -216,7 +229,7 @@ class ServerClient:
         except httpx.HTTPError as e:
             raise ServingError(f"{self.url}/v1/completions failed ({type(e).__name__}: {str(e)[:120]}); the server "
                                "may have crashed on the request: read its log") from e
-        self._status(r, "/v1/completions")
+        self._status(r, "/v1/completions", r.text)
         try:
             choice = r.json()["choices"][0]
         except (ValueError, KeyError, IndexError, TypeError) as e:
@@ -388,8 +401,8 @@ def check_server(url: str, target, draft_spec: str, prompts: list[list[int]], k:
     from ..target.load import end_token_ids
 
     say = log or (lambda _m: None)
-    if not prompts:
-        raise ServingError("no prompts to send: pass --prompts 1 or more")
+    if not prompts or not all(prompts):
+        raise ServingError("no prompts to send (or an empty one): pass --prompts 1 or more")
     if max_new_tokens < 1:
         raise ServingError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
     cl = ServerClient(url, api_key, timeout)
