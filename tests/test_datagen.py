@@ -478,11 +478,12 @@ def test_native_engine_pool_matches_each_prompt_alone(tiny_dir):
     """Regeneration on native weights (the whole decoder stack in one C call, per-row cache slots written by the
     kernel): a prompt's reply in a refilled pool is the reply it gets alone, and plain decoding's."""
     from eyas.engine.forward import TargetModel
+    from eyas.native import kernels
     from tests.tiny import tiny_native
 
     t = load_target(str(tiny_dir))
     eng = TargetModel(t.model, tiny_native(t.model))
-    assert eng.q4_stack is not None
+    assert isinstance(eng.stack, kernels.Q4Stack)
     tok = t.tokenizer
     texts = ["hi", "Tell me a long story about a dragon and a castle", "What is 2+2?", "ok", "Name three colors"]
     prompts = [tok(render(tok, [{"role": "user", "content": x}], add_generation_prompt=True),

@@ -4,7 +4,7 @@
  *   h = rms(x += pending) ; [store x] ; qkv = h.Wqkv ; o = attend(rope(qkv)) ; h = rms(x += o.Wo)
  *   pending = silu_mul(h.Wgu).Wd
  * and finally x += pending: the same kernels, in the same order, as the per-layer Python loop it replaces
- * (eyas/model.py: _fused_layers), without ~200 Python-level calls per forward. x [R, H] fp32 is updated in
+ * (eyas/engine/forward.py: Bf16Stack), without ~200 Python-level calls per forward. x [R, H] fp32 is updated in
  * place; store[i] (or NULL) receives x at stream i. */
 void eyas_q4_layers(float *x, int R, int H, int L, const uint8_t *const *wqkv, const uint8_t *const *wo,
                     const uint8_t *const *wgu, const uint8_t *const *wd, const float *const *ln1,
