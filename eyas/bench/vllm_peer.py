@@ -74,7 +74,8 @@ def run_vllm_method(py: Path, method: str, target: Target, draft_dir: Path | Non
     """One worker run: vLLM loads the target (and draft), then generates every prompt in `ids`."""
     longest = max((len(x) for x in ids), default=1)
     request = {
-        "model": str(target.path), "draft": str(draft_dir) if draft_dir else None, "k": k if draft_dir else 0,
+        "model": str(Path(target.path).resolve()), "draft": str(draft_dir.resolve()) if draft_dir else None,
+        "k": k if draft_dir else 0,
         "method": SPEC_METHOD, "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": end_ids,
         "dtype": DTYPES[dtype], "max_model_len": longest + max_new_tokens + k + 16, "seed": 0,
         "warmup_tokens": WARMUP_TOKENS, "enforce_eager": True,
