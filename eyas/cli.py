@@ -9,7 +9,9 @@ from pathlib import Path
 
 import typer
 
+from .engine.params import LOOKUP_ALONE, default_help
 from .errors import EyasError
+from .files import write_fault
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyas: EAGLE-3 drafts with the hidden-state wiring checked end to end.")
@@ -24,21 +26,21 @@ WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a G
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
                                "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
-# generate, serve and bench: unset tree settings come from eyas.engine.TREE_DEFAULTS for the device
-TreeDepthOpt = typer.Option(None, "--depth", help="tree: draft depth (default 2 on the CPU, 4 on CUDA)")
+# generate, serve and bench: unset tree settings come from eyas.engine.params.TREE_DEFAULTS for the device
+TreeDepthOpt = typer.Option(None, "--depth", help=f"tree: draft depth ({default_help('depth')})")
 TreeTopkOpt = typer.Option(None, "--topk", help="tree: children per expanded node and frontier width "
-                           "(default 2 on the CPU, 4 on CUDA)")
+                           f"({default_help('topk')})")
 TreeTokensOpt = typer.Option(None, "--tokens", help="tree: tokens verified per round, root included "
-                             "(default 3 on the CPU, 16 on CUDA)")
-TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round "
-                             "(0 = off; default 4 on the CPU, 0 on CUDA; method lookup: the chain's length, default 3)")
+                             f"({default_help('tokens')})")
+TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round (0 = off; "
+                             f"{default_help('lookup')}; method lookup: the chain's length, default {LOOKUP_ALONE})")
 MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
               "before; --lookup tokens) | plain (default tree; plain with --draft none)")
 NgramOpt = typer.Option("auto", "--ngram", help="n-gram table (eyas ngram) proposing where context lookup finds "
                         "nothing, with method lookup or --lookup > 0: auto (the bundled one when counted for this "
                         "target) | default | none | PATH")
 TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
-                              "probability reaches this (default 0.35 on the CPU, 0 on CUDA)")
+                              f"probability reaches this ({default_help('min_prob')})")
 
 
 @app.callback()
@@ -57,12 +59,18 @@ def warn(msg: str) -> None:
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """An EyasError (bad input the user can fix) becomes one line and exit 2; anything else is a bug in eyas
-    and keeps its traceback."""
+    """An EyasError (bad input the user can fix) becomes one line and exit 2, and so does a disk fault (full,
+    read-only, permission denied: eyas.files.write_fault names the file); anything else is a bug in eyas and keeps
+    its traceback."""
     try:
         yield
     except EyasError as e:
         fail(str(e))
+    except OSError as e:
+        fault = write_fault(e)
+        if fault is None:
+            raise
+        fail(str(fault))
 
 
 @app.command()
@@ -320,10 +328,12 @@ def serve(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     weights: str = WeightsOpt,
+    draft_weights: str = DraftWeightsOpt,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
     chat_template: str = ChatTemplateOpt,
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
+    from .engine.load import EngineOptions
     from .serve import app as srv
 
     key = srv.resolve_api_key(api_key)
@@ -334,11 +344,10 @@ def serve(
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
                               max_new_tokens=max_new_tokens)
         cfg.check()  # bad flags fail before the model loads
-        from .target.template import resolve_template
-
-        choice = resolve_template(chat_template)  # a bad flag fails before the model loads
-        engine, tgt, used = srv.build_engine(target, draft, method, steps, depth, topk, tokens, dtype, device,
-                                             lookup, weights, min_prob, chat_template=choice, ngram=ngram)
+        engine, tgt, used = srv.build_engine(EngineOptions(
+            target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
+            lookup=lookup, min_prob=min_prob, ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype,
+            device=device, chat_template=chat_template))
         for w in srv.template_warnings(engine, tgt):
             warn(w)
         cfg.model_name = model_name or tgt.identity.name or target
@@ -540,27 +549,23 @@ def doctor_trace(
 ) -> None:
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
     from .doctor.trace import render_trace, trace
-    from .draft import load_draft
-    from .engine.decode import chat_input_ids
+    from .engine.load import EngineOptions, EngineUse, check_options, load_parts
     from .engine.params import SpecParams
-    from .target.family import check_engine_family
-    from .target.load import load_target
-    from .target.template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
+    from .engine.report import input_ids
 
+    if method not in ("tree", "chain"):
+        fail(f"--method {method}: the trace follows a draft's rounds; use --method tree or chain")
+    opts = EngineOptions(target=target, draft=draft, method=method, dtype=dtype, device=device,
+                         chat_template=chat_template, raw=raw)
+    use = EngineUse("eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) measures the draft on "
+                    "this target through HF hooks")
+    spec = SpecParams(method=method)  # the engine's own tree, not the device's default
     with user_errors():
-        choice = resolve_template(chat_template, raw)
-        check_engine_family(target, "eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) "
-                            "measures the draft on this target through HF hooks")
-        require_template(target, choice)
-        tgt = load_target(target, dtype=dtype, device=device)
-        use_template(tgt, choice)
-        ck = load_draft(draft, device=device)
-        mismatch = draft_template_warning(ck.manifest, tgt.chat_template)
-        if mismatch:
-            warn(mismatch)
-        tok = tgt.tokenizer
-        ids = raw_ids(tok, prompt) if raw else chat_input_ids(tok, [{"role": "user", "content": prompt}])
-        rep = trace(tgt, ck, ids, SpecParams(method=method), max_new_tokens=max_new_tokens, max_rounds=rounds)
+        parts = load_parts(opts, use, check_options(opts, use, [spec]), [spec])
+        if parts.template_warning:
+            warn(parts.template_warning)
+        ids = input_ids(parts.target.tokenizer, prompt, None, raw)
+        rep = trace(parts.target, parts.draft, ids, spec, max_new_tokens=max_new_tokens, max_rounds=rounds)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -649,13 +654,9 @@ def generate(
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
 
-    from .draft import check_default_draft, resolve_draft
-    from .engine import decode as eng_decode
-    from .engine import params as eng
-    from .engine.ngram import check_ngram_spec, resolve_ngram
-    from .target.family import check_engine_family
-    from .target.load import load_target
-    from .target.template import draft_template_warning, raw_ids, require_template, resolve_template, use_template
+    from .engine.load import EngineOptions, EngineUse, load_engine
+    from .engine.params import SamplingParams
+    from .engine.report import input_ids, read_messages, summary_lines
     from .text import TextStream
 
     if (prompt is None) == (messages is None):
@@ -663,48 +664,21 @@ def generate(
     if raw and messages is not None:
         fail("--raw sends --prompt as plain text; --messages is a chat, which needs a template: drop --raw (and "
              "pass --chat-template NAME if the target has none)")
-    if method is None:
-        method = "plain" if draft == "none" else "tree"
-    if method in eng.DRAFT_METHODS and draft == "none":
-        fail(f"--method {method} needs a draft: pass --draft PATH, 'default' or 'random', or use --method plain")
+    opts = EngineOptions(target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
+                         lookup=lookup, min_prob=min_prob, ngram=ngram, weights=weights, draft_weights=draft_weights,
+                         dtype=dtype, device=device, chat_template=chat_template, raw=raw)
+    use = EngineUse("eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench --target {target} "
+                    "--methods hf-greedy --bench PROMPTS.jsonl`")
     with user_errors():
-        msgs = None
-        if messages is not None:
-            src = Path(messages)
-            text = src.read_text() if len(messages) < 4096 and src.is_file() else messages
-            try:
-                msgs = json.loads(text)
-            except json.JSONDecodeError as e:
-                fail(f"--messages is not valid JSON ({e}); expected [{{\"role\": \"user\", \"content\": \"...\"}}]")
-            eng_decode.check_messages(msgs)
-        tree = eng.tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup,
-                                 min_prob=min_prob)
-        spec = eng.SpecParams(method=method, steps=steps, weights=weights, draft_weights=draft_weights, **tree)
-        params = eng.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+        msgs = read_messages(messages) if messages is not None else None
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 stop=list(stop or []), seed=seed)
         params.validate()
-        spec.validate(1 << 30 if method in eng.DRAFT_METHODS else None)  # bad shapes fail before anything loads
-        if method in eng.DRAFT_METHODS:
-            check_default_draft(draft)
-        check_ngram_spec(ngram)
-        choice = resolve_template(chat_template, raw)
-        check_engine_family(target, "eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench "
-                            f"--target {target} --methods hf-greedy --bench PROMPTS.jsonl`")
-        require_template(target, choice)  # a base model without a template: say what to pass, before loading
-        tgt = load_target(target, dtype=dtype, device=device)
-        use_template(tgt, choice)  # before the engine reads the end-of-turn tokens
-        ckpt = resolve_draft(draft, tgt) if method in eng.DRAFT_METHODS else None
-        mismatch = draft_template_warning(ckpt.manifest, tgt.chat_template) if ckpt is not None else None
-        if mismatch:
-            warn(mismatch)
-        engine = eng_decode.Engine(tgt, ckpt, spec, resolve_ngram(ngram, tgt) if spec.lookup else None)
-        tok = tgt.tokenizer
-        if msgs is not None:
-            ids = eng_decode.chat_input_ids(tok, msgs)
-        elif raw:
-            ids = raw_ids(tok, prompt)
-        else:
-            ids = eng_decode.chat_input_ids(tok, [{"role": "user", "content": prompt}])
+        engine, parts = load_engine(opts, use)
+        if parts.template_warning:
+            warn(parts.template_warning)
+        tok = engine.target.tokenizer
+        ids = input_ids(tok, prompt, msgs, raw)
         shown = TextStream(tok, params.stop, params.max_new_tokens)  # what is safe to print so far
         for new in engine.stream(ids, params):
             delta = shown.push(new)
@@ -713,23 +687,7 @@ def generate(
                 sys.stdout.flush()
     res = engine.last_result
     sys.stdout.write(res.text[shown.sent:] + "\n")
-    st = res.stats
-    lines = [f"[{method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} tok/s "
-             f"({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} tokens)",
-             f"weights: target {engine.weights}" + (f", draft {engine.draft_weights}" if engine.draft_weights else "")
-             + (f" (--weights auto: {engine.weights_note})" if engine.weights_note else "")]
-    if method != "plain":
-        rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
-        per = max(st.rounds, 1)
-        lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
-        lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
-                     f"(draft share {st.draft_share:.0%})")
-        if spec.lookup:
-            table = f"n-gram table {engine.ngram.path} ({len(engine.ngram)} contexts)" if engine.ngram else \
-                "no n-gram table"
-            lines.append(f"lookup: {st.lookup_accepted} of {st.lookup_proposed} proposed accepted; {table}"
-                         + (f": {st.ngram_accepted} of {st.ngram_proposed} accepted" if engine.ngram else ""))
-    for line in lines:
+    for line in summary_lines(engine, res):
         typer.secho(line, fg="cyan", err=True)
 
 

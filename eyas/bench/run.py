@@ -29,23 +29,16 @@ from typing import Any
 
 import torch
 
-from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
-from ..engine.ngram import NgramTable, check_ngram_spec, describe_ngram, resolve_ngram
-from ..engine.params import LOOKUP_ALONE
+from ..draft import DraftCheckpoint
+from ..engine.load import EngineOptions, EngineParts, EngineUse, check_options, load_parts, make_engine
+from ..engine.ngram import NgramTable, describe_ngram
+from ..engine.params import LOOKUP_ALONE, SpecParams
 from ..errors import EyasError
 from ..files import atomic_write, atomic_write_json
 from ..target.convert import file_fingerprint
 from ..target.device import sync_device
-from ..target.family import check_engine_family
-from ..target.load import Target, end_token_ids, load_target
-from ..target.template import (
-    ChatTemplate,
-    draft_template_warning,
-    raw_ids,
-    require_template,
-    resolve_template,
-    use_template,
-)
+from ..target.load import Target, end_token_ids
+from ..target.template import ChatTemplate, raw_ids, resolve_template
 from ..text import parse_int_list as parse_ints
 from .prompts import BenchPrompt, load_prompts
 from .vllm_peer import VLLM_METHODS, check_vllm, finish_vllm, reference_specs, render_vllm, run_vllm_phase
@@ -65,6 +58,7 @@ WARMUP_TOKENS = 16
 SKIP_SPEC = "--methods hf-greedy,plain,hf-lookup to skip the speculative methods"  # a run without a draft
 # the closest path for a target the engine forward cannot run
 HF_ONLY = "bench's HF baselines run on it alone with --methods hf-greedy,hf-lookup"
+BENCH_USE = EngineUse(f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY, SKIP_SPEC)
 
 
 class BenchError(EyasError):
@@ -543,19 +537,27 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
         elif m in VLLM_METHODS:
             continue  # vLLM's own process runs these, after the eyas methods (eyas.bench.vllm_peer)
         else:
-            from ..engine.decode import Engine
-            from ..engine.params import SpecParams
-
-            method = {"tree-lookup": "tree", "lookup-context": "lookup"}.get(m, m)
-            lookup = cfg.lookup if m == "tree-lookup" else cfg.lookup_alone if method == "lookup" else 0
-            spec = SpecParams(method=method, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk, tokens=cfg.tokens,
-                              lookup=lookup,
-                              weights=cfg.weights, draft_weights=cfg.draft_weights,
-                              min_prob=cfg.min_prob if m in DRAFT_METHODS else 0.0)
-            engine = Engine(target, draft if m in DRAFT_METHODS else None, spec,
-                            None if m == "lookup-context" else ngram)
+            engine = make_engine(EngineParts(target, draft, ngram), bench_spec(cfg, m), ngram=m != "lookup-context")
             runners[m] = engine_runner(engine, end_ids, target.device)
     return runners
+
+
+def bench_options(cfg: BenchConfig) -> EngineOptions:
+    """The engine options of a bench run (its tree settings already resolved by the CLI)."""
+    return EngineOptions(target=cfg.target, draft=cfg.draft, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk,
+                         tokens=cfg.tokens, lookup=cfg.lookup, min_prob=cfg.min_prob, ngram=cfg.ngram,
+                         weights=cfg.weights, draft_weights=cfg.draft_weights, dtype=cfg.dtype, device=cfg.device,
+                         chat_template=cfg.chat_template, raw=cfg.raw)
+
+
+def bench_spec(cfg: BenchConfig, m: str) -> SpecParams:
+    """An eyas method's engine spec: tree-lookup is the tree with --lookup candidates merged in, tree and chain
+    merge none, lookup and lookup-context run the chain of lookup_alone tokens; min-prob for the draft's."""
+    method = {"tree-lookup": "tree", "lookup-context": "lookup"}.get(m, m)
+    lookup = cfg.lookup if m == "tree-lookup" else cfg.lookup_alone if method == "lookup" else 0
+    return SpecParams(method=method, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk, tokens=cfg.tokens,
+                      lookup=lookup, weights=cfg.weights, draft_weights=cfg.draft_weights,
+                      min_prob=cfg.min_prob if m in DRAFT_METHODS else 0.0)
 
 
 def bench_template(cfg: BenchConfig, prompts: list[BenchPrompt] | None) -> ChatTemplate:
@@ -572,13 +574,16 @@ def bench_template(cfg: BenchConfig, prompts: list[BenchPrompt] | None) -> ChatT
     return choice
 
 
-def bench_target(cfg: BenchConfig, choice: ChatTemplate, target: Target | None) -> Target:
-    """The target with the template installed (before the engines read its end-of-turn tokens)."""
-    if target is None:
-        require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
-        target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
-    use_template(target, choice)
-    return target
+def bench_parts(cfg: BenchConfig, prompts: list[BenchPrompt] | None, specs: list[SpecParams], use: EngineUse,
+                target: Target | None, draft: DraftCheckpoint | None, *, validate: bool = True,
+                ngram: bool | None = None) -> EngineParts:
+    """Every engine option checked before anything loads (eyas.engine.load), then the target unless given (with
+    the template installed), the draft unless given, and the n-gram table; the template warning is said."""
+    choice = bench_template(cfg, prompts)
+    opts = bench_options(cfg)
+    check_options(opts, use, specs, validate=validate, target_loaded=target is not None,
+                  draft_loaded=draft is not None)
+    return load_parts(opts, use, choice, specs, target=target, draft=draft, ngram=ngram)
 
 
 def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
@@ -590,9 +595,8 @@ def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
     return [list(chat_input_ids(target.tokenizer, p.messages)) for p in prompts]
 
 
-def template_warning(draft: DraftCheckpoint | None, target: Target, progress: bool) -> str | None:
+def template_warning(w: str | None, progress: bool) -> str | None:
     """A draft trained under another template than this run's: said on stderr and kept in results.json."""
-    w = draft_template_warning(draft.manifest, target.chat_template) if draft is not None else None
     if w:
         progress_console().print(f"warning: {w}", markup=False, highlight=False, style="yellow")
     return w
@@ -717,19 +721,11 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     prompts = load_prompts(cfg.bench, cfg.limit) if cfg.turn == 1 else None  # bad input fails before any load
     vllm_py = check_vllm(cfg.methods, cfg.vllm_python)  # no vLLM: one line naming `make vllm`, before any load
     # the vllm methods' eyas fp32 reference engines are checked and their draft loaded like the eyas methods'
-    for spec in reference_specs(cfg):
-        spec.check()
-    drafted = any(m in (*DRAFT_METHODS, "vllm-eagle3") for m in cfg.methods)
-    choice = bench_template(cfg, prompts)
-    if draft is None and drafted:
-        check_default_draft(cfg.draft, SKIP_SPEC)
-    check_ngram_spec(cfg.ngram)
-    if target is None and any(m in (*ENGINE_METHODS, *VLLM_METHODS) for m in cfg.methods):
-        check_engine_family(cfg.target, f"bench's eyas methods ({', '.join(ENGINE_METHODS)})", HF_ONLY)
-    target = bench_target(cfg, choice, target)
-    if draft is None and drafted:
-        draft = resolve_draft(cfg.draft, target)
-    mismatch = template_warning(draft, target, progress)
+    specs = [bench_spec(cfg, m) for m in cfg.methods if m in ENGINE_METHODS] + reference_specs(cfg)
+    parts = bench_parts(cfg, prompts, specs, BENCH_USE, target, draft,
+                        ngram=bool({"lookup", "tree-lookup"} & set(cfg.methods)))
+    target, draft, ngram = parts.target, parts.draft, parts.ngram
+    mismatch = template_warning(parts.template_warning, progress)
     end_ids = stop_ids(target)
     if prompts is None:
         prompts = load_prompts(cfg.bench, cfg.limit, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
@@ -737,7 +733,6 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     out = Path(cfg.out) if cfg.out else default_out()
     done_rows = _prepare_out(cfg, out, target)
     done = {r["prompt"] for r in done_rows}
-    ngram = resolve_ngram(cfg.ngram, target) if {"lookup", "tree-lookup"} & set(cfg.methods) else None
     runners = build_runners(cfg, target, draft, end_ids, ngram)
     # an optional peer that is not installed is skipped
     cfg.methods = [m for m in cfg.methods if m in runners or m in VLLM_METHODS]

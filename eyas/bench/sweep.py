@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
-from ..engine.ngram import describe_ngram, resolve_ngram
+from ..draft import DraftCheckpoint
+from ..engine.load import EngineUse, make_engine
+from ..engine.ngram import describe_ngram
+from ..engine.params import EngineError, SpecParams
 from ..files import atomic_write, atomic_write_json
-from ..target.family import check_engine_family
 from ..target.load import Target
 from .prompts import load_prompts
 from .run import (
@@ -25,8 +26,7 @@ from .run import (
     Output,
     SweepGrid,
     _prepare_out,
-    bench_target,
-    bench_template,
+    bench_parts,
     check_threads,
     default_out,
     draft_summary,
@@ -42,6 +42,8 @@ from .run import (
     template_warning,
     wide_console,
 )
+
+SWEEP_USE = EngineUse("bench --sweep", f"without --sweep, {HF_ONLY}", SKIP_SPEC)
 
 
 def sweep_settings(grid: SweepGrid) -> list[dict[str, Any]]:
@@ -130,38 +132,30 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
               progress: bool = True, show: bool = True) -> dict[str, Any]:
     """Try every grid setting on the first `sweep_limit` prompts (interleaved, plain as the reference);
     write sweep.json + sweep.png and report the fastest setting with the command that uses it."""
-    from ..engine.decode import Engine
-    from ..engine.params import EngineError, SpecParams
-
     check_threads(cfg.threads)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
     prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
-    choice = bench_template(cfg, prompts)
-    if draft is None:
-        check_default_draft(cfg.draft, SKIP_SPEC)
-    if target is None:
-        check_engine_family(cfg.target, "bench --sweep", f"without --sweep, {HF_ONLY}")
-    target = bench_target(cfg, choice, target)
-    draft = draft or resolve_draft(cfg.draft, target)
-    ngram = resolve_ngram(cfg.ngram, target) if any(s.get("lookup") for s in sweep_settings(cfg.grid)) else None
-    template_warning(draft, target, progress)
+    settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
+    specs = [SpecParams(**s, weights=cfg.weights, draft_weights=cfg.draft_weights) for s in settings]
+    # validate=False: the engine refuses a grid's bad settings one by one, and the sweep reports them
+    parts = bench_parts(cfg, prompts, specs, SWEEP_USE, target, draft, validate=False)
+    target, draft, ngram = parts.target, parts.draft, parts.ngram
+    template_warning(parts.template_warning, progress)
     end_ids = stop_ids(target)
     if prompts is None:
         prompts = load_prompts(cfg.bench, n, cfg.turn, greedy_answer(target, end_ids, cfg.max_new_tokens))
     ids = prompt_ids(target, prompts)
     out = Path(cfg.out) if cfg.out else default_out("sweep")
 
-    settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
     runners: dict[str, Callable[..., Output]] = {}
     refused = []
-    for n, s in enumerate(settings):
+    for n, (s, spec) in enumerate(zip(settings, specs, strict=True)):
         label = setting_label(s)
         say(progress, f"sweep: warm-up {n + 1}/{len(settings)} {label}")
         try:
-            spec = SpecParams(**s, weights=cfg.weights, draft_weights=cfg.draft_weights)
-            engine = Engine(target, None if s["method"] == "plain" else draft, spec, ngram)
+            engine = make_engine(parts, spec)
             run = engine_runner(engine, end_ids, target.device)
             run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))  # warm-up; also where lazy checks would fire
         except EngineError as e:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -23,10 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.decode import chat_input_ids
+from ..engine.decode import Engine, chat_input_ids
+from ..engine.load import EngineOptions, EngineUse, load_engine
 from ..engine.params import DRAFT_METHODS, EngineError, SamplingParams
 from ..errors import EyasError
-from ..target.template import ChatTemplate, TemplateError, draft_template_warning, raw_ids, use_template
+from ..target.load import Target
+from ..target.template import draft_template_warning, raw_ids
 from . import openai_schema as oai
 from .bounds import read_body, server_limits
 from .metrics import CountRequests, Metrics
@@ -412,37 +414,18 @@ def resolve_method(method: str | None, draft: str) -> str:
     return method
 
 
-def build_engine(target_spec: str, draft: str, method: str | None, steps: int | None = None,
-                 depth: int | None = None, topk: int | None = None, tokens: int | None = None,
-                 dtype: str = "fp32", device: str = "cpu", lookup: int | None = None, weights: str = "auto",
-                 min_prob: float | None = None, chat_template: ChatTemplate | None = None, ngram: str = "auto"):
-    """Load the target (and draft: a folder, 'default', 'random' or 'none'; and the n-gram table when lookup is
-    on, eyas.ngram.resolve_ngram) -> (engine, target, method).
-    `chat_template` (--chat-template) is installed before the engine reads the end-of-turn tokens; without it,
-    or when the tokenizer has none, the server still starts: completions need no template (template_warnings)."""
-    from ..draft import check_default_draft, resolve_draft
-    from ..engine.decode import Engine
-    from ..engine.ngram import check_ngram_spec, resolve_ngram
-    from ..engine.params import SpecParams, tree_defaults
-    from ..target.family import check_engine_family
-    from ..target.load import load_target
+SERVE_USE = EngineUse("eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it for an engine "
+                      "that serves this family", draft_instead="--draft none for plain decoding",
+                      template_required=False)
 
-    method = resolve_method(method, draft)
-    tree = tree_defaults(device, method, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
-    spec = SpecParams(method=method, weights=weights, **({"steps": steps} if steps is not None else {}), **tree)
-    spec.validate(1 << 30 if method in DRAFT_METHODS else None)  # bad flags fail before anything loads
-    if method in DRAFT_METHODS:
-        check_default_draft(draft, "--draft none for plain decoding")
-    check_ngram_spec(ngram)
-    check_engine_family(target_spec, "eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it "
-                        "for an engine that serves this family")
-    target = load_target(target_spec, dtype=dtype, device=device)
-    try:
-        use_template(target, chat_template or ChatTemplate("tokenizer"))
-    except TemplateError:
-        pass  # no template: chat requests get a 400 naming the fix; completions work
-    ckpt = resolve_draft(draft, target) if method in DRAFT_METHODS else None
-    return Engine(target, ckpt, spec, resolve_ngram(ngram, target) if spec.lookup else None), target, method
+
+def build_engine(opts: EngineOptions) -> tuple[Engine, Target, str]:
+    """Load the target, the draft and the n-gram table (eyas.engine.load) -> (engine, target, method).
+    Without a chat template (none given and the tokenizer has none) the server still starts: completions need
+    no template (template_warnings)."""
+    method = resolve_method(opts.method, opts.draft)
+    engine, parts = load_engine(replace(opts, method=method), SERVE_USE)
+    return engine, parts.target, method
 
 
 def template_warnings(engine: Any, target: Any) -> list[str]:

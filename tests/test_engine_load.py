@@ -1,0 +1,73 @@
+"""eyas.engine.load: the one engine assembly, its checks before anything loads, and the tree defaults stated once
+(TREE_DEFAULTS) in the help strings, the README and the Makefile."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from eyas.draft import random_draft
+from eyas.engine.load import EngineOptions, EngineParts, EngineUse, check_options, load_engine, make_engine
+from eyas.engine.params import TREE_DEFAULTS, EngineError, SamplingParams, SpecParams, defaults_text
+from tests.test_engine import PROMPTS, VOCAB, make_target
+
+ROOT = Path(__file__).resolve().parents[1]
+USE = EngineUse("eyas generate")
+
+
+def test_defaults_stated_once():
+    import eyas.cli as cli
+
+    readme, makefile = (ROOT / "README.md").read_text(), (ROOT / "Makefile").read_text()
+    flat = " ".join(makefile.replace("#", " ").split())  # the Makefile's comment wraps across lines
+    assert defaults_text("cpu") in " ".join(readme.split()) and defaults_text("cpu") in flat
+    assert defaults_text("cuda") in " ".join(readme.split())
+    for opt, key in ((cli.TreeDepthOpt, "depth"), (cli.TreeTopkOpt, "topk"), (cli.TreeTokensOpt, "tokens"),
+                     (cli.TreeLookupOpt, "lookup"), (cli.TreeMinProbOpt, "min_prob")):
+        assert f"default {TREE_DEFAULTS['cpu'][key]:g} on the CPU, {TREE_DEFAULTS['cuda'][key]:g} on CUDA" in opt.help
+
+
+def test_one_place_builds_an_engine():
+    """Engine( is constructed only in eyas/engine/load.py (make_engine): every command shares one assembly."""
+    sites = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "eyas").rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"(?<![\w.])Engine\(", line) and not line.lstrip().startswith("class ")]
+    assert sites and all(s.startswith("eyas/engine/load.py:") for s in sites), \
+        f"build engines with eyas.engine.load.make_engine / load_engine instead: {sites}"
+
+
+def test_bad_flags_fail_before_anything_loads(tmp_path):
+    missing = str(tmp_path / "no-such-target")  # loading it would fail differently
+    with pytest.raises(EngineError, match="tree depth 0"):
+        check_options(EngineOptions(target=missing, depth=0), USE)
+    with pytest.raises(EngineError, match="--method chain needs a draft"):
+        check_options(EngineOptions(target=missing, draft="none", method="chain"), USE)
+    with pytest.raises(EngineError, match="--weights"):
+        check_options(EngineOptions(target=missing, draft="none", weights="int3"), USE)
+    with pytest.raises(EngineError, match="--draft-weights"):
+        check_options(EngineOptions(target=missing, draft_weights="q4"), USE)
+
+
+def test_options_spec_defaults():
+    assert EngineOptions(draft="none").spec().method == "plain"
+    s = EngineOptions(device="cuda", topk=3).spec()
+    assert (s.method, s.depth, s.topk, s.tokens, s.steps) == ("tree", TREE_DEFAULTS["cuda"]["depth"], 3,
+                                                             TREE_DEFAULTS["cuda"]["tokens"], SpecParams.steps)
+
+
+def test_load_engine_over_a_loaded_target_is_lossless():
+    tiny = make_target()
+    draft = random_draft(tiny, draft_vocab=VOCAB)
+    opts = EngineOptions(raw=True, ngram="none")
+    eng, parts = load_engine(opts, USE, target=tiny, draft=draft)
+    cpu = TREE_DEFAULTS["cpu"]
+    assert (eng.spec.depth, eng.spec.topk, eng.spec.tokens, eng.spec.lookup) == \
+        (cpu["depth"], cpu["topk"], cpu["tokens"], cpu["lookup"])
+    assert parts.target is tiny and parts.draft is draft and eng.drafts
+    plain = make_engine(parts, SpecParams(method="plain"))
+    assert not plain.drafts  # a plain spec gets no draft, even from parts that hold one
+    sp = SamplingParams(max_new_tokens=12)
+    assert eng.generate(PROMPTS[0], sp).token_ids == plain.generate(PROMPTS[0], sp).token_ids
+    assert make_engine(EngineParts(tiny, None, None), SpecParams("lookup", lookup=3)).ngram is None
