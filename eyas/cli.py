@@ -11,6 +11,7 @@ import typer
 
 from .engine.params import LOOKUP_ALONE, default_help
 from .errors import EyasError
+from .files import write_fault
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyas: EAGLE-3 drafts with the hidden-state wiring checked end to end.")
@@ -58,12 +59,18 @@ def warn(msg: str) -> None:
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """An EyasError (bad input the user can fix) becomes one line and exit 2; anything else is a bug in eyas
-    and keeps its traceback."""
+    """An EyasError (bad input the user can fix) becomes one line and exit 2, and so does a disk fault (full,
+    read-only, permission denied: eyas.files.write_fault names the file); anything else is a bug in eyas and keeps
+    its traceback."""
     try:
         yield
     except EyasError as e:
         fail(str(e))
+    except OSError as e:
+        fault = write_fault(e)
+        if fault is None:
+            raise
+        fail(str(fault))
 
 
 @app.command()

@@ -20,7 +20,7 @@ from torch import nn
 
 from .conventions import sglang_config_ids, vllm_config_ids
 from .errors import EyasError
-from .files import atomic_folder, read_json
+from .files import atomic_folder, check_file, file_record, read_json
 from .layout import Layout, LayoutError, check_layouts
 from .rope import apply_rope, rope_cos_sin
 from .target.load import Target
@@ -278,6 +278,8 @@ def save_draft(path: str | Path, model: Eagle3Draft, layout: Layout, extra: dict
     def write(tmp: Path) -> None:
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas"})
         (tmp / "config.json").write_text(json.dumps(model.config.hf_config(layout), indent=2))
+        # the weights' size and digest, checked by load_draft (replaces any `files` an `extra` carried over)
+        manifest["files"] = {WEIGHTS: file_record(tmp / WEIGHTS)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
 
     return atomic_folder(path, write)
@@ -311,6 +313,9 @@ def load_draft(path: str | Path, device: str | torch.device = "cpu",
     wpath = p / WEIGHTS
     if not wpath.exists():
         raise DraftError(f"{p} lacks {WEIGHTS}")
+    # drafts written before eyas recorded digests have no `files`: they load unchecked, as before
+    check_file(wpath, (manifest.get("files") or {}).get(WEIGHTS), DraftError,
+               "the draft is damaged: copy it again, or rerun the command that wrote it")
     try:
         sd = load_file(str(wpath))
     except Exception as e:  # safetensors raises several types on corrupt headers

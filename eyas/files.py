@@ -3,11 +3,14 @@
 A reader (or a resumed run) sees either the old content or the new one, never a torn file: a kill
 mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write from that pid replaces and
 `remove_stale_temps` clears once the pid is gone. `read_json` is the
-matching reader: a file that is not JSON is one error line naming the file and the fix.
+matching reader: a file that is not JSON is one error line naming the file and the fix. `file_record` is what a
+manifest records of each tensor file it lists (size and sha256); `check_file` verifies a file against it.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -16,6 +19,42 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EyasError
+
+
+class WriteError(EyasError):
+    """The disk refused a write (full, read-only, no permission): the file, the reason and the fix."""
+
+
+# errno -> (reason, fix); safetensors' Rust writer reports the same faults as text, matched by `_FAULT_TEXT`
+_FAULTS = {
+    errno.ENOSPC: ("no space left on the device", "free disk space or write to another disk, then rerun"),
+    errno.EDQUOT: ("the disk quota is exhausted", "free space in your quota or write elsewhere, then rerun"),
+    errno.EROFS: ("the filesystem is read-only", "choose an output folder on a writable filesystem"),
+    errno.EACCES: ("permission denied", "choose an output folder you can write, or fix its permissions"),
+    errno.EPERM: ("operation not permitted", "choose an output folder you can write, or fix its permissions"),
+}
+_FAULT_TEXT = {"StorageFull": errno.ENOSPC, "No space left": errno.ENOSPC, "ReadOnlyFilesystem": errno.EROFS,
+               "Read-only file system": errno.EROFS, "PermissionDenied": errno.EACCES,
+               "Permission denied": errno.EACCES}
+
+
+def write_fault(e: BaseException, path: str | Path | None = None, atomic: bool = False) -> WriteError | None:
+    """A disk fault (full, read-only, permission denied) as a one-line WriteError naming the file (the error's
+    own filename when it has one, else `path`); None for any other error, which stays a bug to see. `atomic`:
+    the write went to a temporary that was removed, so nothing half-written remains."""
+    if isinstance(e, WriteError):
+        return e
+    code = e.errno if isinstance(e, OSError) else None
+    if code not in _FAULTS and type(e).__name__ == "SafetensorError":
+        code = next((c for text, c in _FAULT_TEXT.items() if text in str(e)), None)
+    if code not in _FAULTS:
+        return None
+    reason, fix = _FAULTS[code]
+    name = getattr(e, "filename", None) or path
+    # a temporary's name (<file>.tmp-<pid>) means nothing to the user: name the file it was for
+    where = str(path) if path is not None and name is not None and ".tmp-" in str(name) else name
+    kept = " (nothing half-written was kept)" if atomic else ""
+    return WriteError(f"cannot write {where or 'the output'}: {reason}{kept}; {fix}")
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -27,6 +66,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     try:
         write(tmp)
         os.replace(tmp, path)
+    except Exception as e:
+        fault = write_fault(e, path, atomic=True)
+        if fault is None:
+            raise
+        raise fault from e
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -58,16 +102,25 @@ def swap_folder(new: Path, out: Path) -> Path:
 def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` fills a fresh temporary folder, which then replaces `out` (see swap_folder)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:  # a read-only or foreign folder: name `out`, not the temporary
+        fault = write_fault(e, out)
+        if fault is None:
+            raise
+        raise fault from e
     try:
         write(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
-        raise
+        fault = write_fault(e, out, atomic=True) if isinstance(e, Exception) else None
+        if fault is None:
+            raise
+        raise fault from e
     return swap_folder(tmp, out)
 
 
@@ -113,3 +166,45 @@ def read_json(path: str | Path, error: type[EyasError], fix: str) -> Any:
 def cache_dir() -> Path:
     """Where eyas keeps converted targets and built kernels ($EYAS_CACHE, else ~/.cache/eyas)."""
     return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
+
+
+# ---- digests: what a manifest records of each tensor file it lists, checked before the file is used ------
+
+DIGEST_CHUNK = 8 << 20
+
+
+def file_digest(path: str | Path) -> str:
+    """'sha256:<hex>' of a file's bytes, read in chunks (a shard may be gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(DIGEST_CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def file_record(path: str | Path) -> dict[str, Any]:
+    """What a manifest records of a file it lists: its size and digest."""
+    return {"bytes": Path(path).stat().st_size, "sha256": file_digest(path)}
+
+
+def damaged(path: str | Path, record: dict[str, Any] | None) -> str | None:
+    """Why `path` does not match its manifest record ({"bytes", "sha256"}), or None when it matches. A record
+    without a digest (artifacts written before eyas recorded them) is checked by size only, when it has one."""
+    if not record:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        return "it is missing"
+    size = path.stat().st_size
+    if record.get("bytes") is not None and size != record["bytes"]:
+        return f"it is {size} bytes, {record['bytes']} were written (truncated or overwritten)"
+    if record.get("sha256") and file_digest(path) != record["sha256"]:
+        return f"its sha256 differs from the {record['sha256'][:19]}... recorded when it was written (damaged bytes)"
+    return None
+
+
+def check_file(path: str | Path, record: dict[str, Any] | None, error: type[EyasError], fix: str) -> None:
+    """Raise `error` (one line: the file, what is wrong, `fix`) when `path` does not match its record."""
+    why = damaged(path, record)
+    if why is not None:
+        raise error(f"{path}: {why}; {fix}")

@@ -3,10 +3,12 @@ foreign files, malformed rows, wrong flags, across the subcommands (eyas/cli.py 
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -308,3 +310,74 @@ def test_eyas_source_without_a_fingerprint(files, tmp_path, monkeypatch):
     with pytest.raises(tg.TargetError, match="stop here"):
         tg.load_target(str(gguf))
     assert converted == [(gguf, entry)]
+
+
+# ---- disk faults: full, read-only, permission denied while writing -----------------------------------------
+
+def _failing_save_file(code: int):
+    """safetensors' save_file on a disk that gives out: some bytes land, then the OS error (without a filename,
+    as a write deep inside a library reports it)."""
+    import os
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(code, os.strerror(code))
+
+    return save_file
+
+
+@pytest.fixture(scope="module")
+def good_shards(files):
+    out = files / "good-shards"
+    r = CliRunner().invoke(app, ["datagen", "--data", str(files / "late.jsonl"), "--target", str(files / "llama"),
+                                 "--out", str(out), "--no-regenerate", "--quiet", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _disk_cases(r: Path, shards: Path) -> dict[str, tuple[list[str], str, str, Callable[[Path], list[Path]]]]:
+    """name -> (argv, module whose save_file fails, the file the error names, what must not be left behind)"""
+    def datagen(out: Path) -> list[str]:
+        return ["datagen", "--data", str(r / "late.jsonl"), "--target", str(r / "llama"), "--out", str(out),
+                "--no-regenerate", "--quiet", "--threads", "1"]
+
+    def train(out: Path) -> list[str]:
+        return ["train", "--data", str(shards), "--out", str(out), "--draft-vocab", "64", "--ttt-steps", "2",
+                "--batch-tokens", "512", "--max-len", "256", "--heldout-pct", "0", "--quiet", "--threads", "1"]
+
+    def export(out: Path) -> list[str]:
+        return ["export", "--draft", "default", "--format", "vllm", "--out", str(out)]
+
+    def left_shards(out: Path) -> list[Path]:
+        listed = json.loads((out / "manifest.json").read_text())["shards"] if (out / "manifest.json").exists() else []
+        return [*out.glob("shard-*"), *out.glob("*.tmp-*")] + ([out / "manifest.json"] if listed else [])
+
+    def left_checkpoint(out: Path) -> list[Path]:
+        return [p for p in (out / "checkpoint.new", out / "checkpoint") if p.exists()]
+
+    def left_export(out: Path) -> list[Path]:
+        return [p for p in (out, *out.parent.glob(out.name + ".tmp-*")) if p.exists()]
+
+    return {
+        "datagen: disk full": (datagen(r / "df1"), "eyas.data.shards", "shard-00000.safetensors", left_shards),
+        "datagen: read-only": (datagen(r / "df2"), "eyas.data.shards", "shard-00000.safetensors", left_shards),
+        "train: disk full": (train(r / "tf1"), "eyas.train.checkpoint", "checkpoint.new", left_checkpoint),
+        "train: permission denied": (train(r / "tf2"), "eyas.train.checkpoint", "checkpoint.new", left_checkpoint),
+        "export: disk full": (export(r / "ef1"), "eyas.interop.export", "ef1", left_export),
+        "export: read-only": (export(r / "ef2"), "eyas.interop.export", "ef2", left_export),
+    }
+
+
+DISK_FAULTS = {"disk full": (errno.ENOSPC, "no space left"), "read-only": (errno.EROFS, "read-only"),
+               "permission denied": (errno.EACCES, "permission denied")}
+
+
+@pytest.mark.parametrize("name", list(_disk_cases(Path("/x"), Path("/y"))))
+def test_disk_fault_is_one_error_line_and_leaves_nothing_half_written(files, good_shards, monkeypatch, name):
+    argv, module, named, leftovers = _disk_cases(files, good_shards)[name]
+    code, phrase = DISK_FAULTS[name.split(": ", 1)[1]]
+    monkeypatch.setattr(f"{module}.save_file", _failing_save_file(code))
+    line = _one_error(CliRunner().invoke(app, argv))
+    assert named in line and phrase in line and ".tmp-" not in line, line
+    out = Path(argv[argv.index("--out") + 1])
+    assert leftovers(out) == [], f"left for a rerun to trust: {leftovers(out)}"

@@ -11,6 +11,7 @@ the manifest rename) is removed first. No sample is lost or duplicated.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ import torch
 
 from ..engine.weights import WEIGHTS
 from ..errors import EyasError
-from ..files import atomic_write_json
+from ..files import atomic_write_json, damaged
 from ..layout import Layout, LayoutError, check_layouts
 from ..target.capture import capture
 from ..target.convert import file_fingerprint
@@ -437,6 +438,10 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
             "shards": [], "watermark": cfg.start_row - 1, "complete": False,
             "counts": {}, "skipped": {}, "norm_sums": {}, "norm_tokens": 0, "commands": [], "versions": _versions(),
         }
+    m.setdefault("commits", [])  # folders written before commits were recorded have none
+    if not m["commits"]:  # a new folder's empty start (or an older folder's state now): a point to roll back to
+        m["commits"].append(_commit_state(m))
+    m = _redo_damaged(out, m, log)
     listed = {s["file"] for s in m["shards"]}
     for f in sorted(out.glob(SHARD_GLOB)):
         if f.name not in listed:  # committed shard file, uncommitted manifest: the chunk is redone
@@ -444,6 +449,40 @@ def _open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout
             f.unlink()
     for f in out.glob("*.tmp-*"):
         f.unlink()
+    return m
+
+
+COMMITTED = ("watermark", "counts", "skipped", "norm_sums", "norm_tokens")
+
+
+def _commit_state(m: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's state after a committed chunk (shards listed, rows read, counts): what a resume rolls back
+    to when a later shard file is found damaged. Kept in m["commits"], outside the shard entries the dataset
+    hash reads."""
+    return json.loads(json.dumps({"shards": len(m["shards"]), **{k: m[k] for k in COMMITTED},
+                                  "norms": m["layout"].get("norms") or {}}))
+
+
+def _redo_damaged(out: Path, m: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """Check each listed shard against its entry (size; sha256 where recorded). From the first damaged one on,
+    the folder is rolled back to the last commit before it, so this run redoes that chunk (and the ones after;
+    their files are then orphans, removed). A folder written before commits were recorded cannot be rolled
+    back: one error naming the file."""
+    found = next(((i, e, why) for i, e in enumerate(m["shards"]) if (why := damaged(out / e["file"], e))), None)
+    if found is None:
+        return m
+    i, entry, why = found
+    earlier = [c for c in m.get("commits") or [] if c["shards"] <= i]
+    if not earlier:
+        raise DatagenError(f"{out / entry['file']}: {why}; this folder predates the commit records a resume needs "
+                           f"to redo one chunk, so delete {out} and rerun datagen")
+    c = earlier[-1]
+    dropped = len(m["shards"]) - c["shards"]
+    log(f"{out / entry['file']}: {why}; rolling back to row {c['watermark']} and redoing the {dropped} shard(s) "
+        "from there")
+    m["shards"] = m["shards"][:c["shards"]]
+    m.update({k: c[k] for k in COMMITTED}, commits=earlier, complete=False)
+    m["layout"]["norms"] = c["norms"]
     return m
 
 
@@ -750,6 +789,7 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
             m.update(watermark=last_row, counts=dict(counts), skipped=dict(skipped), norm_sums=norms.sums,
                      norm_tokens=norms.tokens, layout=layout.to_dict(),
                      complete=exhausted or (cfg.num is not None and counts["conversations"] >= cfg.num))
+            m["commits"].append(_commit_state(m))
             atomic_write_json(out / MANIFEST, m)
     finally:
         bar.close()

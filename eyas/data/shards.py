@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import EyasError
-from ..files import atomic_write
+from ..files import atomic_write, damaged, file_digest
 from ..layout import Layout, check_layouts
 from ..target.template import describe_record, same_template
 
@@ -71,10 +71,11 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
         "loss_tokens": int(tensors["loss_mask"].sum()),
         "row_ids": [int(samples[0].row_id), int(samples[-1].row_id)],
         "bytes": path.stat().st_size,
+        "sha256": file_digest(path),  # checked when training opens the shard and when datagen resumes
     }
 
 
-def _read_fields(path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def read_fields(path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The shard's tensors named in `need` (only those are read); a corrupt file or a missing field is one error."""
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -89,7 +90,7 @@ def _read_fields(path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
 
 
 def read_shard(path: Path) -> list[Sample]:
-    t = _read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"))
+    t = read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"))
     off = t["offsets"].tolist()
     out = []
     for i, row in enumerate(t["row_ids"].tolist()):
@@ -153,6 +154,16 @@ class ShardSet:
     def num_tokens(self) -> int:
         return sum(s["tokens"] for m in self.manifests for s in m["shards"])
 
+    def verify(self) -> None:
+        """Check every listed shard against its manifest entry (size, and sha256 where recorded: shards written
+        before eyas recorded digests are checked by size): one error naming the first damaged file."""
+        for f, m in zip(self.folders, self.manifests, strict=True):
+            for entry in m["shards"]:
+                why = damaged(f / entry["file"], entry)
+                if why is not None:
+                    raise ShardError(f"{f / entry['file']}: {why}; rerun the `eyas datagen` that wrote {f} (same "
+                                     "--out): it redoes the damaged shard's chunk")
+
     def shard_paths(self) -> list[Path]:
         return [f / s["file"] for f, m in zip(self.folders, self.manifests, strict=True) for s in m["shards"]]
 
@@ -166,7 +177,7 @@ class ShardSet:
     def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids [S] long, loss_mask [S] bool) of every sample, reading neither hidden-state field."""
         for p in self.shard_paths():
-            t = _read_fields(p, ("input_ids", "loss_mask", "offsets"))
+            t = read_fields(p, ("input_ids", "loss_mask", "offsets"))
             bounds = t["offsets"].tolist()
             for a, b in zip(bounds[:-1], bounds[1:], strict=True):
                 yield t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..draft import MANIFEST as DRAFT_MANIFEST
-from ..draft import Eagle3Draft, save_draft
-from ..files import atomic_write_json, atomic_write_text, swap_folder
+from ..draft import WEIGHTS, Eagle3Draft, save_draft
+from ..files import (
+    atomic_write_json,
+    atomic_write_text,
+    check_file,
+    file_record,
+    read_json,
+    swap_folder,
+    write_fault,
+)
 from ..layout import Layout, check_layouts
 from ..vocab import DraftVocab
 from .config import OPT_FILE, RNG_FILE, STATE_FILE, TrainConfig, TrainError
@@ -82,19 +91,34 @@ def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
     return {"param_groups": sd["param_groups"]}
 
 
+FIX_CHECKPOINT = "delete OUT/checkpoint to train from the start, or train into a new --out"
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; a truncated or corrupt one is one error naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types (SafetensorError, OSError) on damaged files
+        raise TrainError(f"{path} is not a readable safetensors file ({e}); {FIX_CHECKPOINT}") from e
+
+
 def load_optimizer(opt: torch.optim.Optimizer, path: Path, meta: dict[str, Any]) -> None:
-    t = load_file(str(path))
+    t = read_tensors(path)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in t.items():
-        if k == "empty":
-            continue
-        _, i, name = k.split(".", 2)
-        state.setdefault(int(i), {})[name] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    try:
+        for k, v in t.items():
+            if k == "empty":
+                continue
+            _, i, name = k.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+        groups = meta["param_groups"]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, TypeError) as e:  # foreign keys, or groups that do not fit this draft
+        raise TrainError(f"{path} does not hold this run's optimizer state ({type(e).__name__}: {e}); "
+                         f"{FIX_CHECKPOINT}") from e
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
@@ -129,11 +153,41 @@ def save_checkpoint(out: Path, draft: Eagle3Draft, layout: Layout, extra: dict[s
                     opt: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
     """Draft + optimizer + RNG + cursor in one folder, swapped in atomically (trainer_state.json last)."""
     new, ck = out / "checkpoint.new", out / "checkpoint"
-    save_draft(new, draft, layout, extra=extra)
-    state = dict(state, optimizer=save_optimizer(opt, new / OPT_FILE))
-    save_file(rng_tensors(), str(new / RNG_FILE))
-    atomic_write_json(new / STATE_FILE, state)
+    try:
+        save_draft(new, draft, layout, extra=extra)
+        state = dict(state, optimizer=save_optimizer(opt, new / OPT_FILE))
+        save_file(rng_tensors(), str(new / RNG_FILE))
+        state["files"] = {name: file_record(new / name) for name in (OPT_FILE, RNG_FILE)}  # checked by check_resume
+        atomic_write_json(new / STATE_FILE, state)
+    except Exception as e:
+        # without its trainer_state.json no resume trusts checkpoint.new; remove it rather than leave it to look
+        # like one (the previous checkpoint, if any, is untouched)
+        if not (new / STATE_FILE).exists():
+            shutil.rmtree(new, ignore_errors=True)
+        fault = write_fault(e, new, atomic=not new.exists())
+        if fault is None:
+            raise
+        raise fault from e
     return swap_folder(new, ck)
+
+
+# the cursor's counts: whole numbers, never negative (a -5 step would replay the log from step -4)
+CURSOR_COUNTS = ("step", "epoch", "batch_in_epoch", "tokens_seen")
+
+
+def check_cursor(path: Path, state: Any) -> None:
+    """trainer_state.json's cursor is a JSON object whose counts are ints >= 0 and train_time_s a number >= 0."""
+    if not isinstance(state, dict):
+        raise TrainError(f"{path} holds a JSON {type(state).__name__}, expected an object; {FIX_CHECKPOINT}")
+    for key in CURSOR_COUNTS:
+        v = state.get(key)
+        if type(v) is not int or v < 0:
+            raise TrainError(f"{path}: {key!r} must be a whole number >= 0, found {v!r}; {FIX_CHECKPOINT}")
+    t = state.get("train_time_s", 0.0)
+    if type(t) not in (int, float) or not 0 <= t < float("inf"):
+        raise TrainError(f"{path}: 'train_time_s' must be a number >= 0, found {t!r}; {FIX_CHECKPOINT}")
+    if not isinstance(state.get("optimizer"), dict) or not isinstance(state["optimizer"].get("param_groups"), list):
+        raise TrainError(f"{path} lacks the optimizer's 'param_groups'; {FIX_CHECKPOINT}")
 
 
 def truncate_jsonl(path: Path, step: int) -> None:
@@ -145,9 +199,15 @@ def truncate_jsonl(path: Path, step: int) -> None:
 
 
 def check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab, data_hash: str) -> dict[str, Any]:
-    """Refuse a checkpoint made for other data/target/vocab or with another trajectory; name each field."""
-    man = json.loads((ck / DRAFT_MANIFEST).read_text())
-    state = json.loads((ck / STATE_FILE).read_text())
+    """Refuse a checkpoint made for other data/target/vocab or with another trajectory; name each field. A damaged
+    checkpoint (not JSON, a cursor out of range, a tensor file that is not what was written) is one error line."""
+    man = read_json(ck / DRAFT_MANIFEST, TrainError, FIX_CHECKPOINT)
+    state = read_json(ck / STATE_FILE, TrainError, FIX_CHECKPOINT)
+    check_cursor(ck / STATE_FILE, state)
+    files = state.get("files") or {}  # checkpoints written before eyas recorded digests have none
+    for name in (OPT_FILE, RNG_FILE):
+        check_file(ck / name, files.get(name), TrainError, FIX_CHECKPOINT)
+    check_file(ck / WEIGHTS, (man.get("files") or {}).get(WEIGHTS), TrainError, FIX_CHECKPOINT)
     check_layouts(Layout.from_dict(man["layout"]), layout, f"the checkpoint {ck}", "the training data")
     problems = []
     dv = man.get("draft_vocab", {})

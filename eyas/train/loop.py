@@ -21,12 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import Eagle3Draft, save_draft
 from ..vocab import DraftVocab
-from .checkpoint import check_resume, checkpoint_dir, load_optimizer, save_checkpoint, set_rng, truncate_jsonl
+from .checkpoint import (
+    check_resume,
+    checkpoint_dir,
+    load_optimizer,
+    read_tensors,
+    save_checkpoint,
+    set_rng,
+    truncate_jsonl,
+)
 from .config import OPT_FILE, RNG_FILE, TrainConfig, TrainError, init_dist
 from .prepare import build_draft, check_options, make_optimizer, open_data
 from .report import Report, print_done, write_curves
@@ -118,10 +125,10 @@ class Trainer:
                 print(f"--resume: no checkpoint in {out}; starting a new run")
         else:
             state = check_resume(ck, cfg, self.data.layout, self.vocab, self.data.hash)
-            sd = load_file(str(ck / "model.safetensors"))
+            sd = read_tensors(ck / "model.safetensors")
             self.draft.load_state_dict({k: v.to(self.device) for k, v in sd.items()})
             load_optimizer(self.opt, ck / OPT_FILE, state["optimizer"])
-            set_rng(load_file(str(ck / RNG_FILE)))
+            set_rng(read_tensors(ck / RNG_FILE))
             self.at = Cursor(**{f.name: state[f.name] for f in fields(Cursor)})
             self.last_eval = json.loads((ck / DRAFT_MANIFEST).read_text()).get("metrics")
         if main:
