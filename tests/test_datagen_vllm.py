@@ -44,14 +44,15 @@ def vllm_py():
 def test_vllm_datagen_matches_eyas_capture_and_regeneration(vllm_py, smollm2, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    # stream 0 (the embedding output, vLLM id 0) in place of 2: the end SGLang's convention cannot express
     common = dict(data=str(data), num=len(ROWS), max_new_tokens=24, dtype="fp32", target_dtype="fp32",
-                  shard_samples=len(ROWS))
+                  shard_samples=len(ROWS), aux_indices=[0, 15, 27])
     # shared: the replies come from the capture engine itself, so CI starts one vLLM engine, not two
     m = run_datagen(DatagenConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_python=str(vllm_py),
                                   vllm_generator="shared", **common),
                     log=lambda s: None, progress=False, target=smollm2)
     assert m["complete"] and m["config"]["engine"] == "vllm" and m["config"]["regen_engine"] == "vllm"
-    assert m["config"]["vllm"]["aux_ids"] == [2, 15, 27, 30]  # stream indices [2, 15, 27] + final pre-norm L
+    assert m["config"]["vllm"]["aux_ids"] == [0, 15, 27, 30]  # stream indices + the final pre-norm state (L)
     assert m["config"]["vllm"]["generator"] == "shared"
     ref = run_datagen(DatagenConfig(out=str(tmp_path / "eyas"), regen_weights="fp32", **common),
                       log=lambda s: None, progress=False, target=smollm2)
@@ -62,7 +63,7 @@ def test_vllm_datagen_matches_eyas_capture_and_regeneration(vllm_py, smollm2, tm
         assert g.row_id == w.row_id
         assert g.input_ids.tolist() == w.input_ids.tolist()  # vLLM's greedy fp32 replies = eyas's, token for token
         assert torch.equal(g.loss_mask, w.loss_mask)
-        cap = capture(smollm2.model, g.input_ids[None], [2, 15, 27])  # eyas's capture of the same ids
+        cap = capture(smollm2.model, g.input_ids[None], [0, 15, 27])  # eyas's capture of the same ids
         for mine, theirs in ((g.aux, cap.aux[0]), (g.final, cap.final_prenorm[0])):
             S = mine.shape[0]
             a, b = mine.float().view(S, -1, 576), theirs.view(S, -1, 576)
