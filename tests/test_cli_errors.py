@@ -1,5 +1,5 @@
 """Every failure caused by user input is one `error:` line and exit 2, never a traceback: missing, truncated or
-foreign files, malformed rows, wrong flags, across the subcommands (eyas/cli.py `user_errors`)."""
+foreign files, malformed rows, wrong flags, across the subcommands (eyas/cli/common.py `user_errors`)."""
 
 from __future__ import annotations
 

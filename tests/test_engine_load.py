@@ -18,7 +18,7 @@ USE = EngineUse("eyas generate")
 
 
 def test_defaults_stated_once():
-    import eyas.cli as cli
+    import eyas.cli.common as cli
 
     readme, makefile = (ROOT / "README.md").read_text(), (ROOT / "Makefile").read_text()
     flat = " ".join(makefile.replace("#", " ").split())  # the Makefile's comment wraps across lines

@@ -16,7 +16,7 @@ import each other):
   interop  eyas/interop: conventions, formats, export, import (import asks the doctor's layout inference)
   bench, serve   eyas/bench, eyas/serve: peers on the engine; neither needs the other
   recipe   eyas/recipe.py: data -> train -> bench -> ship
-  cli      eyas/cli.py and eyas/__main__.py: every command
+  cli      eyas/cli/ and eyas/__main__.py: every command
 """
 
 from __future__ import annotations

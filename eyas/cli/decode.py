@@ -1,0 +1,211 @@
+"""The commands that decode with the speculative engine: generate, serve (eyas/serve) and bench (eyas/bench);
+they share the tree options."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import (
+    ChatTemplateOpt,
+    DeviceOpt,
+    DraftWeightsOpt,
+    DtypeOpt,
+    MethodHelp,
+    NgramOpt,
+    TargetOpt,
+    TreeDepthOpt,
+    TreeLookupOpt,
+    TreeMinProbOpt,
+    TreeTokensOpt,
+    TreeTopkOpt,
+    WeightsOpt,
+    fail,
+    user_errors,
+    warn,
+)
+
+
+def generate(
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
+                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
+    messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
+                                 "or a path to such a file"),
+    raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template (base "
+                             "models; the tokenizer's own BOS rule applies)"),
+    chat_template: str = ChatTemplateOpt,
+    method: str = typer.Option(None, "--method", help=MethodHelp),
+    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
+    depth: int = TreeDepthOpt,
+    topk: int = TreeTopkOpt,
+    tokens: int = TreeTokensOpt,
+    lookup: int = TreeLookupOpt,
+    ngram: str = NgramOpt,
+    min_prob: float = TreeMinProbOpt,
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    seed: int = typer.Option(None, "--seed", help="sampling seed (reproducible output)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable); trimmed from the output"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    weights: str = WeightsOpt,
+    draft_weights: str = DraftWeightsOpt,
+) -> None:
+    """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
+    import sys
+
+    from ..engine.load import EngineOptions, EngineUse, load_engine
+    from ..engine.params import SamplingParams
+    from ..engine.report import input_ids, read_messages, summary_lines
+    from ..text import TextStream
+
+    if (prompt is None) == (messages is None):
+        fail("pass exactly one of --prompt TEXT or --messages JSON")
+    if raw and messages is not None:
+        fail("--raw sends --prompt as plain text; --messages is a chat, which needs a template: drop --raw (and "
+             "pass --chat-template NAME if the target has none)")
+    opts = EngineOptions(target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
+                         lookup=lookup, min_prob=min_prob, ngram=ngram, weights=weights, draft_weights=draft_weights,
+                         dtype=dtype, device=device, chat_template=chat_template, raw=raw)
+    use = EngineUse("eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench --target {target} "
+                    "--methods hf-greedy --bench PROMPTS.jsonl`")
+    with user_errors():
+        msgs = read_messages(messages) if messages is not None else None
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                stop=list(stop or []), seed=seed)
+        params.validate()
+        engine, parts = load_engine(opts, use)
+        if parts.template_warning:
+            warn(parts.template_warning)
+        tok = engine.target.tokenizer
+        ids = input_ids(tok, prompt, msgs, raw)
+        shown = TextStream(tok, params.stop, params.max_new_tokens)  # what is safe to print so far
+        for new in engine.stream(ids, params):
+            delta = shown.push(new)
+            if delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    res = engine.last_result
+    sys.stdout.write(res.text[shown.sent:] + "\n")
+    for line in summary_lines(engine, res):
+        typer.secho(line, fg="cyan", err=True)
+
+
+def serve(
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
+                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    method: str = typer.Option(None, "--method", help=MethodHelp),
+    steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
+    depth: int = TreeDepthOpt,
+    topk: int = TreeTopkOpt,
+    tokens: int = TreeTokensOpt,
+    lookup: int = TreeLookupOpt,
+    ngram: str = NgramOpt,
+    min_prob: float = TreeMinProbOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
+    max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens", help="longer prompts get a 400"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="cap (and default) for max_tokens"),
+    model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    weights: str = WeightsOpt,
+    draft_weights: str = DraftWeightsOpt,
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+    chat_template: str = ChatTemplateOpt,
+) -> None:
+    """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
+    from ..engine.load import EngineOptions
+    from ..serve import app as srv
+
+    key = srv.resolve_api_key(api_key)
+    warning = srv.exposure_warning(host, key)
+    if warning:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+    with user_errors():
+        cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
+                              max_new_tokens=max_new_tokens)
+        cfg.check()  # bad flags fail before the model loads
+        engine, tgt, used = srv.build_engine(EngineOptions(
+            target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
+            lookup=lookup, min_prob=min_prob, ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype,
+            device=device, chat_template=chat_template))
+        for w in srv.template_warnings(engine, tgt):
+            warn(w)
+        cfg.model_name = model_name or tgt.identity.name or target
+        cfg.context_length = srv.context_length_of(tgt)
+        app_ = srv.create_app(engine, tgt.tokenizer, cfg)
+    desc = f"{used}, draft {draft}" if engine.drafts else f"{used}, no draft"
+    if engine.ngram is not None:
+        desc += f", n-gram table ({len(engine.ngram)} contexts)"
+    typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
+    srv.run(app_, host, port, log_level=log_level)
+
+
+def bench(
+    bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
+    limit: int = typer.Option(10, "--limit", help="prompts (deterministic subset; 0 = all)"),
+    turn: int = typer.Option(1, "--turn", help="MT-bench turn (2 = the target's greedy first answer in context)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    target: str = TargetOpt,
+    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled) or 'random'"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset; "
+                                "also vllm, vllm-eagle3 (vLLM's own environment, `make vllm`)"),
+    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round"),
+    depth: int = TreeDepthOpt,
+    topk: int = TreeTopkOpt,
+    tokens: int = TreeTokensOpt,
+    lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
+    lookup: int = TreeLookupOpt,
+    ngram: str = NgramOpt,
+    min_prob: float = TreeMinProbOpt,
+    threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
+    out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+    sweep: bool = typer.Option(False, "--sweep", help="try the grid below and report the fastest setting"),
+    sweep_limit: int = typer.Option(3, "--sweep-limit", help="prompts used by --sweep"),
+    sweep_steps: str = typer.Option("1-6", "--sweep-steps"),
+    sweep_depth: str = typer.Option("2-6", "--sweep-depth"),
+    sweep_topk: str = typer.Option("1,2,4,8", "--sweep-topk"),
+    sweep_tokens: str = typer.Option("4,8,16,32", "--sweep-tokens"),
+    sweep_lookup: str = typer.Option("0", "--sweep-lookup", help="lookup candidates tried with each tree setting"),
+    weights: str = WeightsOpt,
+    draft_weights: str = DraftWeightsOpt,
+    quiet: bool = typer.Option(False, "--quiet", help="no progress (per prompt and method, on stderr)"),
+    chat_template: str = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="send each prompt's text as is, without a chat template (base "
+                             "models; single-turn prompts only)"),
+    vllm_python: str = typer.Option(None, "--vllm-python", help="methods vllm, vllm-eagle3: the python of a vLLM "
+                                    "environment (default $EYAS_VLLM_PYTHON, then ./.venv-vllm from `make vllm`)"),
+    vllm_k: int = typer.Option(None, "--vllm-k", help="vllm-eagle3: num_speculative_tokens (default --steps); "
+                               "compared with eyas chain of the same steps on the fp32 weights"),
+) -> None:
+    """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
+    draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
+    from ..bench.run import BenchConfig, SweepGrid, parse_int_list, parse_methods, run_bench
+    from ..bench.sweep import run_sweep
+    from ..engine.params import tree_defaults
+
+    with user_errors():
+        # the tree generate and serve use on this device, unless given; --lookup sets tree-lookup's merged
+        # candidates and method lookup's chain alike
+        tree = tree_defaults(device, "tree", depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
+        alone = tree_defaults(device, "lookup", lookup=lookup)["lookup"]
+        grid = SweepGrid(parse_int_list(sweep_steps, "--sweep-steps"), parse_int_list(sweep_depth, "--sweep-depth"),
+                         parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
+                         parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
+        cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
+                          target=target, draft=draft, dtype=dtype, device=device, weights=weights,
+                          draft_weights=draft_weights, methods=parse_methods(methods),
+                          steps=steps, lookup_tokens=lookup_tokens, lookup_alone=alone, ngram=ngram, **tree,
+                          threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
+                          grid=grid, chat_template=chat_template, raw=raw, vllm_python=vllm_python, vllm_k=vllm_k)
+        (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
+

@@ -1,0 +1,174 @@
+"""eyas doctor (eyas/doctor): the measured checks, and its subcommands flags, trace and serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from .common import ChatTemplateOpt, DeviceOpt, DtypeOpt, TargetOpt, WeightsOpt, fail, user_errors, warn
+
+doctor_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                         help="Find every wiring fault between target, data, draft and serving flags.")
+
+
+@doctor_app.callback(invoke_without_command=True)
+def doctor(
+    ctx: typer.Context,
+    target: str = TargetOpt,
+    draft: str = typer.Option(None, "--draft", help="eyas draft folder (or 'default')"),
+    data: list[Path] = typer.Option(None, "--data", help="shard folder(s): stored features (training path), "
+                                    "compared with fresh captures of the same held-out tokens"),
+    data_source: str = typer.Option(None, "--data-source", help="conversations for the serving path without "
+                                    "--data: sharegpt | ShareGPT/OpenAI JSON(L) path (default: the training source)"),
+    samples: int = typer.Option(6, "--samples", help="samples to measure on"),
+    max_len: int = typer.Option(384, "--max-len", help="tokens per sample at most"),
+    steps: int = typer.Option(None, "--steps", help="TTT steps of the accuracy check (default: the training run's)"),
+    heldout_pct: float = typer.Option(None, "--heldout-pct", help="held-out split (default: the training run's)"),
+    quick: bool = typer.Option(False, "--quick", help="identity and config checks only (no target forward)"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    weights: str = WeightsOpt,
+    chat_template: str = ChatTemplateOpt,
+) -> None:
+    """Check the target, data, draft and config.json from measurements; exit 0 only when every check passes.
+    Subcommands: `flags` (lint a serve command), `trace` (one prompt through the serving path)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from ..doctor.checks import render, run_doctor
+    from ..draft import load_draft
+    from ..target.load import load_target
+
+    if draft is None:
+        fail("--draft is required: the eyas draft folder to check (or 'default'); see `eyas doctor --help`")
+    with user_errors():
+        from ..target.template import TemplateError, draft_template_warning, resolve_template, use_template
+
+        choice = resolve_template(chat_template)  # a bad flag fails before the target loads
+        tgt = load_target(target, dtype=dtype, device=device)
+        ck = load_draft(draft, device=device)
+        try:  # the serving-path samples render with it
+            use_template(tgt, choice)
+        except TemplateError:
+            pass  # no template at all: the checks that render chats report it themselves
+        mismatch = draft_template_warning(ck.manifest, tgt.chat_template)
+        if mismatch:
+            warn(mismatch)
+        rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples, max_len=max_len,
+                         steps=steps, heldout_pct=heldout_pct, quick=quick, weights=weights)
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=2, default=str))
+    else:
+        render(rep)
+    raise typer.Exit(rep.exit_code)
+
+
+@doctor_app.command("flags", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def doctor_flags(
+    draft: Path = typer.Option(..., "--draft", help="the draft folder the server loads (its config.json)"),
+    num_layers: int = typer.Option(None, "--num-layers", help="target layer count (only for non-eyas drafts)"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    command: list[str] = typer.Argument(None, help="after --: an SGLang launch command, a vLLM serve command, "
+                                        "or a --speculative-config JSON"),
+) -> None:
+    """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
+    from ..doctor.flags import lint_serve_command, render_lint
+    from ..doctor.report import jsonable
+
+    with user_errors():
+        lint = lint_serve_command(list(command or []), draft, num_layers)
+    if json_out:
+        typer.echo(json.dumps(jsonable(lint.to_dict()), indent=2))
+    else:
+        render_lint(lint)
+    raise typer.Exit(0 if lint.ok else 1)
+
+
+@doctor_app.command("trace")
+def doctor_trace(
+    target: str = TargetOpt,
+    draft: str = typer.Option(..., "--draft", help="eyas draft folder (or 'default')"),
+    prompt: str = typer.Option(..., "--prompt", help="a user message (the chat template is applied)"),
+    method: str = typer.Option("tree", "--method", help="tree | chain (the engine's own defaults otherwise)"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    rounds: int = typer.Option(4, "--rounds", help="speculative rounds to show"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    chat_template: str = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template"),
+) -> None:
+    """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
+    from ..doctor.trace import render_trace, trace
+    from ..engine.load import EngineOptions, EngineUse, check_options, load_parts
+    from ..engine.params import SpecParams
+    from ..engine.report import input_ids
+
+    if method not in ("tree", "chain"):
+        fail(f"--method {method}: the trace follows a draft's rounds; use --method tree or chain")
+    opts = EngineOptions(target=target, draft=draft, method=method, dtype=dtype, device=device,
+                         chat_template=chat_template, raw=raw)
+    use = EngineUse("eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) measures the draft on "
+                    "this target through HF hooks")
+    spec = SpecParams(method=method)  # the engine's own tree, not the device's default
+    with user_errors():
+        parts = load_parts(opts, use, check_options(opts, use, [spec]), [spec])
+        if parts.template_warning:
+            warn(parts.template_warning)
+        ids = input_ids(parts.target.tokenizer, prompt, None, raw)
+        rep = trace(parts.target, parts.draft, ids, spec, max_new_tokens=max_new_tokens, max_rounds=rounds)
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        render_trace(rep)
+
+
+@doctor_app.command("serving")
+def doctor_serving(
+    url: str = typer.Option(..., "--url", help="the running vLLM server, e.g. http://127.0.0.1:8000"),
+    draft: str = typer.Option(..., "--draft", help="the eyas draft the server's export was made from (or 'default')"),
+    target: str = TargetOpt,
+    k: int = typer.Option(None, "--k", help="the server's num_speculative_tokens (default: read from its /metrics)"),
+    prompts: int = typer.Option(4, "--prompts", help="MT-bench questions to send (first turn, stratified)"),
+    bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="max_tokens per request (and for eyas)"),
+    api_key: str = typer.Option(None, "--api-key", help="sent as 'Authorization: Bearer KEY'"),
+    timeout: float = typer.Option(120.0, "--timeout", help="seconds per HTTP request"),
+    weights: str = typer.Option("fp32", "--weights", help="eyas's target forward for the prediction: fp32 (the HF "
+                                "weights, what vLLM runs) | native | auto"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    device: str = DeviceOpt,
+) -> None:
+    """Live check of a vLLM server: its spec-decode acceptance per position vs eyas's prediction for the same draft,
+    prompts and chain length; a failure names the likely cause. Exit 0 on pass, 1 on fail."""
+    import sys
+
+    from ..bench.prompts import load_prompts
+    from ..doctor.report import jsonable
+    from ..doctor.serving import ServerClient, check_server, render_serving
+    from ..engine.decode import chat_input_ids
+    from ..target.load import load_target
+
+    with user_errors():
+        probe = ServerClient(url, api_key, timeout)  # a bad or unreachable URL fails before the target loads
+        try:
+            found = probe.counters()
+        finally:
+            probe.close()
+        if k is not None and k != found.k:
+            fail(f"--k {k}, but the server drafts {found.k} tokens per round (its per-position counters); drop --k "
+                 f"or pass --k {found.k}")
+        rows = load_prompts(bench_set, limit=prompts)
+        tgt = load_target(target, dtype="fp32", device=device)
+        ids = [chat_input_ids(tgt.tokenizer, r.messages) for r in rows]
+        rep = check_server(url, tgt, draft, ids, k=k, max_new_tokens=max_new_tokens, api_key=api_key,
+                           timeout=timeout, weights=weights,
+                           log=None if json_out else (lambda m: typer.echo(m, err=True)))
+    if json_out:
+        typer.echo(json.dumps(jsonable(rep.to_dict()), indent=2))
+    else:
+        render_serving(rep, typer.echo)
+    sys.stdout.flush()
+    raise typer.Exit(0 if rep.ok else 1)
