@@ -177,6 +177,27 @@ def test_lookup_method_verifies_the_chain_alone_and_stays_lossless(tiny, n):
     assert proposed > 0 and accepted > 0, (proposed, accepted)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_prefill_yields_between_chunks_and_stays_lossless(tiny, trained, chunk):
+    """prefill_chunk (set by the server so other requests run between a long prompt's chunks): an empty round
+    after each chunk but the last, one target forward per chunk, and the same tokens as the whole-prompt
+    prefill, greedy and seeded sampling alike."""
+    for spec, draft in ((SpecParams(method="plain"), None), (SpecParams("tree", depth=3, topk=2, tokens=6), trained),
+                        (SpecParams("lookup", lookup=4), None)):
+        whole, chunked = Engine(tiny, draft, spec), Engine(tiny, draft, spec)
+        chunked.prefill_chunk = chunk
+        for p in PROMPTS:
+            for params in (SamplingParams(max_new_tokens=20), SamplingParams(temperature=0.8, seed=3,
+                                                                               max_new_tokens=20)):
+                ref = whole.generate(p, params)
+                rounds = list(chunked.stream(p, params))
+                n_chunks = -(-len(p) // chunk)
+                assert rounds[:n_chunks - 1] == [[]] * (n_chunks - 1) and rounds[n_chunks - 1], (spec, p)
+                res = chunked.last_result
+                assert res.token_ids == ref.token_ids, (spec, p, params)
+                assert res.stats.target_forwards == n_chunks + res.stats.rounds
+
+
 def test_min_prob_shrinks_unsure_rounds_and_stays_lossless(tiny, trained):
     """--min-prob: candidates below the cumulative draft probability are not verified. Output stays identical to
     plain; a high threshold verifies fewer rows (rounds of the root alone count as rounds without proposals),

@@ -7,6 +7,7 @@ The server here runs on a stub engine (a few fixed tokens) and the bundled targe
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import select
@@ -416,3 +417,77 @@ def test_datagen_rerun_redoes_a_damaged_shard(trained_run, tmp_path):
         assert again["shards"][0]["sha256"] == first["shards"][0]["sha256"]  # before the damage: kept as it was
         assert all(file_digest(tmp_path / "d" / s["file"]) == s["sha256"] for s in again["shards"])
         assert again["counts"]["samples"] == first["counts"]["samples"] and again["watermark"] == first["watermark"]
+
+
+# ---- fair serving: a short request starts between a long prompt's prefill chunks -----------------------------
+
+class ChunkedStub:
+    """An engine whose prefill takes one empty round per 2 prompt tokens, then max_new_tokens rounds of one
+    token; it logs what ran, in order. The first round of a prompt longer than `gated` waits for `gate`, so the
+    test can queue a request behind it at a known point."""
+
+    def __init__(self, gated: int, token: int):
+        self.last_result, self.log, self.gated, self.gate = None, [], gated, threading.Event()
+        self.token = token
+
+    def stream(self, input_ids, params):
+        who = len(input_ids)
+        if who > self.gated:
+            assert self.gate.wait(30)
+        for _ in range(who // 2 - 1):
+            self.log.append(("chunk", who))
+            yield []
+        for _ in range(params.max_new_tokens):
+            self.log.append(("token", who))
+            yield [self.token]
+
+
+def run_two(tokenizer, long_new: int, hold_until_decoding: bool) -> list[tuple[str, int]]:
+    """A 40-token prompt, then a 2-token one queued behind it (during its prefill, or once it decodes)."""
+    from eyas.engine.params import SamplingParams
+    from eyas.serve.metrics import Metrics
+    from eyas.serve.worker import Job, Worker
+
+    engine = ChunkedStub(gated=10, token=tokenizer("hello", add_special_tokens=False)["input_ids"][0])
+    worker = Worker(engine, tokenizer, Metrics())
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+
+        def job(n_prompt: int, n_new: int) -> Job:
+            return Job(input_ids=[7] * n_prompt, params=SamplingParams(max_new_tokens=n_new), stop=[], loop=loop,
+                       arrived=time.perf_counter(), endpoint="test")
+
+        long, short = job(40, long_new), job(2, 2)
+        worker.submit(long)
+        if hold_until_decoding:
+            engine.gate.set()
+            while (ev := await long.events.get()).kind != "delta":
+                pass
+        worker.submit(short)
+        engine.gate.set()
+        for j in (short, long):
+            while (ev := await j.events.get()).kind not in ("done", "error"):
+                pass
+            assert ev.kind == "done", ev
+
+    worker.start()
+    try:
+        asyncio.run(asyncio.wait_for(go(), 120))  # a deadline, not a timing: a lost event fails instead of hanging
+    finally:
+        worker.stop()
+    return engine.log
+
+
+def test_short_request_runs_between_a_long_prompts_prefill_chunks(smollm2_tokenizer):
+    log = run_two(smollm2_tokenizer, long_new=3, hold_until_decoding=False)
+    short = [i for i, e in enumerate(log) if e[1] == 2]
+    long_first_token = log.index(("token", 40))
+    assert short and short[-1] < long_first_token, log  # all of the short answer before the long one's first token
+    assert log[:short[0]].count(("chunk", 40)) <= 2, log  # it started within a chunk or two of arriving
+    assert log.count(("chunk", 40)) == 19 and log.count(("token", 40)) == 3  # the long job lost nothing
+
+
+def test_a_decoding_job_keeps_arrival_order(smollm2_tokenizer):
+    log = run_two(smollm2_tokenizer, long_new=6, hold_until_decoding=True)
+    assert log.index(("token", 2)) > max(i for i, e in enumerate(log) if e[1] == 40), log

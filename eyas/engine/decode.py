@@ -194,6 +194,10 @@ class Engine:
         self.eos = set(end_token_ids(target.tokenizer, target.model))
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.last_result: GenResult | None = None
+        # prompt tokens per prefill forward (0: the whole prompt in one). A server sets it: stream() then yields
+        # an empty round between chunks, where other requests' rounds run, so a long prompt does not hold the
+        # engine for its whole prefill
+        self.prefill_chunk = 0
 
     @property
     def speculative(self) -> bool:
@@ -288,16 +292,30 @@ class _Run:
         e, st = self.e, self.stats
         t0 = time.perf_counter()
         n = len(self.prompt)
-        ids = torch.tensor([self.prompt], device=self.dev)
-        pos = torch.arange(n, device=self.dev)[None]
-        fo = e.model.forward(ids, pos, self.cache, capture=e.aux_indices if e.drafts else None, logits="last")
-        self.cache.length = n
+        step = e.prefill_chunk if 0 < e.prefill_chunk < n else n
+        parts = []  # captured features of each prefill chunk
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            t1 = time.perf_counter()
+            ids = torch.tensor([self.prompt[a:b]], device=self.dev)
+            pos = torch.arange(a, b, device=self.dev)[None]
+            # a later chunk attends to the cached earlier ones (causal over the prefix): the same prompt state
+            fo = e.model.forward(ids, pos, self.cache, capture=e.aux_indices if e.drafts else None,
+                                 logits="last" if b == n else "none")
+            self.cache.length = b
+            st.target_forwards += 1
+            if e.drafts:
+                parts.append(fo.aux)
+            if b < n:
+                _sync(self.dev)
+                st.prefill_s += time.perf_counter() - t1
+                yield []  # between chunks: the caller may run other requests' rounds here
         root = self.pick(fo.logits[0, -1])
         _sync(self.dev)
-        st.prefill_s = time.perf_counter() - t0
-        st.target_forwards = 1
+        st.prefill_s += time.perf_counter() - t1
         if e.drafts:
-            feats, rows_tokens = fo.aux, self.prompt[1:] + [root]  # [1, n, nA*H]; row t uses x_{t+1}
+            feats = parts[0] if len(parts) == 1 else torch.cat(parts, 1)  # [1, n, nA*H]
+            rows_tokens = self.prompt[1:] + [root]  # row t uses x_{t+1}
         new = self.commit([root])
         if new:
             yield new

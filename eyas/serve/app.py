@@ -53,10 +53,14 @@ class ServeConfig:
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 1024
     context_length: int | None = None  # the target's position limit: prompt + completion must fit
+    # prompt tokens per prefill forward: other requests start between a long prompt's chunks (0: whole prompts)
+    prefill_chunk: int = 256
 
     def check(self) -> None:
         if self.max_prompt_tokens < 1:
             raise ServeError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.prefill_chunk < 0:
+            raise ServeError(f"the prefill chunk must be >= 0 tokens (0: whole prompts), got {self.prefill_chunk}")
         if self.max_new_tokens < 1:
             raise ServeError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not self.model_name:
@@ -178,6 +182,8 @@ class ServeState:
 def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     """The FastAPI app over one engine (an eyas.engine.Engine; its tokenizer is passed separately)."""
     cfg.check()
+    if hasattr(engine, "prefill_chunk"):  # an eyas Engine (test stubs have no prefill)
+        engine.prefill_chunk = cfg.prefill_chunk
     metrics = Metrics()
     # separate tokenizer copies: the event loop encodes while the worker decodes
     enc_tok = copy.deepcopy(tokenizer)
