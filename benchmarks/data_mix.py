@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.bench.run import BenchConfig, run_bench
+from eyas.bench.config import BenchConfig
+from eyas.bench.run import run_bench
 from eyas.data.shards import ShardSet
 from eyas.draft import load_draft
 from eyas.files import atomic_write_json

@@ -66,8 +66,8 @@ def main() -> None:
 
 
 def bench_rows(target, a) -> list[dict]:
+    from eyas.bench.load import prompt_ids
     from eyas.bench.prompts import load_prompts
-    from eyas.bench.run import prompt_ids
     from eyas.doctor.samples import as_samples
     from eyas.doctor.scoring import _score
     from eyas.doctor.streams import Serving, _fresh, _prepare

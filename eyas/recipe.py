@@ -233,7 +233,8 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
 
 
 def stage_eval(cfg: RecipeConfig, log=print) -> Path:
-    from .bench.run import BenchConfig, run_bench
+    from .bench.config import BenchConfig
+    from .bench.run import run_bench
 
     run = trained_dir(cfg)
     draft = run / "draft"

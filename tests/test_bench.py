@@ -5,19 +5,10 @@ import shutil
 
 import pytest
 
+from eyas.bench.config import BenchConfig, BenchError, parse_int_list, parse_methods
+from eyas.bench.methods import Output, hf_runner
 from eyas.bench.prompts import BenchPrompt
-from eyas.bench.run import (
-    BenchConfig,
-    BenchError,
-    Output,
-    first_diff,
-    hf_runner,
-    make_row,
-    mark_lossless,
-    parse_int_list,
-    parse_methods,
-    summarize,
-)
+from eyas.bench.rows import first_diff, make_row, mark_lossless, summarize
 from eyas.draft import save_random_draft
 from eyas.target.load import end_token_ids, load_target
 from tests.tiny import tiny_model
@@ -119,16 +110,16 @@ def test_summary_pools_stats_and_speedups():
 
 
 def test_bench_refuses_to_overwrite_without_resume(tmp_path, tiny_target):
-    from eyas.bench.run import _prepare_out
+    from eyas.bench.outdir import prepare_out
 
     cfg = BenchConfig(bench="humaneval", out=str(tmp_path / "o"))
-    _prepare_out(cfg, tmp_path / "o", tiny_target)
+    prepare_out(cfg, tmp_path / "o", tiny_target)
     (tmp_path / "o" / "rows.jsonl").write_text(json.dumps({"prompt": "x", "method": "plain"}) + "\n")
     with pytest.raises(BenchError, match="--resume"):
-        _prepare_out(cfg, tmp_path / "o", tiny_target)
+        prepare_out(cfg, tmp_path / "o", tiny_target)
     cfg.resume, cfg.max_new_tokens = True, 7
     with pytest.raises(BenchError, match="max_new_tokens"):
-        _prepare_out(cfg, tmp_path / "o", tiny_target)
+        prepare_out(cfg, tmp_path / "o", tiny_target)
 
 
 def test_missing_bundled_draft_is_a_clear_error(tiny_target, tmp_path, monkeypatch):
@@ -142,7 +133,8 @@ def test_missing_bundled_draft_is_a_clear_error(tiny_target, tmp_path, monkeypat
 
 
 def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench.run import METHODS, run_bench
+    from eyas.bench.config import METHODS
+    from eyas.bench.run import run_bench
     from eyas.draft import load_draft
 
     prompts = tmp_path / "p.jsonl"
@@ -192,7 +184,7 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
 
 
 def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench.run import SweepGrid
+    from eyas.bench.config import SweepGrid
     from eyas.bench.sweep import run_sweep
     from eyas.draft import load_draft
 
@@ -215,7 +207,7 @@ def test_tiny_sweep_reports_refused_and_fastest(tiny_dir, tiny_target, tmp_path)
 
 
 def test_sweep_tries_lookup_with_each_tree(tiny_dir, tiny_target, tmp_path):
-    from eyas.bench.run import SweepGrid
+    from eyas.bench.config import SweepGrid
     from eyas.bench.sweep import run_sweep
     from eyas.draft import load_draft
 

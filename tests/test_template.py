@@ -306,8 +306,9 @@ def test_online_train_on_a_base_model_takes_the_raw_it_suggests(base):
 
 
 def test_raw_bench_and_generate_send_the_text_as_is(base, tmp_path):
+    from eyas.bench.config import BenchConfig, BenchError
+    from eyas.bench.load import bench_template, prompt_ids
     from eyas.bench.prompts import BenchPrompt
-    from eyas.bench.run import BenchConfig, BenchError, bench_template, prompt_ids
 
     root, target, _, _ = base
     t = load_target(str(target.path))

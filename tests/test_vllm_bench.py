@@ -29,7 +29,8 @@ def vllm_py():
 def test_bench_vllm_matches_eyas_chain_and_plain(vllm_py, smollm2, tmp_path):
     """On 2 MT-bench prompts, vLLM's per-position accepted counts for k=3 equal eyas chain steps 3 (both fp32)
     and both vLLM methods' tokens equal eyas plain greedy on the fp32 weights, read straight from the rows."""
-    from eyas.bench.run import BenchConfig, run_bench
+    from eyas.bench.config import BenchConfig
+    from eyas.bench.run import run_bench
 
     cfg = BenchConfig(bench="mt-bench", limit=2, max_new_tokens=32, methods=["plain", "chain", "vllm", "vllm-eagle3"],
                       steps=K, vllm_k=K, weights="fp32", min_prob=0.0, out=str(tmp_path / "bench"),
@@ -75,7 +76,7 @@ def test_bench_vllm_missing_python_is_one_line(tmp_path):
 def test_wiring_verdicts():
     """equal / close (within 3%) / far, from pooled per-position counts; far names the causes, target weights and
     dtype first when vLLM's plain greedy already differs from eyas fp32 plain."""
-    from eyas.bench import run
+    from eyas.bench.rows import first_diff as rows_first_diff
     from eyas.bench.vllm_peer import first_diff, wiring, wiring_line
 
     def rows(per_pos: list[int], drafts: int, plain_same: bool = True) -> list[dict]:
@@ -92,4 +93,4 @@ def test_wiring_verdicts():
     w = wiring(rows([20, 2, 0], 400, plain_same=False), ref, 3)
     assert w["likely_causes"][0].startswith("target weights differ") and "already differs" in wiring_line(w)
     for a, b in (([1, 2], [1, 2]), ([1, 2], [1, 3]), ([1], [1, 2]), ([], [4]), ([5, 2], [1])):
-        assert first_diff(a, b) == run.first_diff(a, b)
+        assert first_diff(a, b) == rows_first_diff(a, b)

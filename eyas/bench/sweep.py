@@ -16,32 +16,14 @@ from ..engine.ngram import describe_ngram
 from ..engine.params import EngineError, SpecParams
 from ..files import atomic_write, atomic_write_json
 from ..target.load import Target
+from .config import HF_ONLY, SKIP_SPEC, WARMUP_TOKENS, BenchConfig, SweepGrid, check_threads
+from .load import bench_parts, prompt_ids
+from .methods import Output, engine_runner, greedy_answer, stop_ids
+from .outdir import SWEEP_RESUME_KEYS, default_out, prepare_out
 from .prompts import load_prompts
-from .run import (
-    HF_ONLY,
-    SKIP_SPEC,
-    SWEEP_RESUME_KEYS,
-    WARMUP_TOKENS,
-    BenchConfig,
-    Output,
-    SweepGrid,
-    _prepare_out,
-    bench_parts,
-    check_threads,
-    default_out,
-    draft_summary,
-    engine_runner,
-    environment,
-    fmt,
-    greedy_answer,
-    interleave,
-    prompt_ids,
-    say,
-    stop_ids,
-    summarize,
-    template_warning,
-    wide_console,
-)
+from .report import draft_summary, environment, fmt, wide_console
+from .rows import summarize
+from .run import interleave, say, template_warning
 
 SWEEP_USE = EngineUse("bench --sweep", f"without --sweep, {HF_ONLY}", SKIP_SPEC)
 
@@ -163,7 +145,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
             continue
         runners[label] = run
     labels = list(runners)
-    done_rows = _prepare_out(cfg, out, target, SWEEP_RESUME_KEYS, labels)
+    done_rows = prepare_out(cfg, out, target, SWEEP_RESUME_KEYS, labels)
     rows = done_rows + interleave(prompts, ids, runners, "plain", cfg.max_new_tokens, out / "rows.jsonl",
                                   {r["prompt"] for r in done_rows}, progress, "sweep")
     summ = summarize(rows, labels)["methods"]

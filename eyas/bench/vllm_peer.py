@@ -99,7 +99,7 @@ def run_vllm_method(py: Path, method: str, target: Target, draft_dir: Path | Non
 
 
 def vllm_outputs(prompts: list[BenchPrompt], method: str, res: dict[str, Any], end_ids: list[int]) -> list[dict]:
-    """Per prompt, what bench makes a row of (eyas.bench.run.Output's fields) and vLLM's spec-decode counters.
+    """Per prompt, what bench makes a row of (eyas.bench.methods.Output's fields) and vLLM's spec-decode counters.
     target_forwards follows eyas's count: the prefill plus one per decode step (vLLM: one per draft verified)."""
     outs = []
     for p, o in zip(prompts, res["outputs"], strict=True):
@@ -113,7 +113,7 @@ def vllm_outputs(prompts: list[BenchPrompt], method: str, res: dict[str, Any], e
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
     """First position where two token lists differ (the shorter length if one is a prefix); None if equal
-    (eyas.bench.run.first_diff's rule; run imports this module, so not imported from there)."""
+    (eyas.bench.rows.first_diff's rule; rows imports this module, so not imported from there)."""
     i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 

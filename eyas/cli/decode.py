@@ -189,7 +189,8 @@ def bench(
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
-    from ..bench.run import BenchConfig, SweepGrid, parse_int_list, parse_methods, run_bench
+    from ..bench.config import BenchConfig, SweepGrid, parse_int_list, parse_methods
+    from ..bench.run import run_bench
     from ..bench.sweep import run_sweep
     from ..engine.params import tree_defaults
 

@@ -1,0 +1,185 @@
+"""The bench's report: the environment and draft records of results.json, the PNG plot and the printed tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..draft import DraftCheckpoint
+from ..files import atomic_write
+from ..target.convert import file_fingerprint
+from ..target.load import Target
+from .config import HF_METHODS, PEER_METHODS, SPEC_METHODS
+from .vllm_peer import VLLM_METHODS, render_vllm
+
+
+def draft_summary(ckpt: DraftCheckpoint | None, spec: str) -> dict[str, Any] | None:
+    if ckpt is None:
+        return None
+    m = ckpt.manifest
+    c = ckpt.model.config
+    weights = ckpt.path / "model.safetensors" if ckpt.path else None
+    trained_record = any(k in m for k in ("training", "train", "train_config", "metrics"))
+    untrained = bool(m.get("untrained", False))
+    return {
+        "spec": spec,
+        "path": str(ckpt.path) if ckpt.path else None,
+        "untrained": untrained,
+        "status": ("UNTRAINED (random weights): speed and acceptance numbers are meaningless" if untrained
+                   else "trained" if trained_record else "no training record in the manifest"),
+        "note": m.get("note"),
+        "fingerprint": file_fingerprint([weights]) if weights and weights.exists() else None,
+        "aux_indices": ckpt.layout.aux_indices,
+        "hidden_size": c.hidden_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "manifest_keys": sorted(m),
+    }
+
+
+def environment(target: Target) -> dict[str, Any]:
+    import transformers
+
+    dev = target.device
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "threads": torch.get_num_threads(), "device": str(dev),
+           "dtype": str(target.dtype).replace("torch.", ""), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+           # other work on the machine skews tok/s: the load when the results were written says how much
+           "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    try:
+        env["eyas_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["eyas_commit"] = None
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = results["summary"]["methods"]
+    cfg = results["config"]
+    methods = list(summ)
+    setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
+               "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
+               "lookup": f"{cfg.get('lookup_alone', 0)} tokens" + (" + table" if results.get("ngram") else ""),
+               "lookup-context": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens",
+               "vllm-eagle3": f"k {(results.get('vllm') or {}).get('k')}"}
+    ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
+    toks = [summ[m]["tok_s"] for m in methods]
+    base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS + VLLM_METHODS else "#2a6fb0"
+                                     for m in methods])
+    for bar, m in zip(bars, methods, strict=True):
+        sp = summ[m].get(base)
+        a.annotate(fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                   ha="center", va="bottom", fontsize=9)
+    a.set_ylabel("tokens / s")
+    a.set_title(f"throughput (speedup vs {'HF greedy' if base == 'speedup_vs_hf' else 'eyas plain'})")
+    taus = [summ[m]["tau"] or 0.0 for m in methods]
+    bars = b.bar(ticks, taus, color="#4f9a5a")
+    for bar, m in zip(bars, methods, strict=True):
+        b.annotate(fmt(summ[m]["tau"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                   ha="center", va="bottom", fontsize=9)
+    b.set_ylabel("tokens per target forward (tau)")
+    b.set_title("tau")
+    env = results["environment"]
+    draft = results.get("draft") or {}
+    flag = " — UNTRAINED draft" if draft.get("untrained") else ""
+    fig.suptitle(f"{cfg['bench']} x{results['num_prompts']}, {cfg['max_new_tokens']} new tokens, "
+                 f"{results['target']['name']} {env['dtype']} on {env['device']} ({env['threads']} threads){flag}",
+                 fontsize=10)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def wide_console():
+    from rich.console import Console
+
+    con = Console()
+    if not con.is_terminal:  # piped or logged: do not squeeze the tables into 80 columns
+        con.width = 150
+    return con
+
+
+def render(results: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    con = wide_console()
+    summ = results["summary"]["methods"]
+    ref = results["reference"]
+    draft = results.get("draft") or {}
+    title = f"eyas bench: {results['config']['bench']} x{results['num_prompts']} prompts"
+    if draft.get("untrained"):
+        title += " [red](UNTRAINED draft: numbers meaningless)[/red]"
+    t = Table(title=title)
+    for col in ("method", "tok/s", "vs HF greedy", "vs plain", "tau", "accept per depth", "draft overhead",
+                f"= {ref or 'ref'}"):
+        t.add_column(col, justify="left" if col in ("method", "accept per depth") else "right")
+    for m, s in summ.items():
+        acc = " ".join(fmt(a, ".2f") for a in s["accept_per_depth"]) if s["accept_per_depth"] else "-"
+        same = "ref" if m == ref else (f"{s['identical']}/{s['compared']}" if s["compared"] else "n/a")
+        t.add_row(m, f"{s['tok_s']:.1f}", fmt(s["speedup_vs_hf"], ".2f", "x"), fmt(s["speedup_vs_plain"], ".2f", "x"),
+                  fmt(s["tau"]), acc, fmt(s["draft_overhead"], ".0%"), same)
+    con.print(t)
+    cats = results["summary"]["categories"]
+    if len(cats) > 1:
+        ct = Table(title="tok/s per category (speedup vs HF greedy)")
+        ct.add_column("category")
+        for m in summ:
+            ct.add_column(m, justify="right")
+        for c, block in cats.items():
+            ct.add_row(c, *[f"{block[m]['tok_s']:.1f} ({fmt(block[m]['speedup_vs_hf'], '.2f', 'x')})"
+                            for m in summ])
+        con.print(ct)
+    for m, s in summ.items():
+        if m in PEER_METHODS and s["compared"]:
+            con.print(f"{m}: {s['identical']}/{s['compared']} prompts token-identical to {ref} (another engine's "
+                      "numerics; not a lossless check)")
+            continue
+        if m in VLLM_METHODS:
+            continue  # compared with eyas fp32 plain, not with ref: render_vllm says so
+        for mm in s["mismatches"]:
+            con.print(f"[yellow]{m} differs from {ref} on {mm['prompt']} at token {mm['first_diff']}[/yellow]")
+    for m, s in summ.items():
+        if m in SPEC_METHODS and s["compared"]:
+            ok = s["identical"] == s["compared"]
+            extra = f", {s['lookup_share']:.0%} of tokens from lookup candidates" if s.get("lookup_accepted") else ""
+            if s.get("ngram_proposed"):
+                extra += (f", {s['ngram_share']:.0%} from the n-gram table ({s['ngram_accepted']} of "
+                          f"{s['ngram_proposed']} accepted)")
+            con.print(f"{m}: lossless: {'yes' if ok else '[red]NO[/red]'} ({s['identical']}/{s['compared']} prompts "
+                      f"token-identical to {ref}); tau {fmt(s['tau'])}{extra}")
+    used = results.get("weights") or {}
+    for w in sorted({(v["target"], v["note"]) for v in used.values()}, key=str):
+        con.print(f"weights: target {w[0]} for {', '.join(m for m, v in used.items() if (v['target'], v['note']) == w)}"
+                  + (f" (--weights auto: {w[1]})" if w[1] else ""))
+    if results.get("vllm"):
+        render_vllm(results["vllm"], con)
+    con.print(f"results: {results['out']}")
+
