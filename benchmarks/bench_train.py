@@ -62,7 +62,7 @@ def train_throughput(source, target, vocab, batches, ttt_steps: int, bf16: bool,
 
 @torch.no_grad()
 def decode_costs(target, layout, draft_vocab: int, context: int, reps: int) -> dict:
-    """Median seconds of one target forward as the engine runs it (eyas.model.TargetModel: 1 new token over a
+    """Median seconds of one target forward as the engine runs it (eyas.engine.forward.TargetModel: 1 new token over a
     KV cache of `context`, aux states captured) vs one draft step as the engine runs it (1 row over a draft
     cache of `context`: qkv + attend + finish + logits) with a `draft_vocab` head and with the full vocab."""
     from eyas.engine.forward import TargetModel
@@ -78,7 +78,7 @@ def decode_costs(target, layout, draft_vocab: int, context: int, reps: int) -> d
     def t_target():  # not committed: cache.length stays at `context`
         tm.forward(nxt, pos, cache, capture=layout.aux_indices, logits="last")
 
-    out = {"context": context, "target_forward": "eyas.model.TargetModel (the engine's forward)"}
+    out = {"context": context, "target_forward": "eyas.engine.forward.TargetModel (the engine's forward)"}
     timings = {"target": _median(t_target, reps)}
     emb = target.embed_tokens().weight.detach().float()
     for name, vd in (("draft", min(draft_vocab, V)), ("draft_full_vocab", V)):

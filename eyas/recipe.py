@@ -9,7 +9,7 @@ Stages (each one resumes after a kill, so the recipe runs across sessions):
          --self-num N writes WORK/data-self (--self-start R: WORK/data-self-from-R): `datagen --data self`, rows
          whose user turn the target writes too (Magpie-style prompts of the kind it was tuned on), greedy replies.
   ngram  `eyas ngram` over every WORK/data-regen* and data-self* folder into WORK/ngram: the table lookup
-         proposes from where the context has no match (eyas.ngram); recounted only when the regenerated shards changed.
+         proposes from where the context has no match (engine.ngram); recounted only when the regenerated shards change.
   train  `eyas train` on a snapshot of the committed shards into WORK/train-<data hash>: the same data resumes
          the same run; more data starts a fresh run. The run's folder is recorded in WORK/latest-train.json, so
          eval and ship use the draft that was trained even while the data stage keeps extending the shards.

@@ -1,4 +1,4 @@
-"""Lookup candidates (eyas.lookup): what follows the latest earlier match of the context's suffix."""
+"""Lookup candidates (eyas.engine.lookup): what follows the latest earlier match of the context's suffix."""
 
 from __future__ import annotations
 

@@ -353,7 +353,7 @@ def test_control_token_strings_in_messages_are_text_in_training_data(smollm2_tok
     assert exact
     spans = [s.text for s in masked_spans(tok, ids, mask)]
     assert spans == [forged + "<|im_end|>", "fine<|im_end|>"]
-    # the same ids serving produces for the conversation so far (eyas.template is the one owner)
+    # the same ids serving produces for the conversation so far (eyas.target.template is the one owner)
     prefix = chat_input_ids(tok, msgs[:3])
     assert ids.tolist()[:len(prefix)] == prefix
     # and without control strings nothing changes: exactly the template's own tokenization
@@ -362,7 +362,7 @@ def test_control_token_strings_in_messages_are_text_in_training_data(smollm2_tok
 
 
 def test_regeneration_prompts_keep_message_text_as_text(smollm2_tokenizer):
-    """datagen's regeneration prompts go through the same encoder (eyas.data.regen uses eyas.template.chat_ids)."""
+    """datagen's regeneration prompts go through the same encoder (data.regen uses target.template.chat_ids)."""
     msgs = [{"role": "user", "content": "x <|im_end|> y"}]
     assert tpl.chat_ids(smollm2_tokenizer, msgs) == chat_input_ids(smollm2_tokenizer, msgs)
     assert chat_input_ids(smollm2_tokenizer, msgs).count(2) == 2  # the system turn's and the user turn's own

@@ -59,8 +59,8 @@ def gguf_bytes(arch: str, tensors: list[tuple[str, tuple[int, ...], int, int]] =
 
 def tiny_native(model):
     """Native weights for a tiny llama: every decoder matrix rounded in place to a Q4_1 grid (per 32-block
-    w = d*q + m, q in 0..15) and packed for eyas's 4-bit kernel, as eyas.quant.load_native reads a GGUF: the
-    engine then runs the whole decoder stack as one C call (eyas.kernels.Q4Stack)."""
+    w = d*q + m, q in 0..15) and packed for eyas's 4-bit kernel, as eyas.native.quant.load_native reads a GGUF: the
+    engine then runs the whole decoder stack as one C call (eyas.native.kernels.Q4Stack)."""
     from eyas.native.quant import F32Matrix, NativeWeights, _pack
     from eyas.target.capture import decoder_parts
 

@@ -72,8 +72,8 @@ class BenchConfig:
     draft: str = "default"  # an eyas draft folder, "default" (bundled) or "random" (untrained, in memory)
     dtype: str = "fp32"
     device: str = "cpu"
-    weights: str = "auto"  # eyas methods' target forward (eyas.model.engine_model)
-    draft_weights: str = "auto"  # the draft's matrices (eyas.engine.SpecParams.draft_weights)
+    weights: str = "auto"  # eyas methods' target forward (eyas.engine.weights.engine_model)
+    draft_weights: str = "auto"  # the draft's matrices (eyas.engine.params.SpecParams.draft_weights)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     steps: int = 4  # chain
     depth: int = 4  # tree
@@ -82,7 +82,7 @@ class BenchConfig:
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
     lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
     lookup_alone: int = LOOKUP_ALONE  # method lookup: the chain's length
-    ngram: str = "auto"  # the n-gram table of lookup and tree-lookup (eyas.ngram.resolve_ngram)
+    ngram: str = "auto"  # the n-gram table of lookup and tree-lookup (eyas.engine.ngram.resolve_ngram)
     min_prob: float = 0.0  # chain/tree: verify only candidates with at least this cumulative draft probability
     threads: int | None = None
     out: str | None = None

@@ -280,7 +280,7 @@ def load_conversations(source: str, num: int | None = None) -> tuple[list[Conver
 # ---- chat template and loss mask -------------------------------------------------------------------
 
 def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    """The installed chat template's text (eyas.template.render); a conversation it rejects is a DataError."""
+    """The installed chat template's text (eyas.target.template.render); a conversation it rejects is a DataError."""
     try:
         return template.render(tokenizer, messages, add_generation_prompt)
     except template.TemplateError as e:
@@ -311,7 +311,7 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
 def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
                                   max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(input_ids [S], loss_mask [S] bool, exact). Message text is text: a control-token string inside a message
-    ("<|im_end|>" typed by a user) becomes the characters it is made of, as in serving (eyas.template).
+    ("<|im_end|>" typed by a user) becomes the characters it is made of, as in serving (eyas.target.template).
     `exact` is True when tokenizing the text piece by piece at
     the span boundaries gives the same ids as tokenizing the whole; then every span starts and ends on a token
     boundary. Otherwise (a BPE merge across a boundary, e.g. header '\\n' + reply '\\n\\n') the whole-text ids
@@ -351,7 +351,7 @@ def tokenize_conversation_checked(tokenizer, messages: list[dict[str, str]],
 def _tokenize_marked(tokenizer, marked: list[dict[str, str]],
                      max_len: int | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """tokenize_conversation_checked for messages holding control-token strings (marked by
-    eyas.template.mark_messages): the ids are exactly serving's (eyas.template.encode_marked, no cut at the span
+    target.template.mark_messages): the ids are exactly serving's (target.template.encode_marked, no cut at the span
     boundaries); a token is masked when it starts inside an assistant span (offsets in the marked text)."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("a message holds a control-token string and the tokenizer is not a fast tokenizer (no "

@@ -1,4 +1,4 @@
-"""`eyas ngram`: count the target's own regenerated replies (eyas shard folders) into an n-gram table (eyas.ngram)."""
+"""`eyas ngram`: count the target's own regenerated replies (shard folders) into an n-gram table (eyas.engine.ngram)."""
 
 from __future__ import annotations
 

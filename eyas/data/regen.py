@@ -1,13 +1,13 @@
 """The target writes the replies: batched generation for `eyas datagen --regenerate`.
 
-Llama-family targets run through eyas's own forward (eyas/model.py) with a static KV cache. Each batch's
+Llama-family targets run through eyas's own forward (eyas/engine/forward.py) with a static KV cache. Each batch's
 prompts are left-padded to one length. A per-row key mask hides the padding, and each row's positions start
 at 0, so a row computes what it would alone. Rows that finished leave the batch: the cache is compacted
 once a quarter of the rows are done, so the batch does not keep computing finished rows. Sampling draws
 every row from one generator seeded per batch, so a rerun repeats it. Families the engine forward does not
 cover fall back to Hugging Face `generate`.
 
-Which weights the engine runs is `--regen-weights` (DatagenConfig.regen_weights, eyas.model.engine_model's
+Which weights the engine runs is `--regen-weights` (DatagenConfig.regen_weights, eyas.engine.weights.engine_model's
 modes): auto = native for a GGUF target on the CPU, the numerics eyas serves with, so the replies are the
 tokens `eyas generate` and `eyas serve` give; its 4-bit kernel shares each weight tile among 8 outputs and 4
 rows (benchmarks/bench_datagen.py: ~1.9x the fp32 weights end to end at 64 rows). fp32 runs the HF weights in
@@ -48,7 +48,7 @@ def stop_token_ids(target: Target) -> list[int]:
 
 
 def regen_engine(target: Target, weights: str = "auto") -> TargetModel | None:
-    """The engine forward regeneration runs on in `weights` mode (eyas.model.WEIGHTS), or None when the
+    """The engine forward regeneration runs on in `weights` mode (eyas.engine.params.WEIGHTS), or None when the
     family needs HF generate."""
     m = target.model
     try:

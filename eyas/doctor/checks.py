@@ -16,7 +16,7 @@ Checks (each a named `Check` with status pass/warn/fail/skip, the numbers behind
   head             lm_head / fc that look untrained (init statistics, near-uniform logits, accuracy ~ baseline)
 
 Every accuracy is `eyas.train.ttt.ttt_forward` on the draft (the training-time-test alignment of
-docs/CONTRACTS.md); the serving path captures with `eyas.model.TargetModel`, the forward the engine runs (HF
+docs/CONTRACTS.md); the serving path captures with `eyas.engine.forward.TargetModel`, the forward the engine runs (HF
 hooks for a family it does not cover; the report names which ran).
 All stream indices a sample needs are captured in ONE target forward per sample.
 
@@ -243,7 +243,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     default: the training folders the draft manifest names, when they exist here); samples: token-id samples
     for the serving path (tests, tiny targets); else `num_samples` conversations of `source` (default: the
     training source, held-out rows only; else bundled ShareGPT). quick: identity and config checks only.
-    weights: the engine forward's mode for the serving path (eyas.model.engine_model)."""
+    weights: the engine forward's mode for the serving path (eyas.engine.weights.engine_model)."""
     checks = check_identity(target, ckpt, quick)
     man = ckpt.manifest or {}
     training = man.get("training") or {}

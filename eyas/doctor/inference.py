@@ -1,6 +1,6 @@
 """Layout inference: which stream indices a draft was trained on, measured. The draft is scored (step-0 held-out
 loss and accuracy through ttt_forward, the training objective) on features the target produces under each
-candidate layout; every stream a sample needs is captured in one forward through eyas.model.TargetModel, the
+candidate layout; every stream a sample needs is captured in one forward through eyas.engine.forward.TargetModel, the
 forward the engine serves with. `eyas doctor` and `eyas import` both decide layouts with it. Here: the candidates
 and their two-stage ranking; the samples (samples.py), the target's streams (streams.py), the draft's scores
 (scoring.py) and the ranking's noise test (ranking.py) are their own modules."""

@@ -14,7 +14,7 @@ from .samples import EvalSample
 
 
 class Serving:
-    """The serving-path forward: eyas.model.TargetModel (what the engine runs) when the family has one,
+    """The serving-path forward: eyas.engine.forward.TargetModel (what the engine runs) when the family has one,
     else the HF forward with hooks (the only path those families have)."""
 
     def __init__(self, target, weights: str = "auto"):
@@ -28,7 +28,7 @@ class Serving:
         if engine_covers(target.identity.model_type):
             self.fwd = engine_model(target, weights)
             mode = "native GGUF weights" if self.fwd.native is not None else "fp32 weights"
-            self.path = f"eyas.model.TargetModel (the engine's forward, {mode})"
+            self.path = f"eyas.engine.forward.TargetModel (the engine's forward, {mode})"
             self.short = "engine forward"
         else:
             self.fwd = None

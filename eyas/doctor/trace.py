@@ -62,7 +62,7 @@ def _decode(tok, ids: list[int]) -> str:
 @torch.no_grad()
 def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_new_tokens: int = 32,
           max_rounds: int = 4, top: int = 5) -> TraceReport:
-    """Run one prompt through eyas.engine.Engine and record, per round, the shape and mean norm of every
+    """Run one prompt through eyas.engine.decode.Engine and record, per round, the shape and mean norm of every
     captured stream index, their concatenation, fc, the draft layer, the draft logits (top tokens) and
     the tokens accepted."""
     from ..conventions import engine_ids_table

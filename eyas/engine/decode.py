@@ -1,5 +1,5 @@
 """Lossless speculative decoding with an EAGLE-3 draft: plain, chain and EAGLE-2 dynamic tree, one KV cache;
-and method lookup, which verifies the lookup chain (eyas.lookup) alone, with no draft.
+and method lookup, which verifies the lookup chain (eyas.engine.lookup) alone, with no draft.
 
 One round (target cache holds x_0..x_{n-1}; the root x_n is accepted but not yet run by the target):
   1. draft step 0 over the rows accepted since the last round (fc(features), next token, position = row),
@@ -16,7 +16,7 @@ cumulative log-prob into `topk` children each; the best `tokens - 1` candidates 
 first, so every kept node's parent is kept) are verified with the root. Candidate pool =
 topk + (depth-1)*topk^2. A chain of `steps` is the tree with topk 1, depth steps, tokens steps+1.
 
-Sampling (lossless, see eyas/sampling.py): the tree's candidates are chosen deterministically (top-k),
+Sampling (lossless, see eyas/engine/sampling.py): the tree's candidates are chosen deterministically (top-k),
 so each is verified as a point-mass proposal: accept child x with probability p(x), else remove x from
 p, renormalise and try the next sibling; if all fail, draw the bonus from what is left. Using the draft's
 softmax as q with deterministically chosen tokens would NOT be lossless (q(x)=0.6, p(x)=0.3 would emit x
@@ -119,7 +119,7 @@ def check_messages(messages) -> None:
 
 
 def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat template with the generation prompt -> token ids (eyas.template.chat_ids: message text is text, a
+    """Chat template with the generation prompt -> token ids (eyas.target.template.chat_ids: message text is text, a
     control-token string inside a message is never the control token; the template's own stay exact)."""
     check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):

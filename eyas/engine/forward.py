@@ -133,7 +133,7 @@ def _check_family(model: nn.Module):
 class TargetModel:
     """The engine's forward over a HF Llama-family *ForCausalLM (weights shared, not copied).
 
-    With `native` (see eyas/quant.py) the decoder matrices and the head run from the GGUF's quantized
+    With `native` (see eyas/native/quant.py) the decoder matrices and the head run from the GGUF's quantized
     weights and attention runs through eyas's row-invariant kernel; everything else is shared."""
 
     def __init__(self, model: nn.Module, native: NativeWeights | None = None, kernel_attention: bool = False):

@@ -1,6 +1,6 @@
 """The n-gram table: what the target itself wrote after each 1-3 token context, counted over its own replies.
 
-Context lookup (eyas.lookup) proposes only when the running text repeats itself. A small target's replies also
+Context lookup (eyas.engine.lookup) proposes only when the running text repeats itself. A small target's replies also
 repeat across conversations (openings, list and markdown scaffolding, code idioms), so the most frequent next
 token after the longest known 1-3 token context, counted over the target's regenerated replies (`eyas datagen
 --regenerate`), is its next token about as often as an EAGLE-3 draft's top-1 on this box (~0.3 on MT-bench), for

@@ -100,9 +100,9 @@ class SpecParams:
     depth: int = 4  # tree: draft depth
     topk: int = 4  # tree: children per expanded node and frontier width
     tokens: int = 16  # tree: verified tokens per round, root included
-    lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.lookup)
+    lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.engine.lookup)
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
-    # tokens the engine's n-gram table (eyas.ngram) proposes in a round where context lookup found nothing:
+    # tokens the engine's n-gram table (eyas.engine.ngram) proposes in a round where context lookup found nothing:
     # replaying 80 MT-bench plain outputs, 1 beat 2 and 3 (a table token is accepted ~30% of the time and each
     # verified row costs ~14% of a step on a 2-core CPU)
     ngram_tokens: int = 1
@@ -110,7 +110,7 @@ class SpecParams:
     # round where the draft is unsure verifies fewer rows, down to the root alone (a plain step); 0 = off
     min_prob: float = 0.0
     weights: str = "auto"  # target forward: auto | native (a GGUF's quantized weights) | fp32 (eyas.model)
-    draft_weights: str = "auto"  # auto (q8 with a native target) | q8 (eyas.quant.Q8Linear) | fp32
+    draft_weights: str = "auto"  # auto (q8 with a native target) | q8 (eyas.native.quant.Q8Linear) | fp32
 
     def shape(self) -> tuple[int, int, int]:
         """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""

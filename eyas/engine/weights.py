@@ -25,7 +25,7 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     """The engine forward for `target` in the requested weights mode.
 
     auto: native for a GGUF target on the CPU in fp32 whose matrices the native kernels cover, else fp32.
-    native: the GGUF's quantized weights (eyas/quant.py), 4-bit matrices with 8-bit activations (llama.cpp's
+    native: the GGUF's quantized weights (eyas/native/quant.py), 4-bit matrices with 8-bit activations (llama.cpp's
     numerics); an error when that is not possible.
     native-bf16: the same weights through torch's int4 kernel with bf16 activations.
     fp32: the HF weights as loaded (a GGUF is dequantized), in the target's --dtype, torch's own kernels."""
@@ -56,7 +56,7 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
 
 
 def native_weights(target: Target, act: str = "q8") -> NativeWeights:
-    """Load (once per target and activation kind) the GGUF's quantized matrices; see eyas/quant.py."""
+    """Load (once per target and activation kind) the GGUF's quantized matrices; see eyas/native/quant.py."""
     from ..native.quant import load_native
 
     cached = target.native_cache if target.native_cache is not None and target.native_cache.act == act else None

@@ -52,7 +52,7 @@ def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
 def read_gguf_metadata(path: Path, keys: Collection[str] | None = None) -> dict[str, object]:
     """The scalar and string metadata of a GGUF v2/v3 file (arrays such as the vocabulary are skipped), all of it
     or only `keys` (a key the file lacks is absent): what the checks that run before any load read
-    (`general.architecture` for eyas.target.target_family, `tokenizer.chat_template` for eyas.template). The
+    (`general.architecture` for target.family.target_family, `tokenizer.chat_template` for target.template). The
     tensor directory is checked too (every tensor's extent against the file size; no tensor data is read, ~0.1 s),
     so a truncated or foreign file raises GGUFError here, before any verdict drawn from its metadata."""
     meta = _read(path)[0]

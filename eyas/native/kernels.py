@@ -249,7 +249,7 @@ class Q4Stack:
 
 
 class DraftLayer:
-    """A q8-quantized EAGLE-3 draft's midlayer (eyas.quant.quantize_draft_q8) for eyas_draft_layer: one C call per
+    """A q8-quantized EAGLE-3 draft's midlayer (native.quant.quantize_draft_q8) for eyas_draft_layer: one C call per
     draft step instead of ~60 torch ops. q|k|v and gate|up are fused once here; RoPE comes from a cached table."""
 
     def __init__(self, draft: torch.nn.Module):

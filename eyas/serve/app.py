@@ -180,7 +180,7 @@ class ServeState:
 
 
 def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
-    """The FastAPI app over one engine (an eyas.engine.Engine; its tokenizer is passed separately)."""
+    """The FastAPI app over one engine (an eyas.engine.decode.Engine; its tokenizer is passed separately)."""
     cfg.check()
     if hasattr(engine, "prefill_chunk"):  # an eyas Engine (test stubs have no prefill)
         engine.prefill_chunk = cfg.prefill_chunk

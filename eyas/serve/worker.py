@@ -41,7 +41,7 @@ class Event:
 @dataclass
 class Job:
     input_ids: list[int]
-    params: Any  # eyas.engine.SamplingParams
+    params: Any  # eyas.engine.params.SamplingParams
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     arrived: float

@@ -48,8 +48,8 @@ class Target:
     path: Path | None  # the HF folder it was loaded from
     load_seconds: float = 0.0
     gguf: Path | None = None  # the .gguf file a converted target came from (its native weights live there)
-    native_cache: Any = field(default=None, repr=False)  # eyas.quant.NativeWeights once loaded
-    chat_template: Any = field(default=None, repr=False)  # eyas.template.ChatTemplate a command installed
+    native_cache: Any = field(default=None, repr=False)  # eyas.native.quant.NativeWeights once loaded
+    chat_template: Any = field(default=None, repr=False)  # eyas.target.template.ChatTemplate a command installed
 
     @property
     def config(self):

@@ -128,7 +128,7 @@ def missing_template_message(what: str, suggest: str = "chatml") -> str:
 
 
 def _family(spec: str) -> str:
-    """The model family a target spec names in its files ('' when unknown; eyas.target.target_family reads it);
+    """The model family a target spec names in its files ('' when unknown; eyas.target.family.target_family reads it);
     picks the built-in a refusal suggests."""
     from .family import target_family
 
