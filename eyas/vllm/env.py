@@ -64,6 +64,16 @@ def vllm_version(py: Path) -> str:
     return _check_import(str(py), str(py))
 
 
+def worker_env() -> dict[str, str]:
+    """The environment a vLLM worker runs in: offline, no usage stats, a modest CPU KV cache (each settable)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: vLLM's CPU default reserves far more than eyas needs
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return env
+
+
 def run_worker(py: Path, script: str, request: dict, out_dir: Path, timeout: float | None = None,
                log=None) -> dict:
     """Run worker `script` (a file in eyas/vllm) under vLLM's python with `request` as JSON; the worker writes
@@ -72,11 +82,7 @@ def run_worker(py: Path, script: str, request: dict, out_dir: Path, timeout: flo
     out_dir.mkdir(parents=True, exist_ok=True)
     req = out_dir / "request.json"
     req.write_text(json.dumps(request, indent=2))
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: vLLM's CPU default reserves far more than eyas needs
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env = worker_env()
     cmd = [str(py), str(WORKERS / script), str(req), str(out_dir)]
     tail: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as p:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..conventions import CONVENTIONS, to_engine_ids
-from .env import WORKERS, VllmError
+from .env import WORKERS, VllmError, worker_env
 
 RESULT = "EYAS-RESULT "
 WORKER = "capture_worker.py"
@@ -46,11 +46,7 @@ class VllmSession:
         work.mkdir(parents=True, exist_ok=True)
         req = work / "request.json"
         req.write_text(json.dumps(request, indent=2))
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: vLLM's CPU default reserves far more than eyas needs
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env = worker_env()
         self.log = log
         self.tail: list[str] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
