@@ -21,8 +21,9 @@ import torch
 
 from eyas.bench.prompts import load_mtbench
 from eyas.draft import resolve_draft
-from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
+from eyas.engine.prompt import chat_input_ids
 from eyas.target.load import load_target
 
 

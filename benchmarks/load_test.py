@@ -171,8 +171,8 @@ class InProcess:
         self.pool = ThreadPoolExecutor(1)
 
     def _run(self, messages: list[dict]):
-        from eyas.engine.decode import chat_input_ids
         from eyas.engine.params import SamplingParams
+        from eyas.engine.prompt import chat_input_ids
 
         t0 = time.perf_counter()  # the chat template counts, as it does for the server
         r = self.engine.generate(chat_input_ids(self.target.tokenizer, messages),

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from eyas.bench.prompts import load_prompts
-from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.decode import Engine
 from eyas.engine.lookup import lookup_chain
 from eyas.engine.ngram import NgramTable, load_ngram
 from eyas.engine.params import SamplingParams, SpecParams
+from eyas.engine.prompt import chat_input_ids
 from eyas.target.load import load_target
 
 # session 9's measured native row costs (ms, 300-token context), used without --verify

@@ -286,7 +286,7 @@ def vllm_server(request, exports, tmp_path_factory):
 def test_live_server_verdict(vllm_server):
     from eyas.bench.prompts import load_prompts
     from eyas.doctor.serving import check_server, render_serving
-    from eyas.engine.decode import chat_input_ids
+    from eyas.engine.prompt import chat_input_ids
 
     name, url, target = vllm_server
     ids = [chat_input_ids(target.tokenizer, r.messages) for r in load_prompts("mt-bench", limit=PROMPTS)]

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from eyas.draft import DraftCheckpoint, DraftConfig, DraftError, Eagle3Draft, random_draft
-from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.decode import Engine
 from eyas.engine.params import EngineError, SamplingParams, SpecParams
+from eyas.engine.prompt import chat_input_ids
 from eyas.engine.sampling import warp
 from eyas.target.capture import capture
 from eyas.target.convert import tensor_fingerprint

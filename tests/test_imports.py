@@ -9,7 +9,7 @@ import each other):
   vllm     eyas/vllm (same rank as native): finds vLLM's own python and runs worker scripts under it
   target   eyas/target: family policy, device, conversion, load, capture
   draft    eyas/draft.py and eyas/inspect.py: the EAGLE-3 module over a target; inspect over a target
-  engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, decode, load
+  engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, stats, prompt, decode, load, report
   data     eyas/data: conversations, datagen, shards, ngrams (needs the target to capture)
   train    eyas/train: config, sources, checkpoint, ttt, step, prepare, report, loop (reads shards)
   doctor   eyas/doctor: checks, inference, flags lint, trace (measures with ttt)

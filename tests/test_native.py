@@ -182,8 +182,9 @@ def test_unsupported_quant_type_is_refused_with_the_fix():
 @pytest.mark.integration
 def test_bundled_gguf_native_mode_is_lossless_and_agrees_with_fp32():
     from eyas.draft import resolve_draft
-    from eyas.engine.decode import Engine, chat_input_ids
+    from eyas.engine.decode import Engine
     from eyas.engine.params import SamplingParams, SpecParams
+    from eyas.engine.prompt import chat_input_ids
     from eyas.target.load import load_target
 
     target = load_target("smollm2-135m")

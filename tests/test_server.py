@@ -21,8 +21,9 @@ from typer.testing import CliRunner
 
 from eyas.cli import app as cli_app
 from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
-from eyas.engine.decode import Engine, chat_input_ids
+from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
+from eyas.engine.prompt import chat_input_ids
 from eyas.serve.app import ServeConfig, create_app, exposure_warning
 from eyas.serve.metrics import Metrics
 from eyas.serve.openai_schema import APIError

@@ -52,8 +52,9 @@ def test_shipped_draft_refuses_another_target():
 @pytest.mark.integration
 def test_default_draft_is_used_with_the_bundled_target_and_is_lossless(smollm2):
     from eyas.draft import resolve_draft
-    from eyas.engine.decode import Engine, chat_input_ids
+    from eyas.engine.decode import Engine
     from eyas.engine.params import SamplingParams, SpecParams
+    from eyas.engine.prompt import chat_input_ids
 
     ck = resolve_draft("default", smollm2)
     assert ck is not None and ck.path == SHIPPED
@@ -97,9 +98,10 @@ def test_shipped_ngram_table_is_small_and_counted_over_the_targets_own_replies()
 
 @pytest.mark.integration
 def test_bundled_table_is_picked_for_the_bundled_target_only_and_is_lossless(smollm2):
-    from eyas.engine.decode import Engine, chat_input_ids
+    from eyas.engine.decode import Engine
     from eyas.engine.ngram import bundled_ngram_path, resolve_ngram
     from eyas.engine.params import SamplingParams, SpecParams
+    from eyas.engine.prompt import chat_input_ids
 
     table = resolve_ngram("auto", smollm2)
     assert table is not None and table.path == bundled_ngram_path()

@@ -17,7 +17,7 @@ from eyas.data.conversations import masked_spans, tokenize_conversation_checked
 from eyas.data.datagen import DatagenConfig, DatagenError, run_datagen
 from eyas.data.shards import MANIFEST, ShardError, ShardSet, load_manifest
 from eyas.draft import load_draft
-from eyas.engine.decode import chat_input_ids
+from eyas.engine.prompt import chat_input_ids
 from eyas.target import template as tpl
 from eyas.target.load import end_token_ids, load_target
 from eyas.train.config import TrainConfig, TrainError

@@ -58,7 +58,7 @@ def bench_parts(cfg: BenchConfig, prompts: list[BenchPrompt] | None, specs: list
 
 def prompt_ids(target: Target, prompts: list[BenchPrompt]) -> list[list[int]]:
     """Each prompt's token ids: through the installed chat template, or as plain text under --raw."""
-    from ..engine.decode import chat_input_ids
+    from ..engine.prompt import chat_input_ids
 
     if target.chat_template is not None and target.chat_template.raw:
         return [raw_ids(target.tokenizer, p.messages[0]["content"]) for p in prompts]

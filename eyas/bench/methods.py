@@ -158,7 +158,7 @@ def greedy_answer(target: Target, end_ids: list[int], max_new_tokens: int) -> Ca
     run = hf_runner(target, end_ids)
 
     def answer(messages: list[dict]) -> str:
-        from ..engine.decode import chat_input_ids
+        from ..engine.prompt import chat_input_ids
 
         out = run(list(chat_input_ids(target.tokenizer, messages)), max_new_tokens)
         return target.tokenizer.decode(out.token_ids, skip_special_tokens=True)

@@ -148,7 +148,7 @@ def doctor_serving(
     from ..bench.prompts import load_prompts
     from ..doctor.report import jsonable
     from ..doctor.serving import ServerClient, check_server, render_serving
-    from ..engine.decode import chat_input_ids
+    from ..engine.prompt import chat_input_ids
     from ..target.load import load_target
 
     with user_errors():

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,93 +38,14 @@ from ..native import kernels
 from ..native.quant import quantize_draft_q8
 from ..target.device import sync_device as _sync
 from ..target.load import Target, end_token_ids
-from ..target.template import chat_ids, missing_template_message
 from ..text import stop_cut
 from .forward import KVCache, compact
 from .lookup import lookup_chain
 from .ngram import NgramTable, check_ngram_for_target
 from .params import DRAFT_METHODS, EngineError, SamplingParams, SpecParams
 from .sampling import rejection_step, sample, warp
+from .stats import GenResult, GenStats
 from .weights import engine_model
-
-
-@dataclass
-class GenStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0  # all target forwards, prefill included
-    rounds: int = 0  # target forwards after prefill (one per decode step / speculative round)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-    # accepted_per_depth[d-1]: rounds whose accepted path reached depth d; proposed_per_depth[d-1]: rounds
-    # whose path reached depth d-1 and the tree had candidates below it (so depth d was attempted)
-    accepted_per_depth: list[int] = field(default_factory=list)
-    proposed_per_depth: list[int] = field(default_factory=list)
-    lookup_proposed: int = 0  # tree nodes only context lookup proposed (not also a draft candidate)
-    lookup_accepted: int = 0  # accepted tokens that came from those nodes
-    ngram_proposed: int = 0  # the same for the n-gram table's nodes (rounds where context lookup had nothing)
-    ngram_accepted: int = 0
-    draft_forwards: int = 0  # draft-layer calls (step 0 and each tree depth): a count, unlike draft_s, tests can trust
-
-    @property
-    def tau(self) -> float:
-        """Tokens per target forward after prefill, bonus included. The prefill's own token is not
-        counted, so plain decoding measures exactly 1.0; 0.0 when there was no round."""
-        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
-
-    @property
-    def tok_s(self) -> float:
-        """new tokens / total time (prefill included)."""
-        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        dt = self.total_s - self.prefill_s
-        return (self.new_tokens - 1) / dt if dt > 0 and self.new_tokens > 1 else 0.0
-
-    @property
-    def accept_rates(self) -> list[float]:
-        """Conditional acceptance per depth: P(depth d accepted | depth d-1 accepted and d attempted)."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_depth, self.proposed_per_depth, strict=True)]
-
-    @property
-    def draft_share(self) -> float:
-        """Drafting time / (drafting + verification) time over the rounds."""
-        t = self.draft_s + self.verify_s
-        return self.draft_s / t if t > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(tau=self.tau, tok_s=self.tok_s, decode_tok_s=self.decode_tok_s, accept_rates=self.accept_rates,
-                 draft_share=self.draft_share)
-        return d
-
-
-@dataclass
-class GenResult:
-    token_ids: list[int]  # new tokens; an EOS that ended the generation is included
-    text: str  # decoded without special tokens; a matched stop string and what follows are cut
-    finish_reason: str  # "stop" (EOS or stop string) | "length"
-    stats: GenStats
-
-
-def check_messages(messages) -> None:
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise EngineError('messages must be a non-empty list of {"role": "...", "content": "..."} objects (strings); '
-                          f"found {str(messages)[:120]}")
-
-
-def chat_input_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat template with the generation prompt -> token ids (eyas.target.template.chat_ids: message text is text, a
-    control-token string inside a message is never the control token; the template's own stay exact)."""
-    check_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
-        raise EngineError(missing_template_message("this target's tokenizer"))
-    return chat_ids(tokenizer, messages)
 
 
 @dataclass

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 from ..target.template import raw_ids
-from .decode import Engine, GenResult, chat_input_ids, check_messages
+from .decode import Engine
 from .params import EngineError
+from .prompt import chat_input_ids, check_messages
+from .stats import GenResult
 
 
 def read_messages(arg: str) -> list[dict]:

@@ -23,9 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.decode import Engine, chat_input_ids
+from ..engine.decode import Engine
 from ..engine.load import EngineOptions, EngineUse, load_engine
 from ..engine.params import DRAFT_METHODS, EngineError, SamplingParams
+from ..engine.prompt import chat_input_ids
 from ..errors import EyasError
 from ..target.load import Target
 from ..target.template import draft_template_warning, raw_ids
