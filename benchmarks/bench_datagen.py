@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from eyas.data.capture import capture_samples, length_batches
 from eyas.data.conversations import load_conversations, render, tokenize_conversation
-from eyas.data.datagen import DatagenConfig, capture_samples, length_batches, run_datagen
+from eyas.data.datagen import DatagenConfig, run_datagen
 from eyas.data.regen import generate_replies, regen_engine, stop_token_ids
 from eyas.target.load import load_target
 

@@ -12,8 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from eyas.cli import app
+from eyas.data.capture import length_batches
 from eyas.data.conversations import load_conversations, masked_spans, render, tokenize_conversation
-from eyas.data.datagen import DatagenConfig, DatagenError, length_batches, run_datagen
+from eyas.data.datagen import DatagenConfig, DatagenError, run_datagen
 from eyas.data.regen import (
     _loop_criteria,
     engine_generate,

@@ -1,4 +1,5 @@
-"""`eyas datagen --engine vllm` (eyas/data/datagen.py, eyas/vllm/session.py, eyas/vllm/capture_worker.py).
+"""`eyas datagen --engine vllm` (eyas/data/datagen.py, eyas/data/datagen_vllm.py, eyas/vllm/session.py,
+eyas/vllm/capture_worker.py).
 
 The vllm-marked test drives the real vLLM (its own environment, `make vllm`) on the bundled target in fp32 and
 skips when no vLLM python is found: vLLM writes the replies and, through extract_hidden_states, the layout's

@@ -10,7 +10,8 @@ import each other):
   target   eyas/target: family policy, device, conversion, load, capture
   draft    eyas/draft.py and eyas/inspect.py: the EAGLE-3 module over a target; inspect over a target
   engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, stats, prompt, decode, load, report
-  data     eyas/data: conversations, datagen, shards, ngrams (needs the target to capture)
+  data     eyas/data: conversations, regen, shards, datagen_config, capture, chunks, manifest, datagen_vllm,
+           datagen, ngrams (needs the target to capture)
   train    eyas/train: config, sources, checkpoint, ttt, step, prepare, report, loop (reads shards)
   doctor   eyas/doctor: checks, inference, flags lint, trace (measures with ttt)
   interop  eyas/interop: conventions, formats, export, import (import asks the doctor's layout inference)

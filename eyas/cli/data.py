@@ -60,7 +60,8 @@ def datagen(
     resumable safetensors shards with the layout recorded."""
     import sys
 
-    from ..data.datagen import DatagenConfig, run_datagen, summary
+    from ..data.datagen import DatagenConfig, run_datagen
+    from ..data.manifest import summary
     from ..text import parse_int_list
 
     with user_errors():

@@ -46,7 +46,7 @@ BATCH_TOKENS = 8192  # padded tokens per ttt_forward batch
 
 def _batches(lengths: list[int], budget: int = BATCH_TOKENS) -> list[list[int]]:
     """Sample indices grouped by similar length so that (longest x count) stays within budget."""
-    from ..data.datagen import length_batches
+    from ..data.capture import length_batches
 
     return length_batches(lengths, 1 << 30, budget)
 

@@ -111,7 +111,7 @@ def _load_target(cfg: TrainConfig, source_desc: dict[str, Any] | None):
 def _no_samples(cfg: TrainConfig, source: ShardSource | OnlineSource) -> TrainError:
     """The no-training-samples error, naming why: the skip reasons datagen recorded in the shard manifests and
     this run's own (samples with no loss token within --max-len), or a held-out split that took every sample."""
-    from ..data.datagen import skip_summary
+    from ..data.datagen_config import skip_summary
 
     skipped = dict(source.skipped)
     if isinstance(source, ShardSource):
