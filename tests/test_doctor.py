@@ -332,9 +332,15 @@ def test_missing_target_hidden_size_same_sizes_only_warns(pair, tmp_path):
 
 
 def _set_weights(d: Path, **tensors) -> None:
+    """Plant a consistent-but-wrong draft: the weights change and the manifest records them, as a draft written
+    that way would (a digest mismatch alone is the damaged-file error, tested elsewhere)."""
+    from eyas.files import file_record
+
     sd = load_file(str(d / "model.safetensors"))
     sd.update(tensors)
     save_file(sd, str(d / "model.safetensors"))
+    edit_json(d / "eyas_manifest.json",
+              lambda m: m.setdefault("files", {}).update({"model.safetensors": file_record(d / "model.safetensors")}))
 
 
 def test_stale_vocab_mapping_t2d(pair, tmp_path):
