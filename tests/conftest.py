@@ -57,3 +57,15 @@ def smollm2_tokenizer(smollm2_tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_py():
+    """vLLM's python for the tests that run the real engine (a skip, with the reason, where there is none; found
+    here rather than at collection, because finding it imports vLLM once)."""
+    from eyas.vllm.env import VllmError, vllm_python
+
+    try:
+        return vllm_python(needed_for="the vLLM tests")
+    except VllmError as e:
+        pytest.skip(f"no vLLM python: {e}")

@@ -18,7 +18,6 @@ from eyas.cli import app
 from eyas.data.datagen import DatagenConfig, run_datagen
 from eyas.data.shards import ShardSet
 from eyas.target.capture import capture
-from eyas.vllm.env import VllmError, vllm_python
 
 # fp32 on both sides; the states differ only by summation order (vLLM's fused kernels vs torch's), measured
 # ~3e-6 of a token's norm. The residual stream carries massive activations (RMS ~1000 at position 0), so the
@@ -29,15 +28,6 @@ ROWS = [
     {"conversations": [{"from": "human", "value": "Name three birds of prey."}, {"from": "gpt", "value": "x"}]},
     {"conversations": [{"from": "human", "value": "What is 7 times 8?"}, {"from": "gpt", "value": "x"}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def vllm_py():
-    """vLLM's python (a skip, with the reason, where there is none)."""
-    try:
-        return vllm_python(needed_for="tests/test_datagen_vllm.py")
-    except VllmError as e:
-        pytest.skip(f"no vLLM python: {e}")
 
 
 @pytest.mark.vllm

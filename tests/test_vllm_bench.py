@@ -9,19 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from eyas.vllm.env import VllmError, vllm_python
 
 K = 3
-
-
-@pytest.fixture(scope="module")
-def vllm_py():
-    """vLLM's python (a skip, with the reason, where there is none; found here, not at collection, because
-    finding it imports vLLM once)."""
-    try:
-        return vllm_python(needed_for="tests/test_vllm_bench.py")
-    except VllmError as e:
-        pytest.skip(f"no vLLM python: {e}")
 
 
 @pytest.mark.vllm
