@@ -84,12 +84,20 @@ ID_CONVENTIONS = tuple(CONVENTIONS)  # the --ids-convention choices
 
 def default_aux_indices(num_layers: int) -> list[int]:
     """EAGLE-3 default: inputs of layers {2, L//2, L-3}, i.e. stream indices [2, L//2, L-3]; every engine's
-    default is this stream, written in its own ids (`default_ids`)."""
+    default is this stream, written in its own ids (`default_ids`). Always distinct and strictly increasing:
+    a repeated stream would feed the draft the same hidden state twice."""
     L = num_layers
+    if L < 1:
+        raise LayoutError(f"a target with {L} layers has no hidden-state stream to capture; expected at least 1 "
+                          "decoder layer (check the config's num_hidden_layers)")
     if L < 4:
-        # with L < 4 the defaults collide or run off the stream; spread over what exists
+        # fewer than 3 inner streams (1..L-1) exist: as many distinct ones as fit, the last stream for L = 1
         return sorted({min(1, L), max(1, L // 2), L - 1 if L > 1 else L})
-    return [2, L // 2, L - 3]
+    if 2 < L // 2 < L - 3:  # L >= 7: the published default
+        return [2, L // 2, L - 3]
+    # L = 4..6: [2, L//2, L-3] repeats a stream; early, middle and late inner streams instead, all within
+    # 1..L-1 so every engine's convention (SGLang's output-of ids included) can express them
+    return [1, L // 2, L - 1]
 
 
 def convention(engine: str) -> Convention:

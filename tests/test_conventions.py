@@ -34,6 +34,29 @@ def test_every_expressible_layout_round_trips(engine):
         to_engine_ids([hi + 1], engine, L)
 
 
+def test_default_aux_indices_small_targets_are_distinct():
+    # [2, L//2, L-3] repeats a stream below 7 layers: early/middle/late inner streams instead
+    assert default_aux_indices(4) == [1, 2, 3]
+    assert default_aux_indices(5) == [1, 2, 4]
+    assert default_aux_indices(6) == [1, 3, 5]
+    assert default_aux_indices(7) == [2, 3, 4]
+    with pytest.raises(LayoutError, match="at least 1 decoder layer"):
+        default_aux_indices(0)
+
+
+@pytest.mark.parametrize("layers", range(1, 65))
+def test_default_aux_indices_sweep(layers):
+    idx = default_aux_indices(layers)
+    assert idx == sorted(set(idx)) and len(idx) == min(3, max(1, layers - 1))
+    assert all(0 <= k <= layers for k in idx)
+    if layers >= 4:  # every engine (SGLang's output-of ids too) can express them
+        assert all(1 <= k <= layers - 1 for k in idx)
+        for engine in CONVENTIONS:
+            assert from_engine_ids(to_engine_ids(idx, engine, layers), engine, layers) == idx
+    if layers >= 7:
+        assert idx == [2, layers // 2, layers - 3]
+
+
 def test_tables_match_design_facts_for_30_layers():
     assert default_aux_indices(L) == [2, 15, 27]
     table = engine_ids_table([2, 15, 27], L)

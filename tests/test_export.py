@@ -263,7 +263,7 @@ def test_unsorted_layout_exports_in_engine_order(tmp_path, target):
         a = draft_logits(orig.model, target, [6, 1, 3])
         b = draft_logits(back.model, target, [1, 3, 6])
         assert torch.allclose(a, b, atol=1e-5) and torch.equal(a.argmax(-1), b.argmax(-1))
-    dup = make_draft(tmp_path / "dup", target, [2, 2, 1])  # what default_aux_indices(4) gives a 4-layer target
+    dup = make_draft(tmp_path / "dup", target, [2, 2, 1])  # a repeated stream (default_aux_indices(4) gave this once)
     with pytest.raises(ExportError, match="repeats a stream index"):
         export(dup, "vllm", tmp_path / "dup-vl", target)
 
