@@ -5,6 +5,7 @@ mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write from 
 `remove_stale_temps` clears once the pid is gone. `read_json` is the
 matching reader: a file that is not JSON is one error line naming the file and the fix. `file_record` is what a
 manifest records of each tensor file it lists (size and sha256); `check_file` verifies a file against it.
+`portable_command` and `portable_paths` keep the paths of the machine that made an artifact out of its records.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,35 @@ def check_file(path: str | Path, record: dict[str, Any] | None, error: type[Eyas
     why = damaged(path, record)
     if why is not None:
         raise error(f"{path}: {why}; {fix}")
+
+
+# ---- lineage records: what an artifact says about how it was made, without the paths of one machine --------
+
+def portable_command(argv: list[str] | None = None) -> str:
+    """The command line as it can be typed again elsewhere: the program by its name (`eyas`), not the path of the
+    environment it ran from (`/home/me/.venv/bin/eyas`)."""
+    args = list(sys.argv if argv is None else argv)
+    if args:
+        args[0] = Path(args[0]).name
+    return " ".join(args)
+
+
+def portable_paths(value: Any, folder: str | Path, name: str) -> Any:
+    """`value` (a manifest's strings, lists and dicts) with `folder` and every path under it, alone or as one word
+    of a command line, written as `name`/...: a shipped artifact says where things were inside its work folder
+    ('WORK/data-self-from-2000'), not where that folder was on the machine that made it."""
+    roots = {str(Path(folder)), str(Path(folder).resolve())}
+
+    def word(w: str) -> str:
+        for r in roots:
+            if w == r or w.startswith(r + "/"):
+                return name + w[len(r):]
+        return w
+
+    if isinstance(value, str):
+        return " ".join(word(w) for w in value.split(" "))
+    if isinstance(value, list):
+        return [portable_paths(v, folder, name) for v in value]
+    if isinstance(value, dict):
+        return {k: portable_paths(v, folder, name) for k, v in value.items()}
+    return value

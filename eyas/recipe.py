@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import __version__
 from .errors import EyasError
+from .files import atomic_folder, atomic_write_json, portable_paths, read_json
 
 if TYPE_CHECKING:
     from .data.datagen import DatagenConfig
@@ -152,7 +154,6 @@ def init_dir(cfg: RecipeConfig) -> Path | None:
     if not cfg.init_from:
         return None
     from .draft import bundled_draft_path
-    from .files import atomic_folder
 
     src = bundled_draft_path() if cfg.init_from == "default" else Path(cfg.init_from)
     weights = src / "model.safetensors"
@@ -214,7 +215,6 @@ def trained_dir(cfg: RecipeConfig) -> Path:
 
 
 def stage_train(cfg: RecipeConfig, log=print) -> Path:
-    from .files import atomic_write_json
     from .train.config import TrainConfig
     from .train.loop import train
 
@@ -272,10 +272,11 @@ def stage_ship(cfg: RecipeConfig, log=print) -> Path:
     dest = Path(cfg.ship_to) if cfg.ship_to else bundled_draft_path()
     extra = {k: v for k, v in ck.manifest.items() if k not in ("kind", "format_version", "layout", "draft_config")}
     extra["shipped"] = {"from": str(src), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "recipe": asdict(cfg), "dtype": "float16"}
+                        "recipe": asdict(cfg), "dtype": "float16", "eyas_version": __version__}
     extra["lineage"] = lineage(ck.manifest)
     extra["total_training_time_s"] = round(sum(r.get("training_time_s") or 0.0 for r in extra["lineage"])
                                            + (ck.manifest.get("training_time_s") or 0.0), 2)
+    extra = portable_paths(extra, cfg.work, "WORK")  # the lineage names folders in the work folder, not this disk
     save_draft(dest, ck.model, ck.layout, extra=extra, dtype=torch.float16)
     shutil.copy(src.parent / "metrics.jsonl", dest / "metrics.jsonl") if (src.parent / "metrics.jsonl").exists() \
         else None
@@ -284,12 +285,18 @@ def stage_ship(cfg: RecipeConfig, log=print) -> Path:
         raise RecipeError(f"shipped draft is {size / 2**20:.1f} MiB, over the 40 MiB budget; lower --draft-vocab")
     log(f"[recipe] shipped {src} -> {dest} ({size / 2**20:.1f} MiB, fp16)")
     if ngram_dir(cfg).is_dir():
+        from .engine.ngram import MANIFEST as NGRAM_MANIFEST
         from .engine.ngram import bundled_ngram_path, load_ngram
-        from .files import atomic_folder
 
         load_ngram(ngram_dir(cfg))  # a torn or foreign table is refused before it replaces the shipped one
         to = dest.with_name(dest.name + "-ngram") if cfg.ship_to else bundled_ngram_path()
-        atomic_folder(to, lambda tmp: shutil.copytree(ngram_dir(cfg), tmp, dirs_exist_ok=True))
+
+        def copy(tmp: Path) -> None:
+            shutil.copytree(ngram_dir(cfg), tmp, dirs_exist_ok=True)
+            man = tmp / NGRAM_MANIFEST  # not digested: its paths can be rewritten without touching the table
+            atomic_write_json(man, portable_paths(read_json(man, RecipeError, "recount it"), cfg.work, "WORK"))
+
+        atomic_folder(to, copy)
         log(f"[recipe] shipped {ngram_dir(cfg)} -> {to}")
     return dest
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eyas.data.shards import ShardSet
+from eyas.files import portable_paths
 from eyas.recipe import RecipeConfig, RecipeError, _data_folders, data_jobs, run_recipe, trained_dir, use_bf16
 
 
@@ -105,7 +106,10 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     table = json.loads((work / "ngram" / "eyas_manifest.json").read_text())
     assert res["ngram"]["path"] == str(work / "ngram") and table["reply_tokens"] > 0
     assert table["data_hash"] == ShardSet([work / "data-regen"]).hash()
-    assert json.loads((tmp_path / "shipped-ngram" / "eyas_manifest.json").read_text()) == table
+    shipped_table = json.loads((tmp_path / "shipped-ngram" / "eyas_manifest.json").read_text())
+    assert shipped_table == portable_paths(table, work, "WORK")  # the same record, paths named inside WORK
+    assert shipped_table["sources"][0]["folder"] == "WORK/data-regen"
+    assert str(work) not in json.dumps(shipped_table) + json.dumps(ck.manifest)
     before = load_file(ship / "model.safetensors")
     steps = (run / "train_log.jsonl").read_text().splitlines()  # one line per training step
 
@@ -129,5 +133,6 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     run_recipe(replace(warm, stages=("ship",)), log=lambda *a: None)  # the lineage adds up both runs' time
     shipped = load_draft(ship).manifest
     assert [r["data_hash"] for r in shipped["lineage"]] == [load_draft(init).manifest["data"]["hash"]]
+    assert shipped["lineage"][0]["draft"] == f"WORK/{init.name}" and str(work) not in json.dumps(shipped)
     assert shipped["total_training_time_s"] == pytest.approx(
         shipped["lineage"][0]["training_time_s"] + shipped["training_time_s"], abs=0.02)

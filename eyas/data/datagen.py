@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..files import atomic_write_json
+from ..files import atomic_write_json, portable_command
 from ..layout import Layout, LayoutError
 from ..target.device import parse_dtype
 from ..target.load import Target, load_target
@@ -72,7 +72,7 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     try:
         m = open_manifest(out, cfg, target, layout, conf, log)
         m["config"]["regen_engine"] = conf.get("regen_engine")
-        m["commands"].append(command or " ".join(sys.argv))
+        m["commands"].append(command or portable_command())
         atomic_write_json(out / MANIFEST, m)
         if py is not None:  # started at the first chunk with work: a finished folder costs no vLLM start
             def start() -> VllmSession:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.ngram import NgramError, count_ngrams, write_ngram
+from ..files import portable_command
 from .shards import ShardSet
 
 
@@ -56,7 +56,7 @@ def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
     seconds = round(time.perf_counter() - t0, 1)
     out = write_ngram(cfg.out, table, {
         "target": ss.layout.target.to_dict(), "config": asdict(cfg), "sources": sources, "data_hash": ss.hash(),
-        "reply_tokens": reply_tokens, "command": " ".join(sys.argv), "seconds": seconds})
+        "reply_tokens": reply_tokens, "command": portable_command(), "seconds": seconds})
     log(f"[ngram] {sum(len(v) for v in table.values())} contexts (order <= {cfg.order}, min count "
         f"{cfg.min_count}) from {reply_tokens} reply tokens -> {out} ({seconds} s)")
     return out

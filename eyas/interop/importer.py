@@ -9,7 +9,6 @@ how the layout was decided. When the ids are missing or ambiguous it runs the do
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from .. import __version__
 from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
 from ..doctor.inference import infer_layout, layout_candidates
 from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
-from ..files import read_json
+from ..files import portable_command, read_json
 from ..layout import Layout, LayoutError
 from .export import ExportError, check_out, sha256_of
 from .formats import check_vocab_map, detect_format, draft_config_from, explain_unexpected, to_eyas_names
@@ -345,7 +344,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
         "dropped_target_owned": sorted(extra),
     }
     extra_manifest = {"import": info, "target_source": target.source,
-                      "commands": [command or " ".join(sys.argv)], "eyas_version": __version__}
+                      "commands": [command or portable_command()], "eyas_version": __version__}
     out = Path(out)
     save_draft(out, model, layout, extra=extra_manifest)
     ckpt = load_draft(out)

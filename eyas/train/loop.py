@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from .. import __version__
 from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import Eagle3Draft, save_draft
+from ..files import portable_command
 from ..vocab import DraftVocab
 from .checkpoint import (
     check_resume,
@@ -243,8 +245,8 @@ class Trainer:
                 "data": {**d.source.describe(), "train_samples": len(d.source.train),
                          "heldout_samples": len(d.heldout)},
                 "metrics": self.last_eval, "step": at.step, "total_steps": self.total, "tokens_seen": at.tokens_seen,
-                "training_time_s": round(at.train_time_s, 2), "command": " ".join(sys.argv),
-                "world_size": self.dd.world, "versions": {"torch": torch.__version__}}
+                "training_time_s": round(at.train_time_s, 2), "command": portable_command(),
+                "world_size": self.dd.world, "versions": {"eyas": __version__, "torch": torch.__version__}}
 
     def header(self) -> str:
         d, v = self.data, self.vocab
