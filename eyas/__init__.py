@@ -1,3 +1,3 @@
 """eyas: EAGLE-3 speculative decoding with the hidden-state wiring checked end to end."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
