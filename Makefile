@@ -33,8 +33,9 @@ demo: setup
 	$(VENV)/bin/eyas bench --bench mt-bench --limit $(BENCH_LIMIT) --max-new-tokens $(BENCH_TOKENS) \
 		--methods $(BENCH_METHODS) --draft default $(BENCH_ARGS)
 
-# Optional peer for `eyas bench --methods ...,llama-cpp`: llama-cpp-python builds llama.cpp from source (~20 minutes
-# on 2 cores). Never part of setup, test or CI.
+# Optional peers for `eyas bench --methods ...,llama-cpp,llama-cpp-c` (the binding's `Llama`; llama.cpp's C API through
+# its ctypes bindings): llama-cpp-python builds llama.cpp from source (~20 minutes on 2 cores). Never part of setup,
+# test or CI.
 llama-cpp: setup
 	$(PY) -m pip install llama-cpp-python==0.3.36
 	$(PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"

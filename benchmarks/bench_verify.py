@@ -5,9 +5,10 @@
 
 Each eyas mode runs the engine's forward (eyas.model) with a tree mask, all-row logits and the draft's three
 captured streams, i.e. exactly what a verification round costs; the median of --repeats timings is reported
-with its ratio to S = 1 (one decode step). --llama-cpp adds llama.cpp (llama-cpp-python, `make llama-cpp`) on
-the same GGUF: a batch of S tokens with all-row logits after the same context. The modes are interleaved per
-repeat so load drift hits all of them. Compare ratios within one run, never across runs.
+with its ratio to S = 1 (one decode step). --llama-cpp adds llama.cpp on the same GGUF through its C API
+(llama-cpp-python's ctypes bindings, `make llama-cpp`; eyas.bench.llama_c): one llama_decode of S tokens with
+all-row logits after the same context, the previous batch dropped from the KV cache first. The modes are
+interleaved per repeat so load drift hits all of them. Compare ratios within one run, never across runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from eyas.bench.llama_c import LlamaC
 from eyas.engine.weights import engine_model
 from eyas.target.load import load_target
 
@@ -55,17 +57,18 @@ def main() -> None:
         runners[f"eyas {w}"] = run
     if a.llama_cpp:
         try:
-            import llama_cpp
+            import llama_cpp  # noqa: F401
         except ImportError:
             print("skipping llama.cpp: llama-cpp-python is not installed (make llama-cpp)")
         else:
-            llm = llama_cpp.Llama(model_path=str(t.gguf), n_ctx=a.context + 64, n_threads=a.threads,
-                                  n_threads_batch=a.threads, logits_all=True, verbose=False)
-            llm.eval(ctx[0].tolist())
+            if t.gguf is None:
+                raise SystemExit(f"error: --llama-cpp needs a GGUF target; {a.target!r} is not one")
+            llm = LlamaC(t.gguf, a.threads, n_ctx=a.context + max(rows) + 64)
+            llm.prefill(ctx[0].tolist())
 
             def run_llama(S: int) -> None:
-                llm.n_tokens = a.context  # drop the previous batch from the KV cache position
-                llm.eval(new[0, :S].tolist())
+                llm.truncate(a.context)  # drop the previous batch from the KV cache
+                llm.decode_rows(new[0, :S].tolist())
             runners["llama.cpp"] = run_llama
     times: dict[str, dict[int, list[float]]] = {k: {S: [] for S in rows} for k in runners}
     for _ in range(a.repeats):

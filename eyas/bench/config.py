@@ -13,7 +13,9 @@ from ..text import parse_int_list as parse_ints
 from .vllm_peer import VLLM_METHODS
 
 METHODS = ("hf-greedy", "plain", "chain", "tree", "tree-lookup", "lookup", "lookup-context", "hf-lookup")
-OPTIONAL_METHODS = ("llama-cpp",)  # peers outside the default install: asked for by name, skipped when absent
+# peers outside the default install: asked for by name, skipped when absent. llama-cpp: llama-cpp-python's `Llama`
+# (Python-side sampling per token); llama-cpp-c: llama.cpp's C API through the same package's ctypes bindings
+OPTIONAL_METHODS = ("llama-cpp", "llama-cpp-c")
 ENGINE_METHODS = ("plain", "chain", "tree", "tree-lookup", "lookup", "lookup-context")
 DRAFT_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tree with lookup candidates merged in
 # lookup: the lookup chain alone, with the n-gram table where the context has no match (as `eyas generate --method
@@ -21,7 +23,7 @@ DRAFT_METHODS = ("chain", "tree", "tree-lookup")  # tree-lookup: the EAGLE-3 tre
 LOOKUP_METHODS = ("lookup", "lookup-context")
 SPEC_METHODS = (*DRAFT_METHODS, *LOOKUP_METHODS)  # speculative, so checked lossless
 HF_METHODS = ("hf-greedy", "hf-lookup")
-PEER_METHODS = (*HF_METHODS, "llama-cpp")  # other engines: compared for speed, not expected to be token-identical
+PEER_METHODS = (*HF_METHODS, *OPTIONAL_METHODS)  # other engines: compared for speed, not expected to be token-identical
 WARMUP_TOKENS = 16
 SKIP_SPEC = "--methods hf-greedy,plain,hf-lookup to skip the speculative methods"  # a run without a draft
 # the closest path for a target the engine forward cannot run

@@ -1,5 +1,6 @@
-"""One generation per bench method: HF greedy and prompt lookup, the eyas engine, llama.cpp; each a runner
-(input ids, max new tokens) -> Output, timed over the whole call (prefill included)."""
+"""One generation per bench method: HF greedy and prompt lookup, the eyas engine, llama.cpp (its Python binding's
+`Llama` and its C API); each a runner (input ids, max new tokens) -> Output, timed over the whole call (prefill
+included)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Output:
     target_forwards: int
     finish: str  # "stop" | "length"
     stats: dict[str, Any] | None = None  # eyas GenStats fields
+    prefill_s: float | None = None  # peers that can tell: the prompt's forward and the first token (eyas: stats)
 
 
 def stop_ids(target: Target) -> list[int]:
@@ -76,19 +78,28 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
     return run
 
 
+def _llama_cpp_absent(method: str, target: Target) -> bool:
+    """True, with a one-line note, when llama-cpp-python is not installed or the target is not a GGUF."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(f"bench: skipping {method}: llama-cpp-python is not installed (make llama-cpp builds it, ~20 min)",
+              file=sys.stderr)
+        return True
+    if target.gguf is None:
+        print(f"bench: skipping {method}: {target.source!r} is not a GGUF target", file=sys.stderr)
+        return True
+    return False
+
+
 def llama_cpp_runner(target: Target, end_ids: list[int], threads: int | None,
                      n_ctx: int = 4096) -> Callable[..., Output] | None:
-    """llama.cpp (llama-cpp-python, `make llama-cpp`) greedy on the target's own GGUF, fed the same prompt
-    token ids. None, with a one-line note, when it is not installed or the target is not a GGUF."""
-    try:
-        import llama_cpp
-    except ImportError:
-        print("bench: skipping llama-cpp: llama-cpp-python is not installed (make llama-cpp builds it, ~20 min)",
-              file=sys.stderr)
+    """llama.cpp through llama-cpp-python's high-level `Llama` (logits copied to numpy and sampled in Python each
+    step) greedy on the target's own GGUF, fed the same prompt token ids. None when absent (_llama_cpp_absent)."""
+    if _llama_cpp_absent("llama-cpp", target):
         return None
-    if target.gguf is None:
-        print(f"bench: skipping llama-cpp: {target.source!r} is not a GGUF target", file=sys.stderr)
-        return None
+    import llama_cpp
+
     nt = threads or torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(target.gguf), n_ctx=n_ctx, n_threads=nt, n_threads_batch=nt,
                           n_batch=512, verbose=False)
@@ -96,17 +107,39 @@ def llama_cpp_runner(target: Target, end_ids: list[int], threads: int | None,
     def run(input_ids: list[int], max_new_tokens: int) -> Output:
         llm.reset()
         t0 = time.perf_counter()
+        first = None
         out: list[int] = []
         forwards = 0
         for tok in llm.generate(input_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                 reset=True):
+            first = first or time.perf_counter()
             forwards += 1
             out.append(int(tok))
             if tok in end_ids or len(out) >= max_new_tokens:
                 break
         dt = time.perf_counter() - t0
         ids, finish = _strip_end(out, end_ids)
-        return Output(ids, dt, forwards, finish or "length")
+        return Output(ids, dt, forwards, finish or "length", prefill_s=first - t0 if first else None)
+
+    return run
+
+
+def llama_cpp_c_runner(target: Target, end_ids: list[int], threads: int | None,
+                       n_ctx: int = 4096) -> Callable[..., Output] | None:
+    """llama.cpp's C API (eyas.bench.llama_c: one llama_decode and one llama_sampler_sample per token, no Python
+    sampling) greedy on the target's own GGUF, fed the same prompt token ids; stops on the bench's end ids and on
+    llama.cpp's end-of-generation tokens. None when absent (_llama_cpp_absent)."""
+    if _llama_cpp_absent("llama-cpp-c", target):
+        return None
+    from .llama_c import LlamaC
+
+    llm = LlamaC(target.gguf, threads or torch.get_num_threads(), n_ctx)
+    stop = set(end_ids)
+
+    def run(input_ids: list[int], max_new_tokens: int) -> Output:
+        g = llm.greedy(input_ids, max_new_tokens, stop)
+        ids = g.token_ids[:-1] if g.stopped else g.token_ids  # the end token is not content
+        return Output(ids, g.seconds, g.decodes, "stop" if g.stopped else "length", prefill_s=g.prefill_s)
 
     return run
 
@@ -141,8 +174,8 @@ def build_runners(cfg: BenchConfig, target: Target, draft: DraftCheckpoint | Non
             runners[m] = hf_runner(target, end_ids)
         elif m == "hf-lookup":
             runners[m] = hf_runner(target, end_ids, lookup_tokens=cfg.lookup_tokens)
-        elif m == "llama-cpp":
-            run = llama_cpp_runner(target, end_ids, cfg.threads)
+        elif m in ("llama-cpp", "llama-cpp-c"):
+            run = (llama_cpp_runner if m == "llama-cpp" else llama_cpp_c_runner)(target, end_ids, cfg.threads)
             if run is not None:
                 runners[m] = run
         elif m in VLLM_METHODS:

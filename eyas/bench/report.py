@@ -138,14 +138,15 @@ def render(results: dict[str, Any]) -> None:
     if draft.get("untrained"):
         title += " [red](UNTRAINED draft: numbers meaningless)[/red]"
     t = Table(title=title)
-    for col in ("method", "tok/s", "vs HF greedy", "vs plain", "tau", "accept per depth", "draft overhead",
-                f"= {ref or 'ref'}"):
+    for col in ("method", "tok/s", "decode tok/s", "vs HF greedy", "vs plain", "tau", "accept per depth",
+                "draft overhead", f"= {ref or 'ref'}"):
         t.add_column(col, justify="left" if col in ("method", "accept per depth") else "right")
     for m, s in summ.items():
         acc = " ".join(fmt(a, ".2f") for a in s["accept_per_depth"]) if s["accept_per_depth"] else "-"
         same = "ref" if m == ref else (f"{s['identical']}/{s['compared']}" if s["compared"] else "n/a")
-        t.add_row(m, f"{s['tok_s']:.1f}", fmt(s["speedup_vs_hf"], ".2f", "x"), fmt(s["speedup_vs_plain"], ".2f", "x"),
-                  fmt(s["tau"]), acc, fmt(s["draft_overhead"], ".0%"), same)
+        # decode tok/s: after the prefill, where the method times it (n/a for HF and vLLM)
+        t.add_row(m, f"{s['tok_s']:.1f}", fmt(s.get("decode_tok_s"), ".1f"), fmt(s["speedup_vs_hf"], ".2f", "x"),
+                  fmt(s["speedup_vs_plain"], ".2f", "x"), fmt(s["tau"]), acc, fmt(s["draft_overhead"], ".0%"), same)
     con.print(t)
     cats = results["summary"]["categories"]
     if len(cats) > 1:

@@ -1,5 +1,6 @@
 """Bench rows and their summaries: one row per (prompt, method), the lossless marks against the reference, and
-tok/s, tau, acceptance per depth and speedups per method and per category."""
+tok/s (end to end, and after the prefill where a method times it), tau, acceptance per depth and speedups per
+method and per category."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def make_row(p: BenchPrompt, method: str, o: Output) -> dict[str, Any]:
         "seconds": round(o.seconds, 6), "tok_s": len(o.token_ids) / o.seconds if o.seconds > 0 else 0.0,
         "target_forwards": o.target_forwards, "finish": o.finish, "token_ids": o.token_ids,
     }
+    if o.prefill_s is not None:
+        row["prefill_s"] = round(o.prefill_s, 6)
     if o.stats is not None:
         row["stats"] = o.stats
         row["tau"] = o.stats["tau"]
@@ -44,11 +47,22 @@ def mark_lossless(rows: list[dict[str, Any]], reference: str | None) -> None:
             r["same_as_ref"], r["first_diff"] = d is None, d
 
 
+def decode_tok_s(rows: list[dict[str, Any]]) -> float | None:
+    """Tokens after the prefill's one per second after the prefill, over rows that time their prefill (eyas: its
+    stats; the llama.cpp peers: prefill_s); None when some row does not (HF, vLLM)."""
+    pre = [r.get("prefill_s", (r.get("stats") or {}).get("prefill_s")) for r in rows]
+    if not rows or any(p is None for p in pre):
+        return None
+    tokens = sum(r["new_tokens"] + (r["finish"] == "stop") - 1 for r in rows)
+    secs = sum(r["seconds"] - p for r, p in zip(rows, pre, strict=True))
+    return tokens / secs if secs > 0 else None
+
+
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["new_tokens"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
     s: dict[str, Any] = {"prompts": len(rows), "new_tokens": tokens, "seconds": round(secs, 4),
-                         "tok_s": tokens / secs if secs > 0 else 0.0}
+                         "tok_s": tokens / secs if secs > 0 else 0.0, "decode_tok_s": decode_tok_s(rows)}
     stats = [r["stats"] for r in rows if "stats" in r]
     if stats:  # eyas: tau over all rounds, acceptance per depth pooled over prompts
         rounds = sum(st["rounds"] for st in stats)
