@@ -111,6 +111,9 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
     max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens", help="longer prompts get a 400"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="cap (and default) for max_tokens"),
+    prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="prompt tokens per prefill forward (>= 16; 0 = "
+                                      "whole prompts): other requests run between a long prompt's chunks, so a "
+                                      "short request's first token waits about one chunk"),
     model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -129,7 +132,7 @@ def serve(
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
     with user_errors():
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
-                              max_new_tokens=max_new_tokens)
+                              max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
         cfg.check()  # bad flags fail before the model loads
         engine, tgt, used = srv.build_engine(EngineOptions(
             target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
@@ -157,7 +160,8 @@ def bench(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset; "
-                                "also vllm, vllm-eagle3 (vLLM's own environment, `make vllm`)"),
+                                "also llama-cpp, llama-cpp-c (llama.cpp via llama-cpp-python, `make llama-cpp`) and "
+                                "vllm, vllm-eagle3 (vLLM's own environment, `make vllm`)"),
     steps: int = typer.Option(4, "--steps", help="chain: draft steps per round"),
     depth: int = TreeDepthOpt,
     topk: int = TreeTopkOpt,
