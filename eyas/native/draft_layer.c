@@ -13,19 +13,25 @@ static void rms_rows_f32(const float *x, const float *w, float *out, int R, int 
     }
 }
 
-void eyas_draft_layer(const float *hidden, const float *emb, const float *cos, const float *sin,
-                      const uint8_t *wqkv, const uint8_t *wo, const uint8_t *wgu, const uint8_t *wd,
-                      const float *w_in, const float *w_hid, const float *w_post, float eps,
-                      float *kc, float *vc, int64_t maxlen, int R, int H, int nh, int kvh, int hd, int I, int start,
-                      const uint8_t *mask, float scale, float *out, int nthreads) {
+int eyas_draft_layer(const eyas_draft_layer_args *a) {
+    if (a->struct_size != sizeof(eyas_draft_layer_args)) return EYAS_EARGS;
+    const int R = a->R, H = a->H, nh = a->nh, kvh = a->kvh, hd = a->hd, I = a->I, start = a->start;
+    const int nthreads = a->nthreads;
+    const int64_t maxlen = a->maxlen;
+    const float *hidden = a->hidden, *cos = a->cos, *sin = a->sin;
+    float *kc = a->kc, *vc = a->vc;
     const int nq = nh * hd, nkv = kvh * hd, nqkv = nq + 2 * nkv, half = hd / 2;
     float *x = malloc(sizeof(float) * (size_t)R * 2 * H), *qkv = malloc(sizeof(float) * (size_t)R * nqkv);
     float *q = malloc(sizeof(float) * (size_t)R * nq), *att = malloc(sizeof(float) * (size_t)R * nq);
     float *h = malloc(sizeof(float) * (size_t)R * H), *gu = malloc(sizeof(float) * (size_t)R * 2 * I);
     float *act = malloc(sizeof(float) * (size_t)R * I), *y = malloc(sizeof(float) * (size_t)R * H);
-    rms_rows_f32(emb, w_in, x, R, H, eps, 2 * H);
-    rms_rows_f32(hidden, w_hid, x + H, R, H, eps, 2 * H);
-    eyas_q8q8_matmul(x, wqkv, qkv, R, nqkv, 2 * H, nthreads);
+    if (!(x && qkv && q && att && h && gu && act && y)) {  /* nothing written yet: the caches are untouched */
+        free(x); free(qkv); free(q); free(att); free(h); free(gu); free(act); free(y);
+        return EYAS_ENOMEM;
+    }
+    rms_rows_f32(a->emb, a->w_in, x, R, H, a->eps, 2 * H);
+    rms_rows_f32(hidden, a->w_hid, x + H, R, H, a->eps, 2 * H);
+    eyas_q8q8_matmul(x, a->wqkv, qkv, R, nqkv, 2 * H, nthreads);
     for (int r = 0; r < R; r++) {
         const float *row = qkv + (int64_t)r * nqkv, *cs = cos + (int64_t)r * hd, *sn = sin + (int64_t)r * hd;
         for (int hh = 0; hh < nh + kvh; hh++) {
@@ -40,17 +46,18 @@ void eyas_draft_layer(const float *hidden, const float *emb, const float *cos, c
         for (int hh = 0; hh < kvh; hh++)
             memcpy(vc + ((int64_t)hh * maxlen + start + r) * hd, row + nq + nkv + hh * hd, sizeof(float) * hd);
     }
-    eyas_attention(q, kc, vc, maxlen, 1, R, nh, kvh, hd, start, mask, 0, scale, att, nthreads);
-    eyas_q8q8_matmul(att, wo, h, R, H, nq, nthreads);
+    eyas_attention(q, kc, vc, maxlen, 1, R, nh, kvh, hd, start, a->mask, 0, a->scale, att, nthreads);
+    eyas_q8q8_matmul(att, a->wo, h, R, H, nq, nthreads);
     for (int64_t i = 0; i < (int64_t)R * H; i++) h[i] += hidden[i];
-    rms_rows_f32(h, w_post, x, R, H, eps, H);
-    eyas_q8q8_matmul(x, wgu, gu, R, 2 * I, H, nthreads);
+    rms_rows_f32(h, a->w_post, x, R, H, a->eps, H);
+    eyas_q8q8_matmul(x, a->wgu, gu, R, 2 * I, H, nthreads);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < I; c++) {
             const float g = gu[(int64_t)r * 2 * I + c], u = gu[(int64_t)r * 2 * I + I + c];
             act[(int64_t)r * I + c] = g / (1.0f + expf(-g)) * u;
         }
-    eyas_q8q8_matmul(act, wd, y, R, H, I, nthreads);
-    for (int64_t i = 0; i < (int64_t)R * H; i++) out[i] = h[i] + y[i];
+    eyas_q8q8_matmul(act, a->wd, y, R, H, I, nthreads);
+    for (int64_t i = 0; i < (int64_t)R * H; i++) a->out[i] = h[i] + y[i];
     free(x); free(qkv); free(q); free(att); free(h); free(gu); free(act); free(y);
+    return EYAS_OK;
 }

@@ -146,4 +146,62 @@ void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out,
                          int nthreads);
 void eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, int N, int K, int nthreads);
 
+/* ---- the entry points with many arguments take one struct by pointer (eyas/native/boundary.py mirrors each as a
+ * ctypes.Structure; eyas_args_sizes lets it compare sizes at load time, and struct_size is checked per call). They
+ * return EYAS_OK or an error code instead of crashing: */
+#define EYAS_OK 0
+#define EYAS_ENOMEM 1 /* a scratch allocation failed */
+#define EYAS_EARGS 2  /* the caller's struct_size is not this build's sizeof */
+
+/* the fused 4-bit decoder stack (q4_layers.c); per-layer arrays have L entries */
+typedef struct {
+    size_t struct_size;                 /* sizeof(eyas_q4_layers_args) as the caller laid it out */
+    float *x;                           /* [R, H] fp32, updated in place; R = B * S */
+    const uint8_t *const *wqkv;         /* 4-bit tiles (kernels.pack_q4) of q|k|v, o, gate|up, down */
+    const uint8_t *const *wo;
+    const uint8_t *const *wgu;
+    const uint8_t *const *wd;
+    const float *const *ln1;            /* RMSNorm weights [H] before attention and before the MLP */
+    const float *const *ln2;
+    const float *cos;                   /* [R, hd] */
+    const float *sin;
+    float *const *kc;                   /* each layer's caches [B, kvh, maxlen, hd] fp32 */
+    float *const *vc;
+    const int64_t *slots;               /* [B] per-row cache slots (S = 1) or NULL */
+    const uint8_t *const *masks;        /* each layer's mask [B|1, S, start+S] or NULL (causal) */
+    const int64_t *mask_bstrides;       /* each mask's batch stride in bytes, 0 = shared */
+    float *const *store;                /* [R, H] receives stream i, or NULL */
+    int64_t maxlen;
+    float eps, scale;
+    int R, H, L, B, S, nh, kvh, hd, I, start, nthreads;
+} eyas_q4_layers_args;
+int eyas_q4_layers(const eyas_q4_layers_args *a);
+
+/* the EAGLE-3 draft layer (draft_layer.c) */
+typedef struct {
+    size_t struct_size;                 /* sizeof(eyas_draft_layer_args) as the caller laid it out */
+    const float *hidden;                /* [R, H] fp32 */
+    const float *emb;                   /* [R, H] fp32 */
+    const float *cos;                   /* [R, hd] */
+    const float *sin;
+    const uint8_t *wqkv;                /* 8-bit tiles (kernels.pack_q8) of q|k|v, o, gate|up, down */
+    const uint8_t *wo;
+    const uint8_t *wgu;
+    const uint8_t *wd;
+    const float *w_in;                  /* RMSNorm weights [H]: embedding, hidden, post-attention */
+    const float *w_hid;
+    const float *w_post;
+    float *kc;                          /* draft caches [kvh, maxlen, hd] fp32, rows written at start.. */
+    float *vc;
+    const uint8_t *mask;                /* [R, start+R] */
+    float *out;                         /* [R, H] fp32 */
+    int64_t maxlen;
+    float eps, scale;
+    int R, H, nh, kvh, hd, I, start, nthreads;
+} eyas_draft_layer_args;
+int eyas_draft_layer(const eyas_draft_layer_args *a);
+
+/* sizes[0..n) = sizeof of each struct above in declaration order; returns how many there are */
+int eyas_args_sizes(int64_t *sizes, int n);
+
 #endif
