@@ -122,57 +122,6 @@ def test_q4_1_blocks_round_trip_find_the_llama_row_order_and_run_the_4bit_kernel
         assert torch.equal(lin(x[:M]), y[:M])
 
 
-def test_portable_build_computes_the_same_bits_as_the_avx2_build(tmp_path):
-    """The 8-bit-activation kernels' plain-C path (machines without AVX2/FMA) runs the same arithmetic lane by
-    lane: a model served on either build decodes the same tokens."""
-    import ctypes
-    import shutil
-    import subprocess
-
-    cc = kernels._compiler()
-    so = tmp_path / "portable.so"
-    flags = [f for f in kernels._FLAGS if f != "-march=native"] + ["-march=x86-64"]
-    if shutil.which(cc) is None or subprocess.run([cc, *flags, *map(str, kernels._SOURCES), "-o", str(so),
-                                                     "-lm"]).returncode:
-        pytest.skip("no C compiler for the portable build")
-    port = ctypes.CDLL(str(so))
-    torch.manual_seed(5)
-    N, K, M = 40, 96, 7
-    blocks = kernels.pack_q4(torch.randint(0, 16, (N, K)), torch.rand(N, K // 32) * 0.01,
-                             -torch.rand(N, K // 32) * 0.08)
-    x = torch.randn(M, K).to(torch.bfloat16)
-    mine = torch.empty(M, N, dtype=torch.bfloat16)
-    port.eyas_q4_matmul_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(blocks.data_ptr()),
-                             ctypes.c_void_p(mine.data_ptr()), M, N, K, 1)
-    assert torch.equal(mine, kernels.q4_matmul_bf16(x, blocks, N))
-    qw = torch.randint(-127, 128, (N, K), dtype=torch.int8)
-    d = torch.rand(N, K // 32) * 0.01
-    xf = torch.randn(M, K)
-    mine8 = torch.empty(M, N)
-    tiles = kernels.pack_q8(qw, d)
-    port.eyas_q8q8_matmul(ctypes.c_void_p(xf.data_ptr()), ctypes.c_void_p(tiles.data_ptr()),
-                          ctypes.c_void_p(mine8.data_ptr()), M, N, K, 1)
-    assert torch.equal(mine8, kernels.q8q8_matmul(xf, tiles, N))
-    # attention (hd 64: the vector path; exp of 8 keys at a time) and SiLU-mul, under a tree-like mask
-    B, S, nh, kvh, hd, start, L = 1, 5, 4, 2, 64, 13, 32
-    q = torch.randn(B, S, nh, hd)
-    kc, vc = torch.randn(B, kvh, L, hd), torch.randn(B, kvh, L, hd)
-    mask = torch.rand(1, 1, S, start + S) > 0.3
-    att = torch.empty_like(q)
-    mb = mask.reshape(S, start + S).contiguous()
-    p = ctypes.c_void_p
-    port.eyas_attention.argtypes = [p, p, p, ctypes.c_int64, *[ctypes.c_int] * 6, p, ctypes.c_int64,
-                                    ctypes.c_float, p, ctypes.c_int]
-    port.eyas_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), L, B, S, nh, kvh, hd, start, mb.data_ptr(), 0,
-                        0.125, att.data_ptr(), 1)
-    assert torch.equal(att, kernels.attention(q, kc, vc, start, mask, 0.125))
-    gu = (torch.randn(3, 2 * 300) * 4).to(torch.bfloat16)
-    act = torch.empty(3, 300, dtype=torch.bfloat16)
-    port.eyas_silu_mul_bf16.argtypes = [p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    port.eyas_silu_mul_bf16(gu.data_ptr(), act.data_ptr(), 3, 300, 1)
-    assert torch.equal(act, kernels.silu_mul_bf16(gu))
-
-
 def test_unsupported_quant_type_is_refused_with_the_fix():
     t = SimpleNamespace(type_name="Q6_K", data=np.zeros((2, 210), np.uint8))
     with pytest.raises(NativeError, match="--weights fp32"):

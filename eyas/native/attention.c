@@ -7,17 +7,8 @@ static inline float fold8(const float *a) {
 
 /* q . k for hd % 16 == 0: lane t of two chains (16-element steps) takes elements t (mod 16) and t + 8 (mod 16)
  * by fused multiply-add; the chains add, then fold8 */
-static inline float dot_hd16(const float *a, const float *b, int hd) {
-    float t[8];
-#ifdef EYAS_Q4_AVX2
-    __m256 e = _mm256_setzero_ps(), o = e;
-    for (int d = 0; d < hd; d += 16) {
-        e = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), e);
-        o = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), o);
-    }
-    _mm256_storeu_ps(t, _mm256_add_ps(e, o));
-#else
-    float o[8] = {0};
+EYAS_INLINE float dot_hd16(const float *a, const float *b, int hd) {
+    float t[8], o[8] = {0};
     for (int u = 0; u < 8; u++) t[u] = 0.0f;
     for (int d = 0; d < hd; d += 16)
         for (int u = 0; u < 8; u++) {
@@ -25,23 +16,50 @@ static inline float dot_hd16(const float *a, const float *b, int hd) {
             o[u] = fmaf(a[d + 8 + u], b[d + 8 + u], o[u]);
         }
     for (int u = 0; u < 8; u++) t[u] += o[u];
-#endif
     return fold8(t);
 }
+
+#ifdef EYAS_X86
+/* the same with the two chains in two AVX2 registers */
+static inline EYAS_TGT_AVX2 float dot_hd16_avx2(const float *a, const float *b, int hd) {
+    float t[8];
+    __m256 e = _mm256_setzero_ps(), o = e;
+    for (int d = 0; d < hd; d += 16) {
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), e);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), o);
+    }
+    _mm256_storeu_ps(t, _mm256_add_ps(e, o));
+    return fold8(t);
+}
+
+/* the same with both chains in one AVX-512 register (lanes 0-7: the first chain, 8-15: the second) */
+static inline EYAS_TGT_AVX512 float dot_hd16_avx512(const float *a, const float *b, int hd) {
+    float t[8];
+    __m512 eo = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 16) eo = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), eo);
+    _mm256_storeu_ps(t, _mm256_add_ps(_mm512_castps512_ps256(eo), 
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(eo), 1))));
+    return fold8(t);
+}
+#define DOT_HD16(isa, a, b, hd) ((isa) >= EYAS_ISA_AVX512VNNI ? dot_hd16_avx512(a, b, hd) \
+                                 : (isa) >= EYAS_ISA_AVX2 ? dot_hd16_avx2(a, b, hd) : dot_hd16(a, b, hd))
+#else
+#define DOT_HD16(isa, a, b, hd) dot_hd16(a, b, hd)
+#endif
 
 /* one query row of one head over its visible keys, in position order: scores and max, exp-weights (hidden
  * keys weigh exactly 0 and are skipped), their sum, then the weighted values. Keys are walked one by one in
  * slot order and every per-key quantity is the key's own, so a tree row (its ancestors at other slots, the
  * rest masked) computes the bits the same token gets in plain decoding. hd % 16 == 0 runs dot_hd16 and
- * fused multiply-adds; other head sizes the plain-C path. hd is a literal at the call sites. */
-static inline void attend_row(const float *qi, const float *kb, const float *vb, const uint8_t *mi, int lim,
-                              float scale, float *row, float *o, const int hd) {
+ * fused multiply-adds; other head sizes the plain-C path. hd is a literal at the call sites, isa a constant. */
+EYAS_INLINE void attend_row(const int isa, const float *qi, const float *kb, const float *vb, const uint8_t *mi,
+                            int lim, float scale, float *row, float *o, const int hd) {
     const int v16 = hd % 16 == 0;
     float m = -INFINITY;
     for (int j = 0; j < lim; j++) {
         float sj = -INFINITY;
         if (!mi || mi[j]) {
-            sj = (v16 ? dot_hd16(qi, kb + (int64_t)j * hd, hd) : dot_f32(qi, kb + (int64_t)j * hd, hd)) * scale;
+            sj = (v16 ? DOT_HD16(isa, qi, kb + (int64_t)j * hd, hd) : dot_f32(qi, kb + (int64_t)j * hd, hd)) * scale;
             if (sj > m) m = sj;
         }
         row[j] = sj;
@@ -51,7 +69,7 @@ static inline void attend_row(const float *qi, const float *kb, const float *vb,
     float l = 0.0f;
     if (m != -INFINITY) {
         for (int j = 0; j < lim; j++) row[j] -= m;
-        exp_det_n(row, lim);
+        EXP_DET_N(isa, row, lim);
         for (int j = 0; j < lim; j++) l += row[j];
         for (int j = 0; j < lim; j++) {
             const float p = row[j];
@@ -67,6 +85,18 @@ static inline void attend_row(const float *qi, const float *kb, const float *vb,
     for (int d = 0; d < hd; d++) o[d] = acc[d] * inv;
 }
 
+/* one (sequence, head, row) work item; the head sizes in use as literals */
+EYAS_INLINE void attend_item_body(const int isa, const float *qi, const float *kb, const float *vb,
+                                  const uint8_t *mi, int lim, float scale, float *row, float *o, int hd) {
+    switch (hd) {
+    case 64: attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, 64); break;
+    case 128: attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, 128); break;
+    default: attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd);
+    }
+}
+EYAS_VARIANTS(attend_item, (const float *qi, const float *kb, const float *vb, const uint8_t *mi, int lim,
+                            float scale, float *row, float *o, int hd), qi, kb, vb, mi, lim, scale, row, o, hd)
+
 /* q [B, S, nh, hd]; k, v: one layer's cache [B, kvh, maxlen, hd]; keys 0..start+S-1 are valid.
  * mask: NULL (causal: row i sees keys 0..start+i) or uint8 [*, S, start+S] with batch stride mask_bstride
  * (0 = one mask for every sequence). out [B, S, nh, hd]. hd <= 256.
@@ -77,6 +107,8 @@ void eyas_attention(const float *q, const float *k, const float *v, int64_t maxl
     const int T = start + S;
     const int group = nh / kvh;
     const int items = B * nh * S;
+    void (*const item)(const float *, const float *, const float *, const uint8_t *, int, float, float *, float *,
+                       int) = EYAS_PICK(attend_item);
 #pragma omp parallel num_threads(items > 1 ? nthreads : 1)
     {
         float *row = (float *)malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
@@ -89,11 +121,7 @@ void eyas_attention(const float *q, const float *k, const float *v, int64_t maxl
             const int lim = mask ? T : start + i + 1;
             const float *qi = q + (((int64_t)b * S + i) * nh + h) * hd;
             float *o = out + (((int64_t)b * S + i) * nh + h) * hd;
-            switch (hd) {
-            case 64: attend_row(qi, kb, vb, mi, lim, scale, row, o, 64); break;
-            case 128: attend_row(qi, kb, vb, mi, lim, scale, row, o, 128); break;
-            default: attend_row(qi, kb, vb, mi, lim, scale, row, o, hd);
-            }
+            item(qi, kb, vb, mi, lim, scale, row, o, hd);
         }
         free(row);
     }

@@ -6,10 +6,45 @@
  * of 4 activations feeds 8 outputs. x fp32 [M, K] is quantized per row and 32-block as for 4-bit weights
  * (quantize_q8_block). A block's dot is the exact integer P = sum q * xq (AVX2 takes |q| as unsigned bytes and
  * moves q's sign onto xq; each 4-element chunk is summed to int32 at once), then acc = fma(d * dx, P, acc), block
- * after block: every (row, output) runs this sequence whatever the number of rows in the call. */
+ * after block: every (row, output) runs this sequence whatever the number of rows in the call. The AVX-512 VNNI
+ * variant sums the same |q| x sign-moved xq products with vpdpbusd straight into int32 (xq stays within
+ * -127..127, so moving a sign onto it never overflows): the same P, the same bits. */
 #define Q8_TILE 288
 
-#ifdef EYAS_Q4_AVX2
+/* the same arithmetic lane by lane, the reference the vector variants match bit for bit */
+EYAS_INLINE void q8_row_scalar(const uint8_t *tiles, int nb, const int8_t *xr, const float *dxr, float *out,
+                               int nout) {
+    float acc[8] = {0};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = tiles + (int64_t)b * Q8_TILE;
+        float dv[8];
+        memcpy(dv, t, 32);
+        const int8_t *w = (const int8_t *)(t + 32), *xb = xr + b * 32;
+        for (int j = 0; j < 8; j++) {
+            int p = 0;
+            for (int c = 0; c < 8; c++)
+                for (int e = 0; e < 4; e++) p += w[32 * c + 4 * j + e] * xb[4 * c + e];
+            acc[j] = fmaf(dv[j] * dxr[b], (float)p, acc[j]);
+        }
+    }
+    for (int j = 0; j < nout; j++) out[j] = acc[j];
+}
+
+/* one 8-output group (tiles tg) for all M rows: out og [M, N] at column 8g */
+#define Q8_GROUP_PARAMS (const uint8_t *tg, int nb, const int8_t *xq, const float *dx, int M, int K, float *og, \
+                         int N, int nout)
+static void q8_group_portable Q8_GROUP_PARAMS {
+    for (int r = 0; r < M; r++)
+        q8_row_scalar(tg, nb, xq + (int64_t)r * K, dx + (int64_t)r * nb, og + (int64_t)r * N, nout);
+}
+
+EYAS_INLINE void q8_quant_body(const int isa, const float *x, int8_t *xq, float *dx, int64_t rb) {
+    (void)isa;  /* plain C: only the vectorization differs */
+    quantize_q8_block(x + rb * 32, xq + rb * 32, dx + rb);
+}
+EYAS_VARIANTS(q8_quant, (const float *x, int8_t *xq, float *dx, int64_t rb), x, xq, dx, rb)
+
+#ifdef EYAS_X86
 #define Q8_DOT(si, xb) do { int32_t a_; memcpy(&a_, (xb) + 4 * c, 4); \
     si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(a_), \
                                                                                            w)), ones)); } while (0)
@@ -17,16 +52,16 @@
     acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps((const float *)t), _mm256_set1_ps(dx[rb])), \
                           _mm256_cvtepi32_ps(si), acc)
 
-static inline void q8_store(__m256 acc, float *o, int nout) {
+static inline EYAS_TGT_AVX2 void q8_store(__m256 acc, float *o, int nout) {
     float a[8];
     _mm256_storeu_ps(a, acc);
     for (int j = 0; j < nout; j++) o[j] = a[j];
 }
 
-/* R = 1..4 rows (r0..) against one 8-output group; lane j of acc_i = row r0 + i, output 8g + j */
-static inline __attribute__((always_inline)) void q8_rows(const uint8_t *tiles, int nb, const int8_t *xq,
-                                                          const float *dx, int r0, int K, float *out,
-                                                          int64_t ostride, int nout, const int R) {
+/* AVX2: R = 1..4 rows (r0..) against one 8-output group; lane j of acc_i = row r0 + i, output 8g + j */
+static inline __attribute__((always_inline)) EYAS_TGT_AVX2 void q8_rows_avx2(
+    const uint8_t *tiles, int nb, const int8_t *xq, const float *dx, int r0, int K, float *out, int64_t ostride,
+    int nout, const int R) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
     const int8_t *x0 = xq + (int64_t)r0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
@@ -53,22 +88,58 @@ static inline __attribute__((always_inline)) void q8_rows(const uint8_t *tiles, 
     if (R > 2) q8_store(c2, out + 2 * ostride, nout);
     if (R > 3) q8_store(c3, out + 3 * ostride, nout);
 }
-#else
-static void q8_row_scalar(const uint8_t *tiles, int nb, const int8_t *xr, const float *dxr, float *out, int nout) {
-    float acc[8] = {0};
+
+static EYAS_TGT_AVX2 void q8_group_avx2 Q8_GROUP_PARAMS {
+    int r = 0;
+    for (; r + 4 <= M; r += 4) q8_rows_avx2(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 4);
+    if (M - r == 3) q8_rows_avx2(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 3);
+    if (M - r == 2) q8_rows_avx2(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 2);
+    if (M - r == 1) q8_rows_avx2(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 1);
+}
+
+/* AVX-512 VNNI: R = 1..8 rows against one 8-output group */
+static inline __attribute__((always_inline)) EYAS_TGT_AVX512 void q8_rows_vnni(
+    const uint8_t *tiles, int nb, const int8_t *xq, const float *dx, int r0, int K, float *out, int64_t ostride,
+    int nout, const int R) {
+    __m256 acc[8];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    const int8_t *x0 = xq + (int64_t)r0 * K;
+    const int64_t b0 = (int64_t)r0 * nb;
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = tiles + (int64_t)b * Q8_TILE;
-        float dv[8];
-        memcpy(dv, t, 32);
-        const int8_t *w = (const int8_t *)(t + 32), *xb = xr + b * 32;
-        for (int j = 0; j < 8; j++) {
-            int p = 0;
-            for (int c = 0; c < 8; c++)
-                for (int e = 0; e < 4; e++) p += w[32 * c + 4 * j + e] * xb[4 * c + e];
-            acc[j] = fmaf(dv[j] * dxr[b], (float)p, acc[j]);
+        if (r0 == 0) prefetch_ahead(t, Q8_TILE);
+        __m256i s[8];
+        for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 32 + 32 * c));
+            const __m256i aw = _mm256_abs_epi8(w);  /* -128 -> 0x80, read as the unsigned 128 */
+            for (int i = 0; i < R; i++) {
+                int32_t a;
+                memcpy(&a, x0 + (int64_t)i * K + b * 32 + 4 * c, 4);
+                s[i] = _mm256_dpbusd_epi32(s[i], aw, _mm256_sign_epi8(_mm256_set1_epi32(a), w));
+            }
         }
+        const __m256 d = _mm256_loadu_ps((const float *)t);
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[b0 + (int64_t)i * nb + b])),
+                                     _mm256_cvtepi32_ps(s[i]), acc[i]);
     }
-    for (int j = 0; j < nout; j++) out[j] = acc[j];
+    for (int i = 0; i < R; i++) q8_store(acc[i], out + (int64_t)i * ostride, nout);
+}
+
+static EYAS_TGT_AVX512 void q8_group_avx512 Q8_GROUP_PARAMS {
+    int r = 0;
+    for (; r + 8 <= M; r += 8) q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 8);
+    switch (M - r) {  /* the 1-7 left in one group */
+    case 7: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 7); break;
+    case 6: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 6); break;
+    case 5: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 5); break;
+    case 4: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 4); break;
+    case 3: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 3); break;
+    case 2: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 2); break;
+    case 1: q8_rows_vnni(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 1); break;
+    default: break;
+    }
 }
 #endif
 
@@ -76,26 +147,15 @@ void eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, i
     const int nb = K / 32, G = (N + 7) / 8;
     int8_t *xq = malloc((size_t)M * K);
     float *dx = malloc(sizeof(float) * (size_t)M * nb);
+    void (*const quant)(const float *, int8_t *, float *, int64_t) = EYAS_PICK(q8_quant);
+    void (*const group)Q8_GROUP_PARAMS = EYAS_PICK(q8_group);
 #pragma omp parallel num_threads(G > 1 ? nthreads : 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t rb = 0; rb < (int64_t)M * nb; rb++) quantize_q8_block(x + rb * 32, xq + rb * 32, dx + rb);
+        for (int64_t rb = 0; rb < (int64_t)M * nb; rb++) quant(x, xq, dx, rb);
 #pragma omp for schedule(static)
-        for (int g = 0; g < G; g++) {
-            const uint8_t *tg = tiles + (int64_t)g * nb * Q8_TILE;
-            const int nout = N - 8 * g < 8 ? N - 8 * g : 8;
-            float *og = out + 8 * g;
-            int r = 0;
-#ifdef EYAS_Q4_AVX2
-            for (; r + 4 <= M; r += 4) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 4);
-            if (M - r == 3) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 3);
-            if (M - r == 2) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 2);
-            if (M - r == 1) q8_rows(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 1);
-#else
-            for (; r < M; r++)
-                q8_row_scalar(tg, nb, xq + (int64_t)r * K, dx + (int64_t)r * nb, og + (int64_t)r * N, nout);
-#endif
-        }
+        for (int g = 0; g < G; g++)
+            group(tiles + (int64_t)g * nb * Q8_TILE, nb, xq, dx, M, K, out + 8 * g, N, N - 8 * g < 8 ? N - 8 * g : 8);
     }
     free(xq);
     free(dx);
