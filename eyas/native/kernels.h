@@ -22,14 +22,48 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* ---- instruction sets, chosen at run time (isa.c) ------------------------------------------------------------
+ * The library is compiled for the baseline of its architecture (any x86-64); the hot kernels also come in variants
+ * compiled for AVX2+FMA and for AVX-512 F/BW/VL + VNNI through per-function target attributes. isa.c reads the CPU's
+ * features (cpuid) once at load and picks the best level the CPU has; eyas_isa_select can force a lower one and
+ * refuses one the CPU lacks, so a variant whose instructions the CPU does not have is never called. Every variant
+ * computes the same bits: integer dots are exact in any order, and the float operations of each 32-block (and each
+ * attention lane) run in the portable path's order (the build passes -ffp-contract=off, so no variant fuses what
+ * the portable path rounds twice). */
+#define EYAS_ISA_PORTABLE 0
+#define EYAS_ISA_AVX2 1       /* AVX2 + FMA */
+#define EYAS_ISA_AVX512VNNI 2 /* AVX-512 F, BW, VL and VNNI */
+extern int eyas_isa_level;    /* the level in use (isa.c) */
+int eyas_isa_select(const char *name);
+int eyas_isa_supported(const char *name);
+const char *eyas_isa_name(void);
+const char *eyas_isa_names(void);
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define EYAS_Q4_AVX2 1
+#define EYAS_X86 1
+#define EYAS_TGT_AVX2 __attribute__((target("avx2,fma")))
+#define EYAS_TGT_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+/* the three variants of a void function: name##_body(isa, args...) is always inlined into each with its level as
+ * a constant, so the compiler vectorizes the plain C for that instruction set and the body picks that level's
+ * intrinsic helpers (which must not be always_inline: the portable variant holds calls to them, never taken);
+ * EYAS_PICK(name) is the variant for the level in use */
+#define EYAS_VARIANTS(name, params, ...) \
+    static void name##_portable params { name##_body(EYAS_ISA_PORTABLE, __VA_ARGS__); } \
+    static EYAS_TGT_AVX2 void name##_avx2 params { name##_body(EYAS_ISA_AVX2, __VA_ARGS__); } \
+    static EYAS_TGT_AVX512 void name##_avx512 params { name##_body(EYAS_ISA_AVX512VNNI, __VA_ARGS__); }
+#define EYAS_PICK(name) (eyas_isa_level >= EYAS_ISA_AVX512VNNI ? name##_avx512 \
+                         : eyas_isa_level >= EYAS_ISA_AVX2 ? name##_avx2 : name##_portable)
+#else
+#define EYAS_VARIANTS(name, params, ...) \
+    static void name##_portable params { name##_body(EYAS_ISA_PORTABLE, __VA_ARGS__); }
+#define EYAS_PICK(name) name##_portable
 #endif
+#define EYAS_INLINE static inline __attribute__((always_inline))
 
 /* exp with a fixed polynomial (Cephes expf's), so the compiler can vectorize it and every build computes the
  * same function for every element; x <= -87 gives exactly 0 (masked keys carry -inf). */
-static inline float exp_det(float x) {
+EYAS_INLINE float exp_det(float x) {
     const float keep = x > -87.0f ? 1.0f : 0.0f;
     x = x > -87.0f ? x : -87.0f;
     x = x < 88.0f ? x : 88.0f;
@@ -51,7 +85,7 @@ static inline float exp_det(float x) {
 
 /* dot product with a fixed reduction order: 32 partial sums (four 8-wide chains, so the FMA latency is
  * hidden), folded pairwise. Every caller gets the same sequence for the same n. */
-static inline float dot_f32(const float *a, const float *b, int n) {
+EYAS_INLINE float dot_f32(const float *a, const float *b, int n) {
     float acc[32] = {0};
     int d = 0;
     for (; d + 32 <= n; d += 32)
@@ -62,10 +96,15 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return acc[0];
 }
 
-/* exp_det on n consecutive values in place; 8 at a time with AVX2, the same operations lane by lane */
-static inline void exp_det_n(float *x, int n) {
+/* exp_det on n consecutive values in place */
+EYAS_INLINE void exp_det_n(float *x, int n) {
+    for (int j = 0; j < n; j++) x[j] = exp_det(x[j]);
+}
+
+#ifdef EYAS_X86
+/* the same, 8 at a time with AVX2: the same operations lane by lane */
+static inline EYAS_TGT_AVX2 void exp_det_n_avx2(float *x, int n) {
     int j = 0;
-#ifdef EYAS_Q4_AVX2
     const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), one = _mm256_set1_ps(1.0f);
     for (; j + 8 <= n; j += 8) {
         __m256 v = _mm256_loadu_ps(x + j);
@@ -87,18 +126,21 @@ static inline void exp_det_n(float *x, int n) {
         const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nn), _mm256_set1_epi32(127)), 23);
         _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep));
     }
-#endif
     for (; j < n; j++) x[j] = exp_det(x[j]);
 }
+#define EXP_DET_N(isa, x, n) ((isa) >= EYAS_ISA_AVX2 ? exp_det_n_avx2(x, n) : exp_det_n(x, n))
+#else
+#define EXP_DET_N(isa, x, n) exp_det_n(x, n)
+#endif
 
 /* bf16 values are uint16 with round-to-nearest-even, as torch converts */
-static inline uint16_t to_bf16(float f) {
+EYAS_INLINE uint16_t to_bf16(float f) {
     union { float f; uint32_t u; } v = {f};
     const uint32_t r = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
     return (uint16_t)((v.u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);  /* branch-free: vectorizes */
 }
 
-static inline float from_bf16(uint16_t h) {
+EYAS_INLINE float from_bf16(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
     return v.f;
 }
@@ -115,7 +157,7 @@ static inline void prefetch_ahead(const uint8_t *t, int tile) {
 }
 
 /* one 32-block of activations -> xq int8 [32] and its scale dx (max|v| / 127); returns sum xq */
-static inline int quantize_q8_block(const float *v, int8_t *qb, float *dx) {
+EYAS_INLINE int quantize_q8_block(const float *v, int8_t *qb, float *dx) {
     float amax = 0.0f;
     for (int t = 0; t < 32; t++) {
         const float a = fabsf(v[t]);
