@@ -33,12 +33,13 @@ from pathlib import Path
 
 import torch
 
-from eyas.native.kernels import _HEADERS, _SOURCES, _compiler, build, pack_q4
+from eyas.native.build import compile_library
+from eyas.native.kernels import _FLAGS, _HEADERS, _SOURCES, _compiler, pack_q4
 
 
 def load(sources: list[Path], out: Path) -> ctypes.CDLL:
     """Build `sources` into `out` and bind the 4-bit matmul."""
-    build(_compiler(), sources, out)
+    compile_library(_compiler(), _FLAGS, sources, out)
     so = ctypes.CDLL(str(out))
     p, i32 = ctypes.c_void_p, ctypes.c_int
     so.eyas_q4_matmul_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
