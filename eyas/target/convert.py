@@ -12,6 +12,7 @@ from torch import nn
 
 from ..files import atomic_folder, remove_stale_temps
 from .family import TargetError
+from .gguf_config import gguf_overrides
 
 
 def file_fingerprint(paths: list[Path]) -> str:
@@ -45,17 +46,30 @@ def tensor_fingerprint(model: nn.Module) -> str:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename): a failure or a
     kill leaves no folder at `out`, and the next conversion clears a killed one's temporary folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     remove_stale_temps(out)
+
+    def unreadable(e: Exception) -> TargetError:
+        return TargetError(f"transformers could not read {gguf} ({type(e).__name__}: {e}); the file is damaged or "
+                           "of an architecture transformers cannot load from GGUF: fetch it again, or pass a Hugging "
+                           "Face model folder")
+
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types on a file it cannot read
         # (struct.error, KeyError, ValueError "architecture ... not supported"); all are about the user's file
-        raise TargetError(f"transformers could not read {gguf} ({type(e).__name__}: {e}); the file is damaged or "
-                          "of an architecture transformers cannot load from GGUF: fetch it again, or pass a Hugging "
-                          "Face model folder") from e
+        raise unreadable(e) from e
+    # what transformers' reader drops (RoPE scaling, head size, window, attention scale), or a refusal
+    overrides = gguf_overrides(gguf)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                     dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - as above
+        raise unreadable(e) from e
     # the quantizer would otherwise be saved into config.json and demand the GGUF again at load
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -65,6 +79,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "eyas_source.json").write_text(json.dumps(
-            {"gguf": str(gguf), "fingerprint": file_fingerprint([gguf]), "converted_at": time.time()}, indent=2))
+            {"gguf": str(gguf), "fingerprint": file_fingerprint([gguf]), "converted_at": time.time(),
+             "config_overrides": overrides}, indent=2))
 
     atomic_folder(out, write)

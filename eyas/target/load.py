@@ -18,6 +18,7 @@ from .capture import decoder_parts
 from .convert import convert_gguf, file_fingerprint
 from .device import parse_dtype, resolve_device
 from .family import BUNDLED, DEFAULT_TARGET, TargetError, _gguf_of, _hf_folder, read_config
+from .gguf_config import gguf_overrides, overrides_hold
 
 
 def _first_line(e: BaseException) -> str:
@@ -136,17 +137,22 @@ def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIde
     )
 
 
-def _cache_entry_ok(folder: Path, fp: str) -> bool:
+def _cache_entry_ok(folder: Path, fp: str, gguf: Path | None = None) -> bool:
     """Whether a converted-GGUF cache folder can be used: a config.json and an eyas_source.json that records
-    this GGUF's fingerprint. A folder without them (an older eyas's, a torn or hand-edited record) is a stale
-    cache entry: the caller converts the GGUF again rather than trusting or refusing it."""
+    this GGUF's fingerprint, and (given the GGUF) a config.json that carries what the GGUF's metadata fixes
+    (gguf_overrides: RoPE scaling, head size, window...). A folder without them (an older eyas's, a torn or
+    hand-edited record) is a stale cache entry: the caller converts the GGUF again rather than trusting or
+    refusing it."""
     if not (folder / "config.json").exists():
         return False
     try:
         meta = json.loads((folder / "eyas_source.json").read_text())
+        saved = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(meta, dict) and meta.get("fingerprint") == fp
+    if not isinstance(meta, dict) or meta.get("fingerprint") != fp or not isinstance(saved, dict):
+        return False
+    return gguf is None or overrides_hold(saved, gguf_overrides(gguf))
 
 
 def _meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
@@ -174,7 +180,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     if gguf is not None:
         fp = file_fingerprint([gguf])
         folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
-        if not _cache_entry_ok(folder, fp):  # absent, or stale: converted again (atomically replaced)
+        if not _cache_entry_ok(folder, fp, gguf):  # absent, or stale: converted again (atomically replaced)
             from ..native.gguf_file import read_gguf_tensors
 
             read_gguf_tensors(gguf)  # a truncated or foreign file: one clear error before transformers reads it
