@@ -60,7 +60,7 @@ def test_gguf_logits_match_the_original(tmp_path, family, qtype):
     m = _model(family)
     if qtype == "F16":  # the original, rounded the way the file stores it: the comparison stays exact
         with torch.no_grad():
-            for name, p in m.named_parameters():
+            for p in m.parameters():
                 if p.dim() == 2:
                     p.copy_(p.half().float())
     t = load_target(str(write_gguf(m, tmp_path / f"{family}.gguf", qtype)))
@@ -86,7 +86,8 @@ def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
     ids = torch.randint(3, 120, (1, 160), generator=torch.Generator().manual_seed(2))  # 2.5x the original context
     with torch.no_grad():
         ref = m(ids).logits
-        unscaled = _model("llama", {"rope_type": "default", "rope_theta": 100.0})(ids).logits  # the same weights with the default RoPE eyas used to run
+        # the same weights with the default RoPE eyas used to run
+        unscaled = _model("llama", {"rope_type": "default", "rope_theta": 100.0})(ids).logits
     assert (unscaled - ref).abs().max() > 1e-3  # the scaling changes the output, so the match below means something
     assert (t.model(ids).logits - ref).abs().max() < 1e-4
     assert (_logits_eyas(t, ids) - ref).abs().max() < 1e-4
