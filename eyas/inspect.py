@@ -9,6 +9,7 @@ from typing import Any
 from .conventions import engine_ids_table
 from .errors import EyasError
 from .files import read_json
+from .target.gguf_config import rope_summary
 from .target.load import load_target
 from .target.template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
 
@@ -50,6 +51,7 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_tem
         "num_attention_heads": int(cfg.num_attention_heads),
         "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)),
         "vocab_size": t.identity.vocab_size,
+        "rope": rope_summary(cfg),
         "fingerprint": t.identity.fingerprint,
         "chat_template": describe_record(t.chat_template.record()),
         "dtype": str(t.dtype).replace("torch.", ""),
@@ -85,7 +87,7 @@ def render(info: dict[str, Any]) -> None:
         return
     t = Table(title=f"target {info['source']}", show_header=False)
     for k in ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "fingerprint", "chat_template", "dtype", "load_seconds", "path"):
+              "vocab_size", "rope", "fingerprint", "chat_template", "dtype", "load_seconds", "path"):
         t.add_row(k, str(info[k]))
     con.print(t)
     lt = Table(title="default EAGLE-3 layout, one layout in each engine's convention")

@@ -92,6 +92,13 @@ def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
     assert (t.model(ids).logits - ref).abs().max() < 1e-4
     assert (_logits_eyas(t, ids) - ref).abs().max() < 1e-4
     assert rope_summary(t.model.config) == "llama3 factor 8 low 1 high 4 orig 64, theta 100"
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "l3.gguf"), "--raw", "--json"])
+    assert res.exit_code == 0, res.output
+    assert '"rope": "llama3 factor 8 low 1 high 4 orig 64, theta 100"' in res.output
 
 
 @pytest.mark.parametrize("params", [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (8.0, 1.0, 4.0, 24),
