@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .conventions import sglang_config_ids, vllm_config_ids
 from .errors import EyasError
-from .files import atomic_folder, check_file, file_record, read_json
+from .files import atomic_folder, check_file, file_record, read_json, save_safetensors
 from .layout import Layout, LayoutError, check_layouts
 from .rope import apply_rope, rope_cos_sin
 from .target.load import Target
@@ -276,7 +276,7 @@ def save_draft(path: str | Path, model: Eagle3Draft, layout: Layout, extra: dict
                 "draft_config": model.config.to_dict(), **(extra or {})}
 
     def write(tmp: Path) -> None:
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas"})
+        save_safetensors(sd, tmp / WEIGHTS, metadata={"format": "pt", "producer": "eyas"})
         (tmp / "config.json").write_text(json.dumps(model.config.hf_config(layout), indent=2))
         # the weights' size and digest, checked by load_draft (replaces any `files` an `extra` carried over)
         manifest["files"] = {WEIGHTS: file_record(tmp / WEIGHTS)}

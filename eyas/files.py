@@ -4,7 +4,7 @@ A reader (or a resumed run) sees either the old content or the new one, never a 
 mid-write leaves only a `*.tmp-<pid>` sibling behind, which the next write from that pid replaces and
 `remove_stale_temps` clears once the pid is gone. `read_json` is the
 matching reader: a file that is not JSON is one error line naming the file and the fix. `file_record` is what a
-manifest records of each tensor file it lists (size and sha256); `check_file` verifies a file against it.
+manifest records of each tensor file it lists (size and xxh3_128 digest); `check_file` verifies a file against it.
 `portable_command` and `portable_paths` keep the paths of the machine that made an artifact out of its records.
 """
 
@@ -13,12 +13,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import xxhash
+from safetensors.torch import save_file
 
 from .errors import EyasError
 
@@ -173,25 +177,57 @@ def cache_dir() -> Path:
 # ---- digests: what a manifest records of each tensor file it lists, checked before the file is used ------
 
 DIGEST_CHUNK = 8 << 20
+DIGEST = "xxh3_128"  # what new records use; "sha256:" records (drafts written before 2026-12) still verify
 
 
-def file_digest(path: str | Path) -> str:
-    """'sha256:<hex>' of a file's bytes, read in chunks (a shard may be gigabytes)."""
-    h = hashlib.sha256()
+def _hasher(algo: str) -> Any:
+    if algo == "xxh3_128":
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest algorithm {algo!r} (this eyas knows xxh3_128 and sha256)")
+
+
+def bytes_digest(data: bytes | bytearray | memoryview, algo: str = DIGEST) -> str:
+    """'<algo>:<hex>' of bytes already in memory (the same value file_digest gives for a file holding them)."""
+    h = _hasher(algo)
+    h.update(data)
+    return f"{algo}:{h.hexdigest()}"
+
+
+def file_digest(path: str | Path, algo: str = DIGEST) -> str:
+    """'<algo>:<hex>' of a file's bytes. xxh3_128 hashes ~20 GB/s on one core, so checking a shard folder before
+    training costs ~4% of reading it for one epoch (sha256: ~50%; benchmarks/bench_checksum.py). The file is
+    mapped rather than read into a buffer, which saves a copy that would cost more than the hash."""
+    h = _hasher(algo)
     with open(path, "rb") as f:
-        while chunk := f.read(DIGEST_CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                h.update(m)
+        except (ValueError, OSError):  # an empty file, or a filesystem that cannot map: read it in chunks
+            f.seek(0)
+            while chunk := f.read(DIGEST_CHUNK):
+                h.update(chunk)
+    return f"{algo}:{h.hexdigest()}"
+
+
+def recorded_digest(record: dict[str, Any] | None) -> str | None:
+    """The digest a manifest record holds: "digest" (any algorithm) or, in records written before 2026-12,
+    "sha256"."""
+    if not record:
+        return None
+    return record.get("digest") or record.get("sha256")
 
 
 def file_record(path: str | Path) -> dict[str, Any]:
     """What a manifest records of a file it lists: its size and digest."""
-    return {"bytes": Path(path).stat().st_size, "sha256": file_digest(path)}
+    return {"bytes": Path(path).stat().st_size, "digest": file_digest(path)}
 
 
 def damaged(path: str | Path, record: dict[str, Any] | None) -> str | None:
-    """Why `path` does not match its manifest record ({"bytes", "sha256"}), or None when it matches. A record
-    without a digest (artifacts written before eyas recorded them) is checked by size only, when it has one."""
+    """Why `path` does not match its manifest record ({"bytes", "digest"} or the older {"bytes", "sha256"}), or
+    None when it matches. A record without a digest (artifacts written before eyas recorded them) is checked by
+    size only, when it has one."""
     if not record:
         return None
     path = Path(path)
@@ -200,8 +236,16 @@ def damaged(path: str | Path, record: dict[str, Any] | None) -> str | None:
     size = path.stat().st_size
     if record.get("bytes") is not None and size != record["bytes"]:
         return f"it is {size} bytes, {record['bytes']} were written (truncated or overwritten)"
-    if record.get("sha256") and file_digest(path) != record["sha256"]:
-        return f"its sha256 differs from the {record['sha256'][:19]}... recorded when it was written (damaged bytes)"
+    want = recorded_digest(record)
+    if want:
+        algo = want.split(":", 1)[0]
+        try:
+            got = file_digest(path, algo)
+        except ValueError:
+            return f"its recorded digest {want[:24]}... uses {algo!r}, which this eyas cannot check (upgrade eyas)"
+        if got != want:
+            return (f"its {algo} digest differs from the {want[:len(algo) + 13]}... recorded when it was written "
+                    "(damaged bytes)")
     return None
 
 
@@ -210,6 +254,28 @@ def check_file(path: str | Path, record: dict[str, Any] | None, error: type[Eyas
     why = damaged(path, record)
     if why is not None:
         raise error(f"{path}: {why}; {fix}")
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with the header's metadata in sorted key order. The library writes the metadata
+    from a hash map, in an order that changes from process to process, so identical tensors would give files
+    (and digests) that differ between identical runs."""
+    save_file(tensors, str(path), metadata=metadata)
+    if metadata and len(metadata) > 1:
+        _sort_metadata(Path(path))
+
+
+def _sort_metadata(path: Path) -> None:
+    # rewritten in place: the same keys and values serialize to the same length, so no tensor byte moves
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        ordered = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n:  # the library escaped differently: keep its header rather than move the data
+            return
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))  # safetensors pads its header with spaces
 
 
 # ---- lineage records: what an artifact says about how it was made, without the paths of one machine --------

@@ -169,6 +169,10 @@ def _cases(r: Path) -> dict[str, tuple[list[str], str]]:
         "inspect: broken template file": (["inspect", ll, "--chat-template", str(r / "unclosed.jinja")],
                                           "not a valid Jinja template"),
         "serve: unknown template name": (["serve", "--target", ll, "--chat-template", "vicuna"], "chatml, gemma"),
+        # checked before the model loads
+        "serve: prefill chunk below 16": (["serve", "--target", ll, "--prefill-chunk", "8"],
+                                          "--prefill-chunk must be >= 16 tokens (or 0: whole prompts), got 8"),
+        "serve: negative prefill chunk": (["serve", "--target", ll, "--prefill-chunk", "-256"], "got -256"),
     }
 
 
@@ -193,6 +197,24 @@ def test_real_process_prints_no_traceback(files, argv):
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert [line for line in p.stderr.splitlines() if line.startswith("error:")], p.stderr
+
+
+def test_serve_prefill_chunk_reaches_the_engine(files, monkeypatch):
+    """--prefill-chunk is documented in the help, and the value given is the engine's chunk (the default is the
+    server's own default)."""
+    import typer
+
+    import eyas.serve.app as srv
+
+    opt = next(o for o in typer.main.get_command(app).commands["serve"].params if "--prefill-chunk" in o.opts)
+    assert opt.default == srv.PREFILL_CHUNK and ">= 16" in opt.help and "waits about one chunk" in opt.help
+    assert "--prefill-chunk" in CliRunner().invoke(app, ["serve", "--help"]).output
+    served = []
+    monkeypatch.setattr(srv, "run", lambda app_, host, port, log_level="info": served.append(app_))
+    for argv, want in (([], srv.PREFILL_CHUNK), (["--prefill-chunk", "64"], 64), (["--prefill-chunk", "0"], 0)):
+        r = CliRunner().invoke(app, ["serve", "--target", str(files / "llama"), "--draft", "none", *argv])
+        assert r.exit_code == 0, r.output
+        assert served[-1].state.config.prefill_chunk == want and served[-1].state.worker.engine.prefill_chunk == want
 
 
 def _one_error(r) -> str:
@@ -336,7 +358,8 @@ def good_shards(files):
 
 
 def _disk_cases(r: Path, shards: Path) -> dict[str, tuple[list[str], str, str, Callable[[Path], list[Path]]]]:
-    """name -> (argv, module whose save_file fails, the file the error names, what must not be left behind)"""
+    """name -> (argv, module whose save_file fails (eyas.files: save_safetensors, which shards and exports use), the
+    file the error names, what must not be left behind)"""
     def datagen(out: Path) -> list[str]:
         return ["datagen", "--data", str(r / "late.jsonl"), "--target", str(r / "llama"), "--out", str(out),
                 "--no-regenerate", "--quiet", "--threads", "1"]
@@ -359,12 +382,12 @@ def _disk_cases(r: Path, shards: Path) -> dict[str, tuple[list[str], str, str, C
         return [p for p in (out, *out.parent.glob(out.name + ".tmp-*")) if p.exists()]
 
     return {
-        "datagen: disk full": (datagen(r / "df1"), "eyas.data.shards", "shard-00000.safetensors", left_shards),
-        "datagen: read-only": (datagen(r / "df2"), "eyas.data.shards", "shard-00000.safetensors", left_shards),
+        "datagen: disk full": (datagen(r / "df1"), "eyas.files", "shard-00000.safetensors", left_shards),
+        "datagen: read-only": (datagen(r / "df2"), "eyas.files", "shard-00000.safetensors", left_shards),
         "train: disk full": (train(r / "tf1"), "eyas.train.checkpoint", "checkpoint.new", left_checkpoint),
         "train: permission denied": (train(r / "tf2"), "eyas.train.checkpoint", "checkpoint.new", left_checkpoint),
-        "export: disk full": (export(r / "ef1"), "eyas.interop.export", "ef1", left_export),
-        "export: read-only": (export(r / "ef2"), "eyas.interop.export", "ef2", left_export),
+        "export: disk full": (export(r / "ef1"), "eyas.files", "ef1", left_export),
+        "export: read-only": (export(r / "ef2"), "eyas.files", "ef2", left_export),
     }
 
 

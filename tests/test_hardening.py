@@ -306,9 +306,17 @@ def old_shards(folder: Path) -> None:
     """Shards listed without size or digest (written before either was recorded): read unchecked."""
     m = json.loads((folder / "manifest.json").read_text())
     for s in m["shards"]:
-        s.pop("sha256", None)
+        s.pop("digest", None)
         s.pop("bytes", None)
     (folder / "manifest.json").write_text(json.dumps(m))
+
+
+def flipped_export(root: Path) -> None:
+    """The trained draft exported (its manifest records the weights' digest), then one byte of the export flipped."""
+    from eyas.interop.export import export_draft
+
+    export_draft(root / "run" / "draft", "vllm", root / "exported")
+    flip_byte(root / "exported" / "model.safetensors")
 
 
 CK = "run/checkpoint"
@@ -325,21 +333,26 @@ DAMAGE = [
     ("optimizer truncated", CK, lambda r: cut(r / CK / "optimizer.safetensors"), "resume",
      "optimizer.safetensors", "truncated"),
     ("optimizer byte flipped", CK, lambda r: flip_byte(r / CK / "optimizer.safetensors"), "resume",
-     "optimizer.safetensors", "sha256 differs"),
+     "optimizer.safetensors", "digest differs"),
     ("optimizer truncated, no digests", CK, lambda r: (forget_digests(r / CK / "trainer_state.json"),
                                                        cut(r / CK / "optimizer.safetensors")), "resume",
      "optimizer.safetensors", "not a readable safetensors file"),
     ("checkpoint weights flipped", CK, lambda r: flip_byte(r / CK / "model.safetensors"), "resume",
-     "model.safetensors", "sha256 differs"),
+     "model.safetensors", "digest differs"),
     ("shard truncated", "shards", lambda r: cut(r / "shards" / "shard-00001.safetensors"), "train",
      "shard-00001.safetensors", "truncated"),
     ("shard byte flipped", "shards", lambda r: flip_byte(r / "shards" / "shard-00000.safetensors", 1000), "train",
-     "shard-00000.safetensors", "sha256 differs"),
+     "shard-00000.safetensors", "digest differs"),
     ("shard header corrupt, no record", "shards", lambda r: (old_shards(r / "shards"),
                                                              corrupt_header(r / "shards" / "shard-00000.safetensors")),
      "train", "shard-00000.safetensors", "not a readable eyas shard"),
     ("draft byte flipped", "run/draft", lambda r: flip_byte(r / "run" / "draft" / "model.safetensors"), "export",
-     "model.safetensors", "sha256 differs"),
+     "model.safetensors", "digest differs"),
+    ("rng state byte flipped", CK, lambda r: flip_byte(r / CK / "rng.safetensors"), "resume",
+     "rng.safetensors", "digest differs"),
+    ("export byte flipped, import", "run/draft", flipped_export, "import", "model.safetensors", "digest differs"),
+    ("export byte flipped, doctor flags", "run/draft", flipped_export, "flags", "model.safetensors",
+     "digest differs"),
 ]
 
 
@@ -360,6 +373,11 @@ def test_damaged_artifact_is_one_error_line(trained_run, tmp_path, name, what, d
         argv = ["train", "--data", str(shards), "--out", str(root / "run"), *TRAIN_FLAGS, "--resume"]
     elif kind == "train":
         argv = ["train", "--data", str(shards), "--out", str(root / "new"), *TRAIN_FLAGS]
+    elif kind == "import":
+        argv = ["import", str(root / "exported"), "--target", str(trained_run / "target"), "--out",
+                str(root / "imported")]
+    elif kind == "flags":
+        argv = ["doctor", "flags", "--draft", str(root / "exported"), "--", "vllm", "serve", "M"]
     else:
         argv = ["export", "--draft", str(root / what), "--format", "vllm", "--out", str(root / "exported")]
     r = CliRunner().invoke(app, argv)
@@ -383,12 +401,32 @@ def test_written_artifacts_record_digests(trained_run):
 
     shard_man = json.loads((trained_run / "shards" / "manifest.json").read_text())
     for s in shard_man["shards"]:
-        assert s["sha256"] == file_digest(trained_run / "shards" / s["file"])
+        assert s["digest"].startswith("xxh3_128:") and s["digest"] == file_digest(trained_run / "shards" / s["file"])
     draft_man = json.loads((trained_run / "run" / "draft" / "eyas_manifest.json").read_text())
-    assert draft_man["files"]["model.safetensors"]["sha256"] == \
+    assert draft_man["files"]["model.safetensors"]["digest"] == \
         file_digest(trained_run / "run" / "draft" / "model.safetensors")
     state = json.loads((trained_run / "run" / "checkpoint" / "trainer_state.json").read_text())
     assert set(state["files"]) == {"optimizer.safetensors", "rng.safetensors"}
+
+
+def test_export_records_digests_and_foreign_exports_still_import(trained_run, tmp_path):
+    """An export's manifest records its weights' size and digest, and `eyas import` takes the intact folder; the
+    same folder without the record (as another tool writes it) imports as before, unchecked."""
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+    from eyas.files import file_record
+    from eyas.interop.export import export_draft
+
+    out = export_draft(trained_run / "run" / "draft", "vllm", tmp_path / "exported").path
+    man = json.loads((out / "eyas_manifest.json").read_text())
+    assert man["files"] == {"model.safetensors": file_record(out / "model.safetensors")}
+    for name, edit in (("intact", lambda m: m), ("foreign", lambda m: {k: v for k, v in m.items() if k != "files"})):
+        (out / "eyas_manifest.json").write_text(json.dumps(edit(man)))
+        r = CliRunner().invoke(app, ["import", str(out), "--target", str(trained_run / "target"), "--out",
+                                     str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / name / "model.safetensors").is_file()
 
 
 def test_datagen_rerun_redoes_a_damaged_shard(trained_run, tmp_path):
@@ -414,8 +452,8 @@ def test_datagen_rerun_redoes_a_damaged_shard(trained_run, tmp_path):
         # the same rows in the same files (capture batches differ, so the hidden states match to fp32 noise)
         same = ("file", "samples", "tokens", "loss_tokens", "row_ids")
         assert [[s[k] for k in same] for s in again["shards"]] == [[s[k] for k in same] for s in first["shards"]]
-        assert again["shards"][0]["sha256"] == first["shards"][0]["sha256"]  # before the damage: kept as it was
-        assert all(file_digest(tmp_path / "d" / s["file"]) == s["sha256"] for s in again["shards"])
+        assert again["shards"][0]["digest"] == first["shards"][0]["digest"]  # before the damage: kept as it was
+        assert all(file_digest(tmp_path / "d" / s["file"]) == s["digest"] for s in again["shards"])
         assert again["counts"]["samples"] == first["counts"]["samples"] and again["watermark"] == first["watermark"]
 
 

@@ -131,7 +131,7 @@ def commit_state(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def _redo_damaged(out: Path, m: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
-    """Check each listed shard against its entry (size; sha256 where recorded). From the first damaged one on,
+    """Check each listed shard against its entry (size; digest where recorded). From the first damaged one on,
     the folder is rolled back to the last commit before it, so this run redoes that chunk (and the ones after;
     their files are then orphans, removed). A folder written before commits were recorded cannot be rolled
     back: one error naming the file."""

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import EyasError
-from ..files import atomic_write, damaged, file_digest
+from ..files import atomic_write, damaged, file_digest, save_safetensors
 from ..layout import Layout, check_layouts
 from ..target.template import describe_record, same_template
 
@@ -63,7 +62,7 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
         "row_ids": torch.tensor([s.row_id for s in samples], dtype=torch.long),
     }
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"producer": "eyas", "kind": KIND}))
+    atomic_write(path, lambda tmp: save_safetensors(tensors, tmp, metadata={"producer": "eyas", "kind": KIND}))
     return {
         "file": path.name,
         "samples": len(samples),
@@ -71,7 +70,7 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
         "loss_tokens": int(tensors["loss_mask"].sum()),
         "row_ids": [int(samples[0].row_id), int(samples[-1].row_id)],
         "bytes": path.stat().st_size,
-        "sha256": file_digest(path),  # checked when training opens the shard and when datagen resumes
+        "digest": file_digest(path),  # checked when training opens the shard and when datagen resumes
     }
 
 
@@ -155,7 +154,7 @@ class ShardSet:
         return sum(s["tokens"] for m in self.manifests for s in m["shards"])
 
     def verify(self) -> None:
-        """Check every listed shard against its manifest entry (size, and sha256 where recorded: shards written
+        """Check every listed shard against its manifest entry (size, and its digest where recorded: shards written
         before eyas recorded digests are checked by size): one error naming the first damaged file."""
         for f, m in zip(self.folders, self.manifests, strict=True):
             for entry in m["shards"]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..conventions import has_aux_ids
 from ..errors import EyasError
-from ..files import read_json
+from ..files import check_file, read_json
 from .report import Check
 
 
@@ -40,6 +40,10 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
     man = p / "eyas_manifest.json"
     if man.is_file():
         m = read_json(man, error, "the draft folder is corrupt — re-export or re-save it")
+        # eyas drafts and exports record each tensor file's size and digest; a folder without records is not checked
+        for name, rec in (m.get("files") or {}).items():
+            check_file(p / Path(name).name, rec, error, "the draft folder is damaged — copy it again, or rerun "
+                       "the command that wrote it")
         lay = m.get("layout") or {}
         layout = [int(k) for k in lay.get("aux_indices", [])] or None
         t = lay.get("target") or {}

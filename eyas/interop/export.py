@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from .. import __version__
 from ..conventions import engine_ids_table, read_ids, to_engine_ids
 from ..draft import MANIFEST, DraftCheckpoint, load_draft
 from ..errors import EyasError
-from ..files import atomic_folder
+from ..files import atomic_folder, file_record, save_safetensors
 from ..layout import Layout, LayoutError
 from .formats import EXPORT_FORMATS, sglang_config, speculators_config, to_format_names, vllm_config
 
@@ -189,8 +188,10 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     }
 
     def write(tmp: Path) -> None:
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "eyas", "eyas_format": fmt})
+        save_safetensors(sd, tmp / WEIGHTS, metadata={"format": "pt", "producer": "eyas", "eyas_format": fmt})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        # size and digest of each tensor file, checked by `eyas import` and the doctor before the weights are used
+        manifest["files"] = {WEIGHTS: file_record(tmp / WEIGHTS)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
 
     atomic_folder(out, write)

@@ -20,7 +20,7 @@ from .. import __version__
 from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
 from ..doctor.inference import infer_layout, layout_candidates
 from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
-from ..files import portable_command, read_json
+from ..files import check_file, portable_command, read_json
 from ..layout import Layout, LayoutError
 from .export import ExportError, check_out, sha256_of
 from .formats import check_vocab_map, detect_format, draft_config_from, explain_unexpected, to_eyas_names
@@ -52,6 +52,11 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
             raise ExportError(f"{p} is already an eyas draft (kind eyas-draft); use it directly, no import needed")
         if man.get("kind") != "eyas-export":
             man = None
+    # an eyas export records each tensor file's size and digest: a damaged one is named before it is read (a
+    # foreign folder records none and is read as it is)
+    for name, rec in ((man or {}).get("files") or {}).items():
+        check_file(p / Path(name).name, rec, ExportError, "the export is damaged: copy it again, or rerun `eyas "
+                   "export`")
     weights: dict[str, torch.Tensor] = {}
     files = sorted(p.glob("*.safetensors"))
     if files:
