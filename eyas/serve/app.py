@@ -47,6 +47,12 @@ class ServeError(EyasError):
     pass
 
 
+# a short request waits about one chunk of a long prompt's prefill for its first token; each chunk is one
+# forward, so tiny chunks multiply the long prompt's forwards
+PREFILL_CHUNK = 256
+MIN_PREFILL_CHUNK = 16
+
+
 @dataclass
 class ServeConfig:
     model_name: str
@@ -55,13 +61,15 @@ class ServeConfig:
     max_new_tokens: int = 1024
     context_length: int | None = None  # the target's position limit: prompt + completion must fit
     # prompt tokens per prefill forward: other requests start between a long prompt's chunks (0: whole prompts)
-    prefill_chunk: int = 256
+    prefill_chunk: int = PREFILL_CHUNK
 
     def check(self) -> None:
         if self.max_prompt_tokens < 1:
             raise ServeError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.prefill_chunk < 0:
-            raise ServeError(f"the prefill chunk must be >= 0 tokens (0: whole prompts), got {self.prefill_chunk}")
+        if self.prefill_chunk != 0 and self.prefill_chunk < MIN_PREFILL_CHUNK:
+            raise ServeError(f"--prefill-chunk must be >= {MIN_PREFILL_CHUNK} tokens (or 0: whole prompts), got "
+                             f"{self.prefill_chunk}; smaller chunks add a forward per few tokens for no fairness "
+                             f"gain. The default is {PREFILL_CHUNK}")
         if self.max_new_tokens < 1:
             raise ServeError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not self.model_name:
