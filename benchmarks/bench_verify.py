@@ -1,7 +1,8 @@
 """Cost of one target forward of S new tokens after a context, as verification runs it, for S = 1..16.
 
     python benchmarks/bench_verify.py [--context 300] [--rows 1,2,4,8,16] [--repeats 21] [--threads 2]
-                                      [--weights native,fp32] [--llama-cpp] [--out verify.json]
+                                      [--weights native,fp32] [--isa portable,avx2,avx512vnni] [--llama-cpp]
+                                      [--out verify.json]
 
 Each eyas mode runs the engine's forward (eyas.model) with a tree mask, all-row logits and the draft's three
 captured streams, i.e. exactly what a verification round costs; the median of --repeats timings is reported
@@ -9,6 +10,8 @@ with its ratio to S = 1 (one decode step). --llama-cpp adds llama.cpp on the sam
 (llama-cpp-python's ctypes bindings, `make llama-cpp`; eyas.bench.llama_c): one llama_decode of S tokens with
 all-row logits after the same context, the previous batch dropped from the KV cache first. The modes are
 interleaved per repeat so load drift hits all of them. Compare ratios within one run, never across runs.
+--isa runs the native mode once per named kernel variant (kernels.select_isa before each forward), interleaved
+the same way; without it the native mode runs the variant the library chose ($EYAS_ISA, else the CPU's best).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from eyas.bench.llama_c import LlamaC
 from eyas.engine.weights import engine_model
+from eyas.native import kernels
 from eyas.target.load import load_target
 
 
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", default="native,fp32")
+    ap.add_argument("--isa", default=None, help="kernel variants to run native weights on, e.g. avx2,avx512vnni")
     ap.add_argument("--llama-cpp", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -50,11 +55,14 @@ def main() -> None:
         m.forward(ctx, torch.arange(a.context)[None], cache, logits="none")
         cache.length = a.context
 
-        def run(S: int, m=m, cache=cache) -> None:
-            mask = torch.ones(S, S, dtype=torch.bool).tril()
-            m.forward(new[:, :S], torch.arange(a.context, a.context + S)[None], cache, tree_mask=mask,
-                      capture=[2, 15, 27], logits="all")
-        runners[f"eyas {w}"] = run
+        for isa in (a.isa.split(",") if a.isa and w == "native" else [None]):
+            def run(S: int, m=m, cache=cache, isa=isa) -> None:
+                if isa:
+                    kernels.select_isa(isa)
+                mask = torch.ones(S, S, dtype=torch.bool).tril()
+                m.forward(new[:, :S], torch.arange(a.context, a.context + S)[None], cache, tree_mask=mask,
+                          capture=[2, 15, 27], logits="all")
+            runners[f"eyas {w}" + (f" {isa}" if isa else "")] = run
     if a.llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -79,15 +87,17 @@ def main() -> None:
                 times[k][S].append(time.perf_counter() - t0)
     med = {k: {S: statistics.median(v) * 1e3 for S, v in d.items()} for k, d in times.items()}
     print(f"verify forward after {a.context} tokens, {a.threads} threads, median of {a.repeats} (ms; ratio to S=1)")
-    print("mode".ljust(14) + "".join(f"S={S}".rjust(16) for S in rows))
+    width = max(14, *(len(k) + 2 for k in med))
+    print("mode".ljust(width) + "".join(f"S={S}".rjust(16) for S in rows))
     for k, d in med.items():
-        print(k.ljust(14) + "".join(f"{d[S]:8.1f} ({d[S] / d[rows[0]]:.2f}x)".rjust(16) for S in rows))
+        print(k.ljust(width) + "".join(f"{d[S]:8.1f} ({d[S] / d[rows[0]]:.2f}x)".rjust(16) for S in rows))
     if 8 in rows and 1 in rows:
         for k, d in med.items():
             print(f"{k}: an 8-row verify costs {d[8] / d[1]:.2f}x a one-token step")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"context": a.context, "threads": a.threads, "repeats": a.repeats, "ms": med}, f, indent=2)
+            json.dump({"context": a.context, "threads": a.threads, "repeats": a.repeats, "ms": med,
+                       "isa_default": kernels.isa(), "isa_supported": kernels.supported_isas()}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -132,8 +132,8 @@ static inline __attribute__((always_inline)) EYAS_TGT_AVX512 void q4_rows_vnni(
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = tiles + (int64_t)b * Q4_TILE;
         if (r0 == 0) prefetch_ahead(t, Q4_TILE);
-        __m256i s[8];
-        for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
+        __m256i s[8], h[8];  /* low- and high-nibble sums apart: two short dependency chains per row */
+        for (int i = 0; i < R; i++) s[i] = h[i] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(t + 64 + 32 * p));
             const __m256i lo = _mm256_and_si256(raw, low4);
@@ -144,13 +144,14 @@ static inline __attribute__((always_inline)) EYAS_TGT_AVX512 void q4_rows_vnni(
                 memcpy(&a0, xb + 4 * p, 4);
                 memcpy(&a1, xb + 4 * p + 16, 4);
                 s[i] = _mm256_dpbusd_epi32(s[i], lo, _mm256_set1_epi32(a0));
-                s[i] = _mm256_dpbusd_epi32(s[i], hi, _mm256_set1_epi32(a1));
+                h[i] = _mm256_dpbusd_epi32(h[i], hi, _mm256_set1_epi32(a1));
             }
         }
         const __m256 d = _mm256_loadu_ps((const float *)t), m = _mm256_loadu_ps((const float *)t + 8);
         for (int i = 0; i < R; i++) {
             const int64_t rb = b0 + (int64_t)i * nb + b;
-            c[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[rb])), _mm256_cvtepi32_ps(s[i]), c[i]);
+            const __m256i P = _mm256_add_epi32(s[i], h[i]);
+            c[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[rb])), _mm256_cvtepi32_ps(P), c[i]);
             c[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[rb]), c[i]);
         }
     }

@@ -108,21 +108,24 @@ static inline __attribute__((always_inline)) EYAS_TGT_AVX512 void q8_rows_vnni(
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = tiles + (int64_t)b * Q8_TILE;
         if (r0 == 0) prefetch_ahead(t, Q8_TILE);
-        __m256i s[8];
-        for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
+        __m256i s[8], h[8];  /* chunks 0-3 and 4-7 apart: two short dependency chains per row */
+        for (int i = 0; i < R; i++) s[i] = h[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 32 + 32 * c));
-            const __m256i aw = _mm256_abs_epi8(w);  /* -128 -> 0x80, read as the unsigned 128 */
+            const __m256i w2 = _mm256_loadu_si256((const __m256i *)(t + 160 + 32 * c));
+            const __m256i aw = _mm256_abs_epi8(w), aw2 = _mm256_abs_epi8(w2);  /* -128 -> 0x80: the unsigned 128 */
             for (int i = 0; i < R; i++) {
-                int32_t a;
+                int32_t a, a2;
                 memcpy(&a, x0 + (int64_t)i * K + b * 32 + 4 * c, 4);
+                memcpy(&a2, x0 + (int64_t)i * K + b * 32 + 16 + 4 * c, 4);
                 s[i] = _mm256_dpbusd_epi32(s[i], aw, _mm256_sign_epi8(_mm256_set1_epi32(a), w));
+                h[i] = _mm256_dpbusd_epi32(h[i], aw2, _mm256_sign_epi8(_mm256_set1_epi32(a2), w2));
             }
         }
         const __m256 d = _mm256_loadu_ps((const float *)t);
         for (int i = 0; i < R; i++)
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[b0 + (int64_t)i * nb + b])),
-                                     _mm256_cvtepi32_ps(s[i]), acc[i]);
+                                     _mm256_cvtepi32_ps(_mm256_add_epi32(s[i], h[i])), acc[i]);
     }
     for (int i = 0; i < R; i++) q8_store(acc[i], out + (int64_t)i * ostride, nout);
 }
