@@ -44,9 +44,10 @@ def _tensor_type(name: str, data: np.ndarray, qtype: str):
 
 
 def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", rope_freqs: torch.Tensor | None = None,
-               name: str = "tiny") -> Path:
+               name: str = "tiny", extra: dict[str, str | float | int] | None = None) -> Path:
     """`model` (a HF *ForCausalLM, fp32) -> a GGUF at `path`; matrices in `qtype` (F32, F16, Q8_0, Q4_0);
-    `rope_freqs`: the [head_dim/2] divisors llama.cpp writes for Llama 3 RoPE scaling (llama architecture)."""
+    `rope_freqs`: the [head_dim/2] divisors llama.cpp writes for Llama 3 RoPE scaling (llama architecture);
+    `extra`: more metadata keys (str, float32 or uint32 values)."""
     import gguf
 
     cfg = model.config
@@ -76,6 +77,13 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", rope_freq
         w.add_rope_scaling_factor(rp["factor"])
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
+    for k, v in (extra or {}).items():
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_uint32(k, v)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _vocab(w, cfg.vocab_size, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)

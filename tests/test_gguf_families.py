@@ -157,3 +157,18 @@ def test_native_greedy_agrees_with_fp32_on_a_q8_gguf(tmp_path):
     assert len(runs["fp32"]) == 24
     same = next((i for i, (a, b) in enumerate(zip(runs["native"], runs["fp32"], strict=False)) if a != b), 24)
     assert same >= 12, runs  # bf16/q8 activations may drift late, not early
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "rope.scaling.type 'yarn'"),
+    ({"qwen2.rope.dimension_count": 4}, "rotary dims 4"),
+    ({"qwen2.final_logit_softcapping": 30.0}, "final_logit_softcapping = 30"),
+])
+def test_gguf_keys_eyas_cannot_honour_are_refused(tmp_path, extra, why):
+    from eyas.target.load import load_target
+
+    family = "llama" if "llama.rope.scaling.type" in extra else "qwen2"
+    path = write_gguf(_model(family), tmp_path / "x.gguf", "F32", extra=extra)
+    with pytest.raises(TargetError, match=why) as e:
+        load_target(str(path))
+    assert "\n" not in str(e.value)
