@@ -348,6 +348,8 @@ DAMAGE = [
      "train", "shard-00000.safetensors", "not a readable eyas shard"),
     ("draft byte flipped", "run/draft", lambda r: flip_byte(r / "run" / "draft" / "model.safetensors"), "export",
      "model.safetensors", "digest differs"),
+    ("draft byte flipped, generate", "run/draft", lambda r: flip_byte(r / "run" / "draft" / "model.safetensors"),
+     "generate", "model.safetensors", "digest differs"),
     ("rng state byte flipped", CK, lambda r: flip_byte(r / CK / "rng.safetensors"), "resume",
      "rng.safetensors", "digest differs"),
     ("export byte flipped, import", "run/draft", flipped_export, "import", "model.safetensors", "digest differs"),
@@ -373,6 +375,9 @@ def test_damaged_artifact_is_one_error_line(trained_run, tmp_path, name, what, d
         argv = ["train", "--data", str(shards), "--out", str(root / "run"), *TRAIN_FLAGS, "--resume"]
     elif kind == "train":
         argv = ["train", "--data", str(shards), "--out", str(root / "new"), *TRAIN_FLAGS]
+    elif kind == "generate":
+        argv = ["generate", "--target", str(trained_run / "target"), "--draft", str(root / what), "--raw",
+                "--prompt", "t5 t6 t7", "--max-new-tokens", "2"]
     elif kind == "import":
         argv = ["import", str(root / "exported"), "--target", str(trained_run / "target"), "--out",
                 str(root / "imported")]

@@ -171,7 +171,9 @@ def test_the_table_is_only_consulted_with_lookup(tiny, table_dir):
     ("bad-json", "is not valid JSON"),
     ("wrong-kind", "kind 'eyas-draft', expected 'eyas-ngram'"),
     ("future-version", "format_version 99"),
-    ("corrupt-table", "is not a readable safetensors file"),
+    ("corrupt-table", "is not a readable safetensors file"),  # a table without a digest record (older eyas)
+    ("cut-table", r"ngram.safetensors: it is \d+ bytes, \d+ were written"),
+    ("flipped-table", "ngram.safetensors: its xxh3_128 digest differs"),
     ("wrong-order", r"expected ctx4 \[E, 4\]"),
 ])
 def test_bad_tables_are_one_clear_error(table_dir, tmp_path, damage, match):
@@ -191,7 +193,16 @@ def test_bad_tables_are_one_clear_error(table_dir, tmp_path, damage, match):
                   "wrong-order": {"config": {**m["config"], "order": 4}}}[damage])
         man.write_text(json.dumps(m))
     elif damage == "corrupt-table":
+        m = json.loads(man.read_text())
+        del m["files"]
+        man.write_text(json.dumps(m))
         (d / TABLE).write_bytes(b"garbage")
+    elif damage == "cut-table":
+        (d / TABLE).write_bytes((d / TABLE).read_bytes()[:-9])
+    elif damage == "flipped-table":
+        b = bytearray((d / TABLE).read_bytes())
+        b[-3] ^= 0x10
+        (d / TABLE).write_bytes(bytes(b))
     with pytest.raises(NgramError, match=match):
         load_ngram(d)
 

@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import EyasError
-from ..files import atomic_folder, atomic_write_json, read_json
+from ..files import atomic_folder, atomic_write_json, check_file, file_record, read_json, save_safetensors
 
 KIND = "eyas-ngram"
 FORMAT_VERSION = 1
@@ -110,7 +109,8 @@ def write_ngram(out: str | Path, table: dict[int, dict[tuple[int, ...], tuple[in
                 "entries": {str(k): len(v) for k, v in table.items()}}
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / TABLE), metadata={"producer": "eyas", "kind": KIND})
+        save_safetensors(tensors, tmp / TABLE, metadata={"producer": "eyas", "kind": KIND})
+        manifest["files"] = {TABLE: file_record(tmp / TABLE)}  # checked by load_ngram before the table is read
         atomic_write_json(tmp / MANIFEST, manifest)
 
     return atomic_folder(out, write)
@@ -133,6 +133,9 @@ def load_ngram(path: str | Path) -> NgramTable:
     order = (m.get("config") or {}).get("order")
     if not isinstance(order, int) or order < 1:
         raise NgramError(f"{man_path}: config.order {order!r} is not a positive integer; rebuild the table")
+    # tables written before eyas recorded digests (the shipped one among them) have no `files`: read unchecked
+    check_file(p / TABLE, (m.get("files") or {}).get(TABLE), NgramError,
+               "the table is damaged: copy it again, or rebuild it with `eyas ngram`")
     try:
         with safe_open(str(p / TABLE), framework="pt") as f:
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
