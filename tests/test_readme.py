@@ -1,0 +1,227 @@
+"""The README's examples, run as a reader would run them.
+
+Each runnable block in README.md follows an HTML comment `<!-- test: NAME -->`. The tests read the blocks from the
+file, so an edit to an example is tested as edited. The generate and serve examples run exactly as written (the
+serve port is swapped for a free one); the train-your-own-draft chain runs its commands as written with tiny
+sizes put in (the README says so), because at the written sizes it takes hours on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BLOCK = re.compile(r"<!-- test: ([\w-]+) -->\s*\n```(\w+)\n(.*?)\n```", re.S)
+README_PORT = "8000"
+SERVE_WAIT_S = 900  # loading the target and building the kernels on a loaded 2-core machine
+
+# Tiny sizes for the train chain: (flag, value or None for a bare flag). A flag the README gives is replaced,
+# one it does not give is added. 4 conversations of <= 256 tokens, 4 optimizer steps.
+TRAIN_OVERRIDES: dict[str, list[tuple[str, str | None]]] = {
+    "datagen": [("--num", "4"), ("--max-len", "256"), ("--max-new-tokens", "32"), ("--threads", "1"),
+                ("--quiet", None)],
+    "train": [("--max-steps", "4"), ("--ttt-steps", "2"), ("--batch-tokens", "512"), ("--max-len", "256"),
+              ("--heldout-pct", "25"), ("--eval-every", "2"), ("--threads", "1"), ("--quiet", None)],
+    "doctor": [("--samples", "2"), ("--max-len", "128"), ("--json", None)],
+    "export": [],
+}
+
+
+def readme_blocks() -> dict[str, tuple[str, str]]:
+    """name -> (language, code) for every block marked `<!-- test: NAME -->`."""
+    blocks: dict[str, tuple[str, str]] = {}
+    for name, lang, code in BLOCK.findall(README.read_text()):
+        assert name not in blocks, f"README marks two blocks '{name}'"
+        blocks[name] = (lang, code)
+    return blocks
+
+
+def command_lines(code: str) -> list[str]:
+    """A shell block's commands: comments and blank lines dropped, backslash continuations joined."""
+    joined = code.replace("\\\n", " ")
+    return [line for line in (ln.strip() for ln in joined.splitlines()) if line and not line.startswith("#")]
+
+
+def eyas_env() -> dict[str, str]:
+    """The environment after `. .venv/bin/activate`: this interpreter's bin first on PATH."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def with_overrides(argv: list[str], overrides: list[tuple[str, str | None]]) -> list[str]:
+    argv = list(argv)
+    for flag, value in overrides:
+        if flag in argv:
+            i = argv.index(flag)
+            if value is not None:
+                argv[i + 1] = value
+        else:
+            argv += [flag] if value is None else [flag, value]
+    return argv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_marks_each_example():
+    blocks = readme_blocks()
+    assert {"generate", "serve", "serve-curl", "serve-python", "serve-openai", "train"} <= set(blocks)
+    for name in ("serve", "serve-curl", "serve-python", "serve-openai"):
+        assert README_PORT in blocks[name][1], f"README block '{name}' no longer uses port {README_PORT}"
+
+
+def test_readme_main_job_matches_the_makefile():
+    """The README spells out what `make demo` runs; it must be the Makefile's demo recipe at its defaults."""
+    make = (ROOT / "Makefile").read_text()
+    defaults = dict(re.findall(r"^(BENCH_\w+) \?= ?(.*)$", make, re.M))
+    recipe = re.search(r"^demo: setup\n\t(.*?)\n\n", make, re.M | re.S)
+    assert recipe, "Makefile has no `demo: setup` recipe"
+    words = recipe.group(1).replace("\\\n", " ")
+    for var, value in defaults.items():
+        words = words.replace(f"$({var})", value)
+    argv = shlex.split(words.replace("$(VENV)/bin/eyas", "eyas"))
+    readme = README.read_text()
+    main_job = re.search(r"The main job is (`eyas bench[^`]*`)\s*\n(`[^`]*`)", readme)
+    assert main_job, "README no longer states the main job's command"
+    stated = shlex.split(" ".join(part.strip("`") for part in main_job.groups()))
+    assert sorted(stated) == sorted(argv), f"README says {stated}, the Makefile runs {argv}"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_readme_generate(tmp_path):
+    lang, code = readme_blocks()["generate"]
+    assert lang == "bash"
+    (line,) = command_lines(code)
+    argv = shlex.split(line)
+    assert argv[:2] == ["eyas", "generate"]
+    spec = subprocess.run(argv, cwd=tmp_path, env=eyas_env(), capture_output=True, text=True, timeout=1200)
+    assert spec.returncode == 0, spec.stderr[-3000:]
+    assert spec.stdout.strip(), "the example generated no text"
+    assert re.search(r"^tau [\d.]+ tokens/forward", spec.stderr, re.M), spec.stderr[-2000:]
+    # The README promises the same text as plain decoding.
+    plain = subprocess.run([*argv, "--draft", "none"], cwd=tmp_path, env=eyas_env(), capture_output=True,
+                           text=True, timeout=1200)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert spec.stdout == plain.stdout
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + SERVE_WAIT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"eyas serve exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"eyas serve did not answer /health within {SERVE_WAIT_S} s")
+
+
+def _run_client(name: str, port: int, tmp_path: Path) -> subprocess.CompletedProcess:
+    lang, code = readme_blocks()[name]
+    code = code.replace(README_PORT, str(port))
+    argv = ["bash", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    done = subprocess.run(argv, cwd=tmp_path, env=eyas_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"README block '{name}' failed: {done.stderr[-3000:]}"
+    return done
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_readme_serve_and_clients(tmp_path):
+    blocks = readme_blocks()
+    (line,) = command_lines(blocks["serve"][1])
+    argv = shlex.split(line, comments=True)
+    assert argv[:2] == ["eyas", "serve"] and argv[-1] == "&", argv
+    port = free_port()
+    argv = [str(port) if a == README_PORT else a for a in argv[:-1]]
+    log = tmp_path / "serve.log"  # a file, not a pipe: an unread pipe would block the server once full
+    with log.open("w") as sink:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=eyas_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        _wait_healthy(proc, port, log)
+        reply = json.loads(_run_client("serve-curl", port, tmp_path).stdout)
+        assert reply["object"] == "chat.completion"
+        assert reply["choices"][0]["message"]["content"].strip()
+        assert reply["usage"]["completion_tokens"] <= 32
+        assert _run_client("serve-python", port, tmp_path).stdout.strip()
+        has_openai = subprocess.run([sys.executable, "-c", "import openai"], capture_output=True).returncode == 0
+        if has_openai:
+            assert _run_client("serve-openai", port, tmp_path).stdout.strip()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    if not has_openai:
+        pytest.skip("the openai package is not installed: its README example was not run (curl and urllib were)")
+
+
+def _train_chain(code: str) -> tuple[str, list[list[str]]]:
+    """The README's train block as (TARGET, argv per eyas command)."""
+    lines = command_lines(code)
+    target = re.fullmatch(r"TARGET=(\S+)(\s+#.*)?", lines[0])
+    assert target, f"the train block should start by setting TARGET, got {lines[0]!r}"
+    chain = []
+    for line in lines[1:]:
+        chain.append([target.group(1) if a == "$TARGET" else a for a in shlex.split(line, comments=True)])
+    return target.group(1), chain
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_readme_train_your_own_draft(tmp_path):
+    target, chain = _train_chain(readme_blocks()["train"][1])
+    assert target == "smollm2-135m", "the test runs the chain on the bundled target, as the README's block does"
+    assert [argv[1] for argv in chain] == list(TRAIN_OVERRIDES), [argv[:2] for argv in chain]
+    results = {}
+    for argv in chain:
+        command = argv[1]
+        argv = with_overrides(argv, TRAIN_OVERRIDES[command])
+        done = subprocess.run(argv, cwd=tmp_path, env=eyas_env(), capture_output=True, text=True, timeout=1500)
+        # A 4-step draft is untrained, so doctor exits 1 on its head check; every other command must succeed.
+        assert done.returncode == (1 if command == "doctor" else 0), f"{shlex.join(argv)}: {done.stderr[-3000:]}"
+        results[command] = (argv, done)
+
+    data = Path(tmp_path, results["datagen"][0][results["datagen"][0].index("--out") + 1])
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["counts"]["samples"] == 4
+
+    train_out = Path(tmp_path, results["train"][0][results["train"][0].index("--out") + 1])
+    assert (train_out / "draft" / "model.safetensors").is_file()
+    steps = [json.loads(line)["step"] for line in (train_out / "metrics.jsonl").read_text().splitlines()]
+    assert steps and steps[-1] == 4
+
+    report = json.loads(results["doctor"][1].stdout)
+    failed = {c["name"] for c in report["checks"] if c["status"] == "fail"}
+    assert failed == {"head"}, report["checks"]
+    assert {c["name"]: c["status"] for c in report["checks"]}["data_layout"] == "pass"
+
+    export_argv, export = results["export"]
+    out = (tmp_path / export_argv[export_argv.index("--out") + 1]).resolve()
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == manifest["layout"]["aux_indices"]
+    launch = [line.strip() for line in export.stdout.splitlines() if line.strip().startswith("vllm serve")]
+    assert len(launch) == 1, export.stdout
+    spec = json.loads(shlex.split(launch[0])[shlex.split(launch[0]).index("--speculative-config") + 1])
+    assert spec["method"] == "eagle3" and Path(spec["model"]) == out
