@@ -2,7 +2,7 @@
 
     python benchmarks/bench_verify.py [--context 300] [--rows 1,2,4,8,16] [--repeats 21] [--threads 2]
                                       [--weights native,fp32] [--isa portable,avx2,avx512vnni] [--llama-cpp]
-                                      [--out verify.json]
+                                      [--clock wall|cpu] [--out verify.json]
 
 Each eyas mode runs the engine's forward (eyas.model) with a tree mask, all-row logits and the draft's three
 captured streams, i.e. exactly what a verification round costs; the median of --repeats timings is reported
@@ -12,6 +12,9 @@ all-row logits after the same context, the previous batch dropped from the KV ca
 interleaved per repeat so load drift hits all of them. Compare ratios within one run, never across runs.
 --isa runs the native mode once per named kernel variant (kernels.select_isa before each forward), interleaved
 the same way; without it the native mode runs the variant the library chose ($EYAS_ISA, else the CPU's best).
+--clock cpu times with the process's CPU seconds instead of wall time: on a machine shared with other jobs it
+leaves out the time spent waiting for a core (with --threads 1 it is the forward's own work; with more threads it
+also counts their spinning at barriers, so use it with one thread).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     ap.add_argument("--weights", default="native,fp32")
     ap.add_argument("--isa", default=None, help="kernel variants to run native weights on, e.g. avx2,avx512vnni")
     ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -79,14 +83,16 @@ def main() -> None:
                 llm.decode_rows(new[0, :S].tolist())
             runners["llama.cpp"] = run_llama
     times: dict[str, dict[int, list[float]]] = {k: {S: [] for S in rows} for k in runners}
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     for _ in range(a.repeats):
         for S in rows:
             for k, run in runners.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 run(S)
-                times[k][S].append(time.perf_counter() - t0)
+                times[k][S].append(clock() - t0)
     med = {k: {S: statistics.median(v) * 1e3 for S, v in d.items()} for k, d in times.items()}
-    print(f"verify forward after {a.context} tokens, {a.threads} threads, median of {a.repeats} (ms; ratio to S=1)")
+    print(f"verify forward after {a.context} tokens, {a.threads} threads, median of {a.repeats} ({a.clock} ms; "
+          "ratio to S=1)")
     width = max(14, *(len(k) + 2 for k in med))
     print("mode".ljust(width) + "".join(f"S={S}".rjust(16) for S in rows))
     for k, d in med.items():
@@ -96,7 +102,7 @@ def main() -> None:
             print(f"{k}: an 8-row verify costs {d[8] / d[1]:.2f}x a one-token step")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"context": a.context, "threads": a.threads, "repeats": a.repeats, "ms": med,
+            json.dump({"context": a.context, "threads": a.threads, "repeats": a.repeats, "clock": a.clock, "ms": med,
                        "isa_default": kernels.isa(), "isa_supported": kernels.supported_isas()}, f, indent=2)
 
 

@@ -125,6 +125,7 @@ def test_attention_is_bit_identical_on_every_variant(isa, hd, restore_isa):
     mask = _tree_mask(S, P, g)
     _equal(*_on(isa, lambda: kernels.attention(q, kc, vc, P, mask, 0.125)))
     _equal(*_on(isa, lambda: kernels.attention(q, kc, vc, P, None, 0.125)))
+    _equal(*_on(isa, lambda: kernels.attention(q, kc, vc, 0, None, 0.125)))  # 1-6 keys: no 8-key group
     qkv = torch.randn(B, S, (nh + 2 * kvh) * hd, generator=g).to(torch.bfloat16)
     ang = torch.rand(B, S, hd, generator=g) * 6
 
@@ -148,6 +149,34 @@ def test_norm_and_swiglu_are_bit_identical_on_every_variant(isa, restore_isa):
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -90.0])  # exp's clamps
     _equal(*_on(isa, lambda: kernels.silu_mul_bf16(gu)))
     _equal(*_on(isa, lambda: kernels.silu_mul_bf16(gu[:, :2 * 300].contiguous())))  # a 300-wide row: a tail
+
+
+def test_a_build_without_x86_variants_runs_the_portable_path_alone(tmp_path, restore_isa):
+    """What a non-x86 machine compiles (EYAS_PORTABLE_ONLY drops every x86 variant and cpuid): it builds with the
+    same flags, knows only the portable level and computes its bits."""
+    import ctypes
+
+    so = tmp_path / "portable_only.so"
+    cmd = [kernels._compiler(), *kernels._FLAGS, "-DEYAS_PORTABLE_ONLY", *map(str, kernels._SOURCES), "-o", str(so),
+           "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(so))
+    lib.eyas_isa_name.restype = ctypes.c_char_p
+    lib.eyas_isa_supported.argtypes = lib.eyas_isa_select.argtypes = [ctypes.c_char_p]
+    assert lib.eyas_isa_name() == b"portable"
+    assert [lib.eyas_isa_supported(n.encode()) for n in ALL] == [1, 0, 0]
+    assert lib.eyas_isa_select(b"avx2") == 2 and lib.eyas_isa_select(b"neon") == 1
+    g = torch.Generator().manual_seed(15)
+    N, K, M = 40, 96, 9
+    tiles = kernels.pack_q4(torch.randint(0, 16, (N, K), generator=g), torch.rand(N, K // 32, generator=g) * 0.01,
+                            -torch.rand(N, K // 32, generator=g) * 0.08)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    mine = torch.empty(M, N, dtype=torch.bfloat16)
+    lib.eyas_q4_matmul_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(tiles.data_ptr()),
+                            ctypes.c_void_p(mine.data_ptr()), M, N, K, 1)
+    kernels.select_isa(kernels.supported_isas()[-1])
+    assert torch.equal(mine, kernels.q4_matmul_bf16(x, tiles, N))
 
 
 @pytest.mark.integration

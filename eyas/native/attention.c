@@ -85,12 +85,78 @@ EYAS_INLINE void attend_row(const int isa, const float *qi, const float *kb, con
     for (int d = 0; d < hd; d++) o[d] = acc[d] * inv;
 }
 
+#ifdef EYAS_X86
+/* AVX-512, hd % 16 == 0: attend_row's arithmetic with 8 keys' scores at a time and the weighted values in registers.
+ * Each key's two chains sit in one register (dot_hd16_avx512); the eight fold8 sums come from two rounds of hadd
+ * and one add of 128-bit halves, which add the same pairs in the same order as fold8. A masked key's score is
+ * computed and dropped (attend_row skips it): no other score changes. */
+static inline EYAS_TGT_AVX512 __m256 dot8_hd16_avx512(const float *qi, const float *kb, int hd) {
+    __m256 t[8];
+    for (int k = 0; k < 8; k++) {
+        const float *b = kb + (int64_t)k * hd;
+        __m512 eo = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 16) eo = _mm512_fmadd_ps(_mm512_loadu_ps(qi + d), _mm512_loadu_ps(b + d), eo);
+        t[k] = _mm256_add_ps(_mm512_castps512_ps256(eo), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(eo),
+                                                                                                  1)));
+    }
+    /* y0 lanes: keys 0-3 of ((t0 + t1) + (t2 + t3)), then keys 0-3 of ((t4 + t5) + (t6 + t7)); y1 keys 4-7 */
+    const __m256 y0 = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    const __m256 y1 = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
+}
+
+static EYAS_TGT_AVX512 void attend_row_avx512(const float *qi, const float *kb, const float *vb, const uint8_t *mi,
+                                              int lim, float scale, float *row, float *o, const int hd) {
+    float m = -INFINITY;
+    int j = 0;
+    for (; j + 8 <= lim; j += 8) {
+        float sc[8];
+        _mm256_storeu_ps(sc, _mm256_mul_ps(dot8_hd16_avx512(qi, kb + (int64_t)j * hd, hd), _mm256_set1_ps(scale)));
+        for (int k = 0; k < 8; k++) {
+            const float sj = !mi || mi[j + k] ? sc[k] : -INFINITY;
+            if (sj > m) m = sj;
+            row[j + k] = sj;
+        }
+    }
+    for (; j < lim; j++) {
+        float sj = -INFINITY;
+        if (!mi || mi[j]) {
+            sj = dot_hd16_avx512(qi, kb + (int64_t)j * hd, hd) * scale;
+            if (sj > m) m = sj;
+        }
+        row[j] = sj;
+    }
+    __m512 acc[16];  /* hd <= 256 */
+    for (int c = 0; c < hd / 16; c++) acc[c] = _mm512_setzero_ps();
+    float l = 0.0f;
+    if (m != -INFINITY) {
+        for (j = 0; j < lim; j++) row[j] -= m;
+        exp_det_n_avx2(row, lim);
+        for (j = 0; j < lim; j++) l += row[j];
+        for (j = 0; j < lim; j++) {
+            const float p = row[j];
+            if (p == 0.0f) continue;
+            const float *vj = vb + (int64_t)j * hd;
+            const __m512 pv = _mm512_set1_ps(p);
+            for (int c = 0; c < hd / 16; c++) acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+        }
+    }
+    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+#define ATTEND_ROW_V16(isa, qi, kb, vb, mi, lim, scale, row, o, hd) \
+    ((isa) >= EYAS_ISA_AVX512VNNI ? attend_row_avx512(qi, kb, vb, mi, lim, scale, row, o, hd) \
+                                  : attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd))
+#else
+#define ATTEND_ROW_V16(isa, qi, kb, vb, mi, lim, scale, row, o, hd) attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd)
+#endif
+
 /* one (sequence, head, row) work item; the head sizes in use as literals */
 EYAS_INLINE void attend_item_body(const int isa, const float *qi, const float *kb, const float *vb,
                                   const uint8_t *mi, int lim, float scale, float *row, float *o, int hd) {
     switch (hd) {
-    case 64: attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, 64); break;
-    case 128: attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, 128); break;
+    case 64: ATTEND_ROW_V16(isa, qi, kb, vb, mi, lim, scale, row, o, 64); break;
+    case 128: ATTEND_ROW_V16(isa, qi, kb, vb, mi, lim, scale, row, o, 128); break;
     default: attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd);
     }
 }

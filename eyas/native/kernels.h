@@ -39,7 +39,9 @@ int eyas_isa_supported(const char *name);
 const char *eyas_isa_name(void);
 const char *eyas_isa_names(void);
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/* EYAS_PORTABLE_ONLY builds what a non-x86 machine builds (the portable variant alone): tests/test_isa.py */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(EYAS_PORTABLE_ONLY)
 #include <immintrin.h>
 #define EYAS_X86 1
 #define EYAS_TGT_AVX2 __attribute__((target("avx2,fma")))
