@@ -154,6 +154,8 @@ def test_out_of_memory_and_a_foreign_struct_size_are_error_codes_not_crashes():
         bd.check_status(rc, "the 4-bit decoder stack")
     d = bd.DraftLayerArgs(ctypes.sizeof(bd.DraftLayerArgs), R=huge, H=huge, nh=1, kvh=1, hd=64, I=huge)
     assert so.eyas_draft_layer(ctypes.byref(d)) == bd.EYAS_ENOMEM
+    for fn in (so.eyas_q4_matmul_bf16, so.eyas_q8q8_matmul):  # M x K activation scratch: refused, out untouched
+        assert fn(None, None, None, huge, 8, huge, 1) == bd.EYAS_ENOMEM
     a.struct_size = 8
     d.struct_size = ctypes.sizeof(bd.DraftLayerArgs) + 8
     assert so.eyas_q4_layers(ctypes.byref(a)) == bd.EYAS_EARGS
@@ -265,3 +267,57 @@ def test_the_checked_wrappers_still_compute():
         q.transpose(1, 2), kc[:, :, :5].repeat_interleave(2, 1), vc[:, :, :5].repeat_interleave(2, 1), scale=0.25,
         attn_mask=torch.ones(3, 5, dtype=torch.bool).tril(2)).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+# ---- --weights auto: native only where it is known or measured faster ----------------------------------------
+
+@pytest.fixture
+def portable(tmp_path, monkeypatch):
+    """The kernels' portable variant (what a CPU without AVX2 runs) and a private cache for the probe's record."""
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    best = kernels.isa()
+    kernels.select_isa("portable")
+    yield tmp_path / "cache" / "kernels" / f"{build.PREFIX}{kernels.library_key()['tag']}.speed.json"
+    kernels.select_isa(best)
+
+
+def test_auto_runs_native_on_the_avx2_and_avx512_variants_without_measuring(monkeypatch):
+    from eyas.native import auto
+
+    def no_probe(isa):
+        raise AssertionError("measured a variant whose answer is known")
+
+    monkeypatch.setattr(auto, "probe", no_probe)
+    for isa in auto.FAST_ISAS:
+        monkeypatch.setattr(kernels, "isa", lambda isa=isa: isa)
+        choice = auto.auto_native()
+        assert choice.native and choice.isa == isa and isa in choice.why
+
+
+def test_auto_on_the_portable_variant_measures_once_and_follows_the_measurement(portable, monkeypatch):
+    from eyas.native import auto
+
+    first = auto.auto_native()
+    rec = json.loads(portable.read_text())["portable"]
+    assert first.native == (rec["fp32_s"] > rec["native_s"]) and "measured on this CPU" in first.why
+    monkeypatch.setattr(auto, "probe", lambda isa: (_ for _ in ()).throw(AssertionError("measured twice")))
+    assert auto.auto_native().native == first.native  # read from the record
+    for native_s, want in ((9.0, False), (0.001, True)):
+        portable.write_text(json.dumps({"portable": {**rec, "native_s": native_s, "fp32_s": 0.01}}))
+        assert auto.auto_native().native is want
+
+
+def test_engine_auto_on_a_slow_portable_cpu_runs_fp32_and_says_why(portable, tmp_path):
+    from eyas.engine.weights import engine_model
+    from eyas.target.load import load_target
+    from tests.gguf_write import write_gguf
+    from tests.tiny import tiny_model
+
+    t = load_target(str(write_gguf(tiny_model("llama", hidden=64), tmp_path / "q8.gguf", "Q8_0")))
+    portable.parent.mkdir(parents=True, exist_ok=True)
+    portable.write_text(json.dumps({"portable": {"native_s": 0.02, "fp32_s": 0.01, "shape": [4096, 4096]}}))
+    tm = engine_model(t, "auto")
+    assert tm.native is None and "native not faster" in tm.fallback and "portable" in tm.fallback
+    portable.write_text(json.dumps({"portable": {"native_s": 0.005, "fp32_s": 0.01, "shape": [4096, 4096]}}))
+    assert engine_model(t, "auto").native is not None
+    assert engine_model(t, "native").native is not None  # an explicit --weights native is never second-guessed

@@ -31,8 +31,8 @@ int eyas_draft_layer(const eyas_draft_layer_args *a) {
     }
     rms_rows_f32(a->emb, a->w_in, x, R, H, a->eps, 2 * H);
     rms_rows_f32(hidden, a->w_hid, x + H, R, H, a->eps, 2 * H);
-    eyas_q8q8_matmul(x, a->wqkv, qkv, R, nqkv, 2 * H, nthreads);
-    for (int r = 0; r < R; r++) {
+    int rc = eyas_q8q8_matmul(x, a->wqkv, qkv, R, nqkv, 2 * H, nthreads);
+    for (int r = 0; rc == EYAS_OK && r < R; r++) {  /* the caches are written only once q|k|v exist */
         const float *row = qkv + (int64_t)r * nqkv, *cs = cos + (int64_t)r * hd, *sn = sin + (int64_t)r * hd;
         for (int hh = 0; hh < nh + kvh; hh++) {
             const float *src = row + hh * hd;
@@ -46,18 +46,22 @@ int eyas_draft_layer(const eyas_draft_layer_args *a) {
         for (int hh = 0; hh < kvh; hh++)
             memcpy(vc + ((int64_t)hh * maxlen + start + r) * hd, row + nq + nkv + hh * hd, sizeof(float) * hd);
     }
-    eyas_attention(q, kc, vc, maxlen, 1, R, nh, kvh, hd, start, a->mask, 0, a->scale, att, nthreads);
-    eyas_q8q8_matmul(att, a->wo, h, R, H, nq, nthreads);
-    for (int64_t i = 0; i < (int64_t)R * H; i++) h[i] += hidden[i];
-    rms_rows_f32(h, a->w_post, x, R, H, a->eps, H);
-    eyas_q8q8_matmul(x, a->wgu, gu, R, 2 * I, H, nthreads);
-    for (int r = 0; r < R; r++)
+    if (rc == EYAS_OK) {
+        eyas_attention(q, kc, vc, maxlen, 1, R, nh, kvh, hd, start, a->mask, 0, a->scale, att, nthreads);
+        rc = eyas_q8q8_matmul(att, a->wo, h, R, H, nq, nthreads);
+    }
+    if (rc == EYAS_OK) {
+        for (int64_t i = 0; i < (int64_t)R * H; i++) h[i] += hidden[i];
+        rms_rows_f32(h, a->w_post, x, R, H, a->eps, H);
+        rc = eyas_q8q8_matmul(x, a->wgu, gu, R, 2 * I, H, nthreads);
+    }
+    for (int r = 0; rc == EYAS_OK && r < R; r++)
         for (int c = 0; c < I; c++) {
             const float g = gu[(int64_t)r * 2 * I + c], u = gu[(int64_t)r * 2 * I + I + c];
             act[(int64_t)r * I + c] = g / (1.0f + expf(-g)) * u;
         }
-    eyas_q8q8_matmul(act, a->wd, y, R, H, I, nthreads);
-    for (int64_t i = 0; i < (int64_t)R * H; i++) a->out[i] = h[i] + y[i];
+    if (rc == EYAS_OK) rc = eyas_q8q8_matmul(act, a->wd, y, R, H, I, nthreads);
+    for (int64_t i = 0; rc == EYAS_OK && i < (int64_t)R * H; i++) a->out[i] = h[i] + y[i];
     free(x); free(qkv); free(q); free(att); free(h); free(gu); free(act); free(y);
-    return EYAS_OK;
+    return rc;
 }

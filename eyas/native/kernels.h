@@ -186,9 +186,9 @@ void eyas_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int R, int I, int nth
 void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
                       int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
                       int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads);
-void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out, int M, int N, int K,
-                         int nthreads);
-void eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, int N, int K, int nthreads);
+/* these two return EYAS_OK, or EYAS_ENOMEM (out untouched) when their activation scratch cannot be allocated */
+int eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out, int M, int N, int K, int nthreads);
+int eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, int N, int K, int nthreads);
 
 /* ---- the entry points with many arguments take one struct by pointer (eyas/native/boundary.py mirrors each as a
  * ctypes.Structure; eyas_args_sizes lets it compare sizes at load time, and struct_size is checked per call). They

@@ -41,6 +41,11 @@ def lib() -> ctypes.CDLL:
     return _isa_from_env(bd.declare(so))
 
 
+def library_key() -> dict[str, str]:
+    """The kernel library's cache key (build.cache_key): what a record about this library is filed under."""
+    return _build.cache_key(_compiler(), (*_SOURCES, *_HEADERS), _FLAGS)
+
+
 # ---- instruction-set variants (isa.c): the best the CPU has, or $EYAS_ISA ----------------------------------------
 
 def _isa_from_env(so: ctypes.CDLL) -> ctypes.CDLL:
@@ -184,7 +189,8 @@ def q8q8_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous().float()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    lib().eyas_q8q8_matmul(_ptr(x2), _ptr(tiles), _ptr(out), x2.shape[0], n, K, torch.get_num_threads())
+    bd.check_status(lib().eyas_q8q8_matmul(_ptr(x2), _ptr(tiles), _ptr(out), x2.shape[0], n, K,
+                                           torch.get_num_threads()), "8-bit matmul")
     return out.view(*x.shape[:-1], n)
 
 
@@ -223,7 +229,8 @@ def q4_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor
     K = x.shape[-1]
     x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
-    lib().eyas_q4_matmul_bf16(_ptr(x2), _ptr(tiles), _ptr(out), x2.shape[0], n, K, torch.get_num_threads())
+    bd.check_status(lib().eyas_q4_matmul_bf16(_ptr(x2), _ptr(tiles), _ptr(out), x2.shape[0], n, K,
+                                              torch.get_num_threads()), "4-bit matmul")
     return out.view(*x.shape[:-1], n)
 
 

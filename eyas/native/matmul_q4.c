@@ -174,11 +174,15 @@ static EYAS_TGT_AVX512 void q4_group_avx512 Q4_GROUP_PARAMS {
 }
 #endif
 
-void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out, int M, int N, int K,
-                         int nthreads) {
+int eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out, int M, int N, int K,
+                        int nthreads) {
     const int nb = K / 32, G = (N + 7) / 8;
     int8_t *xq = malloc((size_t)M * K);
     float *dx = malloc(sizeof(float) * (size_t)M * nb), *sx = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !dx || !sx) {  /* out untouched */
+        free(xq); free(dx); free(sx);
+        return EYAS_ENOMEM;
+    }
     void (*const quant)(const uint16_t *, int8_t *, float *, float *, int64_t) = EYAS_PICK(q4_quant);
     void (*const group)Q4_GROUP_PARAMS = EYAS_PICK(q4_group);
 #pragma omp parallel num_threads(G > 1 ? nthreads : 1)
@@ -193,4 +197,5 @@ void eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out,
     free(xq);
     free(dx);
     free(sx);
+    return EYAS_OK;
 }

@@ -146,10 +146,14 @@ static EYAS_TGT_AVX512 void q8_group_avx512 Q8_GROUP_PARAMS {
 }
 #endif
 
-void eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, int N, int K, int nthreads) {
+int eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, int N, int K, int nthreads) {
     const int nb = K / 32, G = (N + 7) / 8;
     int8_t *xq = malloc((size_t)M * K);
     float *dx = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !dx) {  /* out untouched */
+        free(xq); free(dx);
+        return EYAS_ENOMEM;
+    }
     void (*const quant)(const float *, int8_t *, float *, int64_t) = EYAS_PICK(q8_quant);
     void (*const group)Q8_GROUP_PARAMS = EYAS_PICK(q8_group);
 #pragma omp parallel num_threads(G > 1 ? nthreads : 1)
@@ -162,4 +166,5 @@ void eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, i
     }
     free(xq);
     free(dx);
+    return EYAS_OK;
 }
