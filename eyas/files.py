@@ -196,9 +196,10 @@ def bytes_digest(data: bytes | bytearray | memoryview, algo: str = DIGEST) -> st
 
 
 def file_digest(path: str | Path, algo: str = DIGEST) -> str:
-    """'<algo>:<hex>' of a file's bytes. xxh3_128 hashes ~20 GB/s on one core, so checking a shard folder before
-    training costs ~4% of reading it for one epoch (sha256: ~50%; benchmarks/bench_checksum.py). The file is
-    mapped rather than read into a buffer, which saves a copy that would cost more than the hash."""
+    """'<algo>:<hex>' of a file's bytes. xxh3_128 hashes 7-24 GB/s on one core (memory-bound: the lower figure
+    on a busy machine), so checking a shard folder before training costs 4-10% of reading it for one epoch where
+    sha256 cost 35-55% (benchmarks/bench_checksum.py, AMD EPYC Zen 4, 2 cores, shared). The file is mapped rather
+    than read into a buffer, which saves a copy that would cost more than the hash."""
     h = _hasher(algo)
     with open(path, "rb") as f:
         try:

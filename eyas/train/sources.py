@@ -52,8 +52,8 @@ class ShardSource:
     def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30,
                  data_tokens: list[int] | None = None):
         self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
-        # every shard against its recorded size and digest, once per run, before any of it trains (xxh3_128: a few
-        # percent of an epoch's read time, benchmarks/bench_checksum.py)
+        # every shard against its recorded size and digest, once per run, before any of it trains (xxh3_128: 4-10% of
+        # an epoch's read time, benchmarks/bench_checksum.py)
         self.set.verify()
         if data_tokens is not None and (len(data_tokens) != len(folders) or min(data_tokens) < 0):
             raise TrainError(f"--data-tokens has {len(data_tokens)} values for {len(folders)} --data folders; "
