@@ -166,10 +166,12 @@ EYAS_VARIANTS(attend_item, (const float *qi, const float *kb, const float *vb, c
 /* q [B, S, nh, hd]; k, v: one layer's cache [B, kvh, maxlen, hd]; keys 0..start+S-1 are valid.
  * mask: NULL (causal: row i sees keys 0..start+i) or uint8 [*, S, start+S] with batch stride mask_bstride
  * (0 = one mask for every sequence). out [B, S, nh, hd]. hd <= 256.
- * Work item = (sequence, head, row): a row's arithmetic never depends on the other rows. */
-void eyas_attention(const float *q, const float *k, const float *v, int64_t maxlen, int B, int S, int nh,
-                    int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride, float scale,
-                    float *out, int nthreads) {
+ * Work item = (sequence, head, row): a row's arithmetic never depends on the other rows.
+ * Returns EYAS_ENOMEM when a thread's score row cannot be allocated (its items are then left unwritten). */
+int eyas_attention(const float *q, const float *k, const float *v, int64_t maxlen, int B, int S, int nh,
+                   int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride, float scale,
+                   float *out, int nthreads) {
+    int failed = 0;
     const int T = start + S;
     const int group = nh / kvh;
     const int items = B * nh * S;
@@ -178,8 +180,13 @@ void eyas_attention(const float *q, const float *k, const float *v, int64_t maxl
 #pragma omp parallel num_threads(items > 1 ? nthreads : 1)
     {
         float *row = (float *)malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int it = 0; it < items; it++) {
+            if (!row) continue;  /* every thread still reaches the loop's barrier */
             const int b = it / (nh * S), h = (it / S) % nh, i = it % S, g = h / group;
             const float *kb = k + ((int64_t)b * kvh + g) * maxlen * hd;
             const float *vb = v + ((int64_t)b * kvh + g) * maxlen * hd;
@@ -191,15 +198,17 @@ void eyas_attention(const float *q, const float *k, const float *v, int64_t maxl
         }
         free(row);
     }
+    return failed ? EYAS_ENOMEM : EYAS_OK;
 }
 
 /* qkv [B, S, (nh + 2 kvh) hd] bf16 from the fused projection; cos, sin [B, S, hd] (HF rotary, rotate-half form).
  * Rotates q and k, writes k and v into cache slots start..start+S-1 (or, with slots and S = 1, row b's at slot
  * slots[b] <= start: rows of different lengths in one cache, the mask saying which slots each row sees), attends
- * (eyas_attention) and writes out [B, S, nh hd] bf16. qbuf, obuf: fp32 scratch of B*S*nh*hd. */
-void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
-                      int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
-                      int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads) {
+ * (eyas_attention) and writes out [B, S, nh hd] bf16. qbuf, obuf: fp32 scratch of B*S*nh*hd. Returns
+ * eyas_attention's code (the cache rows are written either way). */
+int eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
+                     int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
+                     int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads) {
     const int half = hd / 2, width = (nh + 2 * kvh) * hd;
     for (int b = 0; b < B; b++)
         for (int s = 0; s < S; s++) {
@@ -222,7 +231,9 @@ void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, f
                 for (int d = 0; d < hd; d++) dst[d] = from_bf16(src[d]);
             }
         }
-    eyas_attention(qbuf, kc, vc, maxlen, B, S, nh, kvh, hd, start, mask, mask_bstride, scale, obuf, nthreads);
+    const int rc = eyas_attention(qbuf, kc, vc, maxlen, B, S, nh, kvh, hd, start, mask, mask_bstride, scale, obuf,
+                                  nthreads);
     const int64_t n = (int64_t)B * S * nh * hd;
-    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(obuf[i]);
+    for (int64_t i = 0; rc == EYAS_OK && i < n; i++) out[i] = to_bf16(obuf[i]);
+    return rc;
 }

@@ -46,13 +46,13 @@ STRUCTS = (Q4LayersArgs, DraftLayerArgs)  # eyas_args_sizes' order
 
 # every entry point: (argtypes, restype); None = void
 SIGNATURES = {
-    "eyas_attention": ([_p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _p, _i64, _f32, _p, _i32], None),
+    "eyas_attention": ([_p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _p, _i64, _f32, _p, _i32], _i32),
     "eyas_q8_matmul": ([_p, _p, _p, _p, _i32, _i32, _i32, _i32], None),
     "eyas_f32_matmul": ([_p, _p, _p, _i32, _i32, _i32, _i32], None),
     "eyas_add_rms_bf16": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "eyas_silu_mul_bf16": ([_p, _p, _i32, _i32, _i32], None),
     "eyas_rope_attend": ([_p, _p, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _p, _p, _i64, _f32, _p, _p,
-                          _p, _i32], None),
+                          _p, _i32], _i32),
     "eyas_q4_matmul_bf16": ([_p, _p, _p, _i32, _i32, _i32, _i32], _i32),
     "eyas_q8q8_matmul": ([_p, _p, _p, _i32, _i32, _i32, _i32], _i32),
     "eyas_q4_layers": ([ctypes.POINTER(Q4LayersArgs)], _i32),

@@ -47,8 +47,8 @@ int eyas_draft_layer(const eyas_draft_layer_args *a) {
             memcpy(vc + ((int64_t)hh * maxlen + start + r) * hd, row + nq + nkv + hh * hd, sizeof(float) * hd);
     }
     if (rc == EYAS_OK) {
-        eyas_attention(q, kc, vc, maxlen, 1, R, nh, kvh, hd, start, a->mask, 0, a->scale, att, nthreads);
-        rc = eyas_q8q8_matmul(att, a->wo, h, R, H, nq, nthreads);
+        rc = eyas_attention(q, kc, vc, maxlen, 1, R, nh, kvh, hd, start, a->mask, 0, a->scale, att, nthreads);
+        if (rc == EYAS_OK) rc = eyas_q8q8_matmul(att, a->wo, h, R, H, nq, nthreads);
     }
     if (rc == EYAS_OK) {
         for (int64_t i = 0; i < (int64_t)R * H; i++) h[i] += hidden[i];

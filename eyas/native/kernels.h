@@ -176,17 +176,18 @@ EYAS_INLINE int quantize_q8_block(const float *v, int8_t *qb, float *dx) {
     return sum;
 }
 
-/* the exported kernels one file calls from another */
-void eyas_attention(const float *q, const float *k, const float *v, int64_t maxlen, int B, int S, int nh,
-                    int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride, float scale,
-                    float *out, int nthreads);
+/* the exported kernels one file calls from another; those returning int give EYAS_OK or EYAS_ENOMEM (a scratch
+ * allocation failed) */
+int eyas_attention(const float *q, const float *k, const float *v, int64_t maxlen, int B, int S, int nh,
+                   int kvh, int hd, int start, const uint8_t *mask, int64_t mask_bstride, float scale,
+                   float *out, int nthreads);
 void eyas_add_rms_bf16(float *x, const uint16_t *y, const float *w, uint16_t *out, int R, int H, float eps,
                        int nthreads);
 void eyas_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int R, int I, int nthreads);
-void eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
-                      int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
-                      int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads);
-/* these two return EYAS_OK, or EYAS_ENOMEM (out untouched) when their activation scratch cannot be allocated */
+int eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t maxlen,
+                     int B, int S, int nh, int kvh, int hd, int start, const int64_t *slots, const uint8_t *mask,
+                     int64_t mask_bstride, float scale, float *qbuf, float *obuf, uint16_t *out, int nthreads);
+/* out untouched when these two return EYAS_ENOMEM */
 int eyas_q4_matmul_bf16(const uint16_t *x, const uint8_t *tiles, uint16_t *out, int M, int N, int K, int nthreads);
 int eyas_q8q8_matmul(const float *x, const uint8_t *tiles, float *out, int M, int N, int K, int nthreads);
 

@@ -117,8 +117,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     out = torch.empty_like(q)
     T = start + S
     m, m_stride = _mask_bytes(mask, S, T, B)
-    lib().eyas_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), max_len, B, S, nh, kvh, hd, start,
-                         None if m is None else _ptr(m), m_stride, float(scale), _ptr(out), torch.get_num_threads())
+    rc = lib().eyas_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), max_len, B, S, nh, kvh, hd, start,
+                              None if m is None else _ptr(m), m_stride, float(scale), _ptr(out),
+                              torch.get_num_threads())
+    bd.check_status(rc, "attention")
     return out
 
 
@@ -443,9 +445,8 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     obuf = torch.empty(B, S, nh, hd)
     out = torch.empty(B, S, nh * hd, dtype=torch.bfloat16)
     m, m_stride = _mask_bytes(mask, S, T, B)
-    lib().eyas_rope_attend(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), max_len, B, S,
-                           nh, kvh, hd, start, _slots(slots, B, S, max_len), None if m is None else _ptr(m), m_stride,
-                           float(scale), _ptr(qbuf),
-                           _ptr(obuf), _ptr(out),
-                           torch.get_num_threads())
+    rc = lib().eyas_rope_attend(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), max_len, B, S, nh,
+                                kvh, hd, start, _slots(slots, B, S, max_len), None if m is None else _ptr(m),
+                                m_stride, float(scale), _ptr(qbuf), _ptr(obuf), _ptr(out), torch.get_num_threads())
+    bd.check_status(rc, "RoPE + attention")
     return out

@@ -23,8 +23,10 @@ int eyas_q4_layers(const eyas_q4_layers_args *a) {
         eyas_add_rms_bf16(x, i ? pend : NULL, a->ln1[i], h, R, H, a->eps, nt);
         if (a->store[i]) memcpy(a->store[i], x, sizeof(float) * (size_t)R * H);
         if ((rc = eyas_q4_matmul_bf16(h, a->wqkv[i], qkv, R, nqkv, H, nt))) break;
-        eyas_rope_attend(qkv, a->cos, a->sin, a->kc[i], a->vc[i], a->maxlen, a->B, a->S, a->nh, a->kvh, a->hd,
-                         a->start, a->slots, a->masks[i], a->mask_bstrides[i], a->scale, qbuf, obuf, o, nt);
+        if ((rc = eyas_rope_attend(qkv, a->cos, a->sin, a->kc[i], a->vc[i], a->maxlen, a->B, a->S, a->nh, a->kvh,
+                                   a->hd, a->start, a->slots, a->masks[i], a->mask_bstrides[i], a->scale, qbuf, obuf,
+                                   o, nt)))
+            break;
         if ((rc = eyas_q4_matmul_bf16(o, a->wo[i], ob, R, H, no, nt))) break;
         eyas_add_rms_bf16(x, ob, a->ln2[i], h, R, H, a->eps, nt);
         if ((rc = eyas_q4_matmul_bf16(h, a->wgu[i], gu, R, 2 * I, H, nt))) break;
