@@ -14,6 +14,8 @@ Then, --repeats times, interleaved so load drift hits all of them alike:
   copy    the same tensors only copied: the least any reader does with the bytes (a stricter denominator)
   verify  ShardSet.verify(), the check training runs before its first step (size + recorded digest per shard)
   sha256  the same files through sha256, the digest eyas recorded before xxh3_128, for comparison
+  chunked / inread  each file read into memory in 4 MiB pieces, without and with xxh3_128 over each piece as it
+          lands: the difference is what verifying inside the read (no second pass) would cost
 and prints each repeat's wall and CPU times and the ratios verify/read (wall and CPU) and sha256/read measured
 within it (on a shared machine the CPU ratio is the steadier one). One warm-up read first, so every timing reads
 from the page cache: the ratio is the CPU cost of checking, the part a faster disk does not hide (from a cold
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+import xxhash
 
 from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, read_fields, write_shard
 from eyas.files import atomic_write_json, file_digest, recorded_digest
@@ -94,6 +97,22 @@ def read_epoch(paths: list[Path], as_training: bool = True) -> int:
     return n
 
 
+def chunked_read(paths: list[Path], digest: bool, chunk: int = 4 << 20) -> None:
+    """Each file read into one buffer in `chunk`-byte pieces; `digest`: xxh3_128 over each piece right after it
+    lands, while it is still in the CPU's cache. The difference between the two is what a reader that verified
+    the bytes it reads anyway would add (eyas's check is a separate pass: ShardSet.verify)."""
+    for p in paths:
+        size = p.stat().st_size
+        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")  # not zero-filled
+        h = xxhash.xxh3_128()
+        with open(p, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size and (n := f.readinto(view[pos:pos + chunk])):
+                if digest:
+                    h.update(view[pos:pos + n])
+                pos += n
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -136,22 +155,27 @@ def main() -> None:
     rows = []
     for i in range(a.repeats):
         r: dict[str, float] = {}
-        for name, fn in (("read", lambda: read_epoch(paths)), ("copy", lambda: read_epoch(paths, as_training=False)),
-                         ("verify", shard_set.verify), ("sha256", lambda: [file_digest(p, "sha256") for p in paths])):
+        steps = (("read", lambda: read_epoch(paths)), ("copy", lambda: read_epoch(paths, as_training=False)),
+                 ("verify", shard_set.verify), ("sha256", lambda: [file_digest(p, "sha256") for p in paths]),
+                 ("chunked", lambda: chunked_read(paths, False)), ("inread", lambda: chunked_read(paths, True)))
+        for name, fn in steps:
             r[f"{name}_s"], r[f"{name}_cpu_s"] = cpu_timed(fn)
         r["load_avg"] = os.getloadavg()[0]
         r.update(verify_over_read=r["verify_s"] / r["read_s"], sha256_over_read=r["sha256_s"] / r["read_s"],
-                 verify_over_copy=r["verify_s"] / r["copy_s"], verify_over_read_cpu=r["verify_cpu_s"] / r["read_cpu_s"])
+                 verify_over_copy=r["verify_s"] / r["copy_s"], verify_over_read_cpu=r["verify_cpu_s"] / r["read_cpu_s"],
+                 inread_over_read_cpu=(r["inread_cpu_s"] - r["chunked_cpu_s"]) / r["read_cpu_s"])
         rows.append(r)
         print(f"repeat {i + 1}: wall: read {r['read_s']:.3f} s ({tensor_bytes / r['read_s'] / 1e9:.2f} GB/s), copy "
               f"only {r['copy_s']:.3f} s, verify {r['verify_s']:.3f} s, sha256 {r['sha256_s']:.3f} s; CPU: read "
               f"{r['read_cpu_s']:.3f} s, verify {r['verify_cpu_s']:.3f} s; verify/read {r['verify_over_read']:.3f} "
               f"(CPU {r['verify_over_read_cpu']:.3f}), sha256/read {r['sha256_over_read']:.3f}, verify/copy "
-              f"{r['verify_over_copy']:.3f} (load {r['load_avg']:.2f})")
-    keys = ("verify_over_read", "verify_over_read_cpu", "sha256_over_read", "verify_over_copy")
+              f"{r['verify_over_copy']:.3f}; hashing while reading adds {r['inread_cpu_s'] - r['chunked_cpu_s']:.3f} "
+              f"CPU s (/read {r['inread_over_read_cpu']:.3f}) (load {r['load_avg']:.2f})")
+    keys = ("verify_over_read", "verify_over_read_cpu", "sha256_over_read", "verify_over_copy", "inread_over_read_cpu")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     print(f"median verify/read {med['verify_over_read']:.3f} wall, {med['verify_over_read_cpu']:.3f} CPU (goal <= "
-          f"0.05); sha256/read {med['sha256_over_read']:.3f}; verify/copy-only {med['verify_over_copy']:.3f}")
+          f"0.05); sha256/read {med['sha256_over_read']:.3f}; verify/copy-only {med['verify_over_copy']:.3f}; "
+          f"hashing while reading / read {med['inread_over_read_cpu']:.3f} CPU")
     if a.out:
         Path(a.out).write_text(json.dumps({"folder": str(folder), "bytes": size, "shards": len(paths),
                                            "digests": algos, "cpu": cpu_name(), "repeats": rows,
