@@ -9,6 +9,7 @@ from typing import Any
 from .conventions import engine_ids_table
 from .errors import EyasError
 from .files import read_json
+from .native.auto import describe as describe_native
 from .target.gguf_config import rope_summary
 from .target.load import load_target
 from .target.template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
@@ -63,6 +64,7 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_tem
         "vllm_ids": engine_ids_table(layout.aux_indices, L)["vllm"],
         "mean_l2_norm": {("embedding (0)" if k == "0" else (f"final pre-norm ({L})" if k == "final" else k)): v
                          for k, v in norms.items()},
+        "native_kernels": describe_native(t.gguf is not None, t.dtype == torch.float32 and t.device.type == "cpu"),
     }
 
 
@@ -89,6 +91,10 @@ def render(info: dict[str, Any]) -> None:
     for k in ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
               "vocab_size", "rope", "fingerprint", "chat_template", "dtype", "load_seconds", "path"):
         t.add_row(k, str(info[k]))
+    nk = info.get("native_kernels")
+    if nk:
+        t.add_row("kernel variant", f"{nk['isa']} (this CPU runs: {nk['variants']})")
+        t.add_row("--weights auto", f"{nk['weights_auto']}: {nk['why']}")
     con.print(t)
     lt = Table(title="default EAGLE-3 layout, one layout in each engine's convention")
     lt.add_column("engine")

@@ -321,3 +321,14 @@ def test_engine_auto_on_a_slow_portable_cpu_runs_fp32_and_says_why(portable, tmp
     portable.write_text(json.dumps({"portable": {"native_s": 0.005, "fp32_s": 0.01, "shape": [4096, 4096]}}))
     assert engine_model(t, "auto").native is not None
     assert engine_model(t, "native").native is not None  # an explicit --weights native is never second-guessed
+
+
+def test_inspect_names_the_variant_and_what_auto_picks_for_which_target():
+    from eyas.native import auto
+
+    gguf = auto.describe(gguf=True)
+    assert gguf["isa"] == kernels.isa() and gguf["isa"] in gguf["variants"]
+    assert gguf["weights_auto"] == ("native" if auto.auto_native().native else "fp32") and gguf["why"]
+    hf = auto.describe(gguf=False)
+    assert hf["weights_auto"] == "fp32" and "not a GGUF" in hf["why"]
+    assert auto.describe(gguf=True, on_cpu_fp32=False)["weights_auto"] == "fp32"

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import EyasError
 from ..native import kernels
+from ..native.auto import auto_native
 from ..target.load import Target
 
 if TYPE_CHECKING:
@@ -24,7 +25,9 @@ NATIVE_ACT = {"native": "q8", "native-bf16": "bf16"}  # weights mode -> 4-bit ma
 def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     """The engine forward for `target` in the requested weights mode.
 
-    auto: native for a GGUF target on the CPU in fp32 whose matrices the native kernels cover, else fp32.
+    auto: native for a GGUF target on the CPU in fp32 whose matrices the native kernels cover, where native is
+    known or measured faster (eyas/native/auto.py: the AVX2 and AVX-512 variants; on a CPU with neither, a one-time
+    probe decides), else fp32.
     native: the GGUF's quantized weights (eyas/native/quant.py), 4-bit matrices with 8-bit activations (llama.cpp's
     numerics); an error when that is not possible.
     native-bf16: the same weights through torch's int4 kernel with bf16 activations.
@@ -41,6 +44,12 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
         why = f"native GGUF weights run on the CPU with fp32 activations; this target is {model.dtype} on " \
               f"{model.device}"
     act = NATIVE_ACT.get(weights, "q8")
+    if why is None and weights == "auto":
+        try:
+            choice = auto_native()
+            why = None if choice.native else choice.why
+        except EyasError as e:  # no C compiler, a kernel that does not build
+            why = str(e)
     if why is None:
         try:
             native = native_weights(target, act)
