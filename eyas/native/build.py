@@ -134,15 +134,18 @@ def remove_stale(folder: Path, keep: str, now: float | None = None) -> list[Path
     would make each side rebuild on every start. Loading a library refreshes its sidecar's mtime (see
     cached_library), so a day-old sidecar means no process has loaded that variant for a day, and none is about
     to (that would happen under the lock we hold). A process that still has it mapped is unaffected: unlinking
-    an open file keeps its pages until the last user goes."""
+    an open file keeps its pages until the last user goes. A library without a record (written by an eyas from
+    before the records) is aged by its own mtime."""
     now = time.time() if now is None else now
     removed = []
-    for side in folder.glob(f"{PREFIX}*.json"):
-        tag = side.name[len(PREFIX):-len(".json")]
-        if tag == keep or "." in tag:  # a variant's own record, not its speed record (<tag>.speed.json)
+    tags = {p.name[len(PREFIX):].split(".")[0] for p in folder.glob(f"{PREFIX}*.so")}
+    tags |= {p.name[len(PREFIX):-len(".json")] for p in folder.glob(f"{PREFIX}*.json")}
+    for tag in tags:
+        if tag == keep or "." in tag:  # "." in tag: <tag>.speed.json, a record about a variant, not the variant's own
             continue
+        side, so = folder / f"{PREFIX}{tag}.json", folder / f"{PREFIX}{tag}.so"
         try:
-            if now - side.stat().st_mtime < STALE_AGE_S:
+            if now - (side if side.exists() else so).stat().st_mtime < STALE_AGE_S:
                 continue
         except OSError:
             continue
