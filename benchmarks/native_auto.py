@@ -6,7 +6,9 @@ with --weights native and with --weights fp32, alternated ROUNDS times (this mac
 minutes; alternating keeps the ratio within one stretch), and auto.probe's matvec. Prints one line per variant:
 median decode tok/s of each, their ratio, and the probe's times.
 
-    python benchmarks/native_auto.py [--tokens 64] [--rounds 3]
+    python benchmarks/native_auto.py [--tokens 64] [--rounds 3] [--threads N]
+
+On a shared machine, --threads 1 keeps the kernels' OpenMP barriers from waiting on threads the OS has parked.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     target = load_target("smollm2-135m")
     engines = {w: Engine(target, None, SpecParams(method="plain", weights=w)) for w in ("native", "fp32")}
     assert engines["native"].weights == "native", engines["native"].weights_note

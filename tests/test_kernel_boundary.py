@@ -335,3 +335,11 @@ def test_inspect_names_the_variant_and_what_auto_picks_for_which_target():
     hf = auto.describe(gguf=False)
     assert hf["weights_auto"] == "fp32" and "not a GGUF" in hf["why"]
     assert auto.describe(gguf=True, on_cpu_fp32=False)["weights_auto"] == "fp32"
+
+
+def test_an_unwritable_cache_is_one_kernel_error(tiny, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("EYAS_CACHE", str(blocker))  # $EYAS_CACHE/kernels cannot be created under a file
+    with pytest.raises(KernelError, match="cannot use the kernel cache .*EYAS_CACHE"):
+        build.cached_library(*tiny)

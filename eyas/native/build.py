@@ -11,7 +11,6 @@ a lock on the cache folder, so two processes starting at once build once and nev
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -21,7 +20,7 @@ import platform
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -116,16 +115,6 @@ def verified(so: Path, key: dict[str, str]) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    with open(folder / ".lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def remove_stale(folder: Path, keep: str, now: float | None = None) -> list[Path]:
     """Delete the other variants' files (eyas_kernels-<tag>.*, tag != keep) unused for a day.
 
@@ -160,9 +149,15 @@ def cached_library(cc: str, sources: Sequence[Path], flags: Sequence[str]) -> tu
     loaded, and its key. Loaded under the lock, right after its check: no other process replaces it between."""
     key = cache_key(cc, sources, flags)
     folder = cache_dir() / "kernels"
-    folder.mkdir(parents=True, exist_ok=True)
     so = folder / f"{PREFIX}{key['tag']}.so"
-    with _locked(folder):
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".lock", "a")  # closed (and the lock released) by the with below
+    except OSError as e:
+        raise KernelError(f"cannot use the kernel cache {folder} ({e.strerror or e}); set $EYAS_CACHE to a writable "
+                          "folder or run with --weights fp32") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if verified(so, key) is not None:
             atomic_write(so, lambda tmp: compile_library(cc, flags, sources, tmp))
             atomic_write_json(_sidecar(so), {"key": key, "sha256": file_digest(so)})
