@@ -1,17 +1,19 @@
 """What `--weights auto` runs when the native kernels could: native only where it is known or measured faster.
 
 The rule (auto_native): the kernels' AVX2 and AVX-512 VNNI variants run native; the portable variant runs fp32
-unless a one-time probe on this CPU says native is faster. Evidence, `python benchmarks/native_auto.py --tokens 24
---rounds 2` (plain greedy decoding of the bundled SmolLM2-135M Q4_1 GGUF, native and fp32 alternated in one
-process, each variant selected in turn), AMD EPYC Zen 4, 2 cores, on a heavily shared machine (load 5-9), 2026-12:
-native/fp32 decode 0.33x and 0.34x on the portable variant, 2.2x and 20x on avx2, 1.5x on avx512vnni (docs/RESULTS.md
-has the runs). The load makes the ratios swing, but their side of 1 held in every run.
+unless a one-time probe on this CPU says native is faster. Evidence: `python benchmarks/native_auto.py --tokens 24
+--rounds 2 --threads 1` (plain greedy decoding of the bundled SmolLM2-135M Q4_1 GGUF, native and fp32 alternated in
+one process, each kernel variant selected in turn), AMD EPYC Zen 4, shared machine (load 5-6), 2026-12: native/fp32
+7.9x on avx512vnni, 7.3x on avx2, 1.08x on portable. With 2 threads on the same loaded machine the ratios swung
+(avx2 1.5-20x, avx512vnni 0.7-1.5x, portable 0.33-0.37x): OpenMP barriers stall when the OS parks a thread, so
+those runs measure the load more than the kernels. docs/RESULTS.md ("--weights auto") lists every run.
 
 The probe: one 4-bit x 8-bit matvec [4096, 4096] against torch's fp32 matvec of the same shape, the minimum of a
-few runs each. It agreed with decoding on the portable variant (native 1.7-4x slower) but called native slower on
-avx2 and avx512vnni too, where decoding was faster: it leans to fp32, so it decides only where nothing better is
-known (a CPU without AVX2). Its result is cached next to the kernel library under the library's key (a new
-compiler, flag set, source or CPU measures again), per variant.
+few runs each. In the 1-thread run it agreed with decoding on avx2 and avx512vnni (native 7-8x faster) and called
+the portable variant slower (17.9 vs 12.1 ms) where decoding found the two about even: it leans to fp32, the safe
+side where the two are close. It decides only where nothing better is known (a CPU without AVX2). Its result is
+cached next to the kernel library under the library's key (a new compiler, flag set, source or CPU measures
+again), per variant.
 """
 
 from __future__ import annotations
