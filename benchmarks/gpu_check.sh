@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot check of eyas's CUDA path (never run on a GPU before session 4 wrote this). At most ~8 minutes on one
+# One-shot check of eyas's CUDA path (written for eyas 0.1.0, which had not yet run on a GPU). At most ~8 minutes on one
 # GPU: regenerate a few hundred replies, train a draft briefly, bench and doctor with --device cuda. Prints one
 # PASS/FAIL line per stage and exits non-zero if any failed; logs stay in $WORK.
 #

@@ -598,7 +598,7 @@ def test_shifted_copy_of_the_shipped_draft_fails_with_the_true_layout_first(smol
     d = relabel_dir(bundled_draft_path(), tmp_path / "shifted", [k + 1 for k in true])
     rep = run_doctor(smollm2, load_draft(d))
     c = rep.check("layout")
-    # ranked by held-out loss: on the session-2 draft the shift cost +0.076 nats at paired z ~ 9 over 1,125
+    # ranked by held-out loss: on the first trained draft the shift cost +0.076 nats at paired z ~ 9 over 1,125
     # positions while top-1 accuracy moved by less than its noise (31.5% true vs 30.8% shifted)
     assert c.status == "fail" and rep.layout.best.indices == true, (c.summary, rep.layout[:3])
     assert c.numbers["diff_loss"] > 4 * c.numbers["se_loss"], c.numbers

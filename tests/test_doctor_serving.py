@@ -230,7 +230,7 @@ def _start(py: Path, model: Path, draft: Path, log: Path) -> tuple[subprocess.Po
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config", spec,
-           # eager: vLLM's CPU torch.compile warm-up took ~10 minutes of a loaded 2-core box, eager ~3
+           # eager: vLLM's CPU torch.compile warm-up took ~10 minutes of a loaded 2-core AMD EPYC Zen 4, eager ~3
            "--enforce-eager"]
     with open(log, "w") as f:
         # its own session, so the whole process group (API server, engine core, worker) can be ended at teardown

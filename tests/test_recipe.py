@@ -121,7 +121,7 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     assert again["train"]["result"] == done["train"]["result"]
     assert (run / "train_log.jsonl").read_text().splitlines() == steps  # the finished run trained no further step
 
-    # the next session's continuation: warm start from the shipped draft, frozen into WORK/init-<hash>
+    # a later round's continuation: warm start from the shipped draft, frozen into WORK/init-<hash>
     warm = replace(cfg, stages=("train",), init_from=str(ship))
     run_recipe(warm, log=lambda *a: None)
     run2 = trained_dir(warm)

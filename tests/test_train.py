@@ -226,7 +226,7 @@ def test_checkpoint_round_trip_and_manifest(world):
 
 
 def test_init_from_continues_a_draft_on_new_data(world, tmp_path):
-    """--init-from: a draft trained on one data set continues on another (what growing data across sessions
+    """--init-from: a draft trained on one data set continues on another (what growing data across rounds
     does): it starts from the draft's weights and keeps its vocabulary, so held-out accuracy starts where the
     first run ended instead of at chance; a mismatched --draft-vocab is refused."""
     root, target = world
