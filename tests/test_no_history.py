@@ -22,12 +22,12 @@ FORBIDDEN = [
 
 # (pattern, why it is legitimate). Matched text is blanked before FORBIDDEN is applied.
 ALLOWED = [
+    (re.compile(r"\(session,|\bsession\.(?=\w)|\bsession = |\bsession: [A-Z]|\breturn session\b|\bself\.session\b"),
+     "a local variable or parameter holding a VllmSession (before the identifiers below blank its type)"),
     (re.compile(r"\b\w+_session\b|\b\w+Session\b"),
      "identifiers: VllmSession / LazySession (the vLLM worker process eyas drives), cfg.vllm_session, "
      "subprocess's start_new_session, requests.Session"),
     (re.compile(r"\bvllm[./]session\b"), "the module eyas/vllm/session.py"),
-    (re.compile(r"\bsession\b(?=\s*[.,)=:])|\breturn session\b|\bself\.session\b|\(session\b"),
-     "a local variable or parameter holding a VllmSession"),
     (re.compile(r"""scope=["']session["']|session-scoped fixture"""), "pytest's session fixture scope"),
     (re.compile(r"\bits own session\b", re.I), "a POSIX process session (start_new_session=True)"),
 ]
@@ -36,10 +36,14 @@ ALLOWED = [
 BINARY_SUFFIXES = {".safetensors", ".png", ".gguf", ".so", ".bin", ".pt", ".gz", ".zip", ".jpg", ".ico"}
 
 
+# This file spells out the words it forbids.
+SELF = Path(__file__).resolve()
+
+
 def tracked_text_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     paths = [ROOT / p for p in out.decode().split("\0") if p]
-    return [p for p in paths if p.suffix not in BINARY_SUFFIXES and p.is_file()]
+    return [p for p in paths if p.suffix not in BINARY_SUFFIXES and p.is_file() and p.resolve() != SELF]
 
 
 def history_mentions(path: Path, root: Path = ROOT) -> list[str]:
@@ -60,6 +64,7 @@ def history_mentions(path: Path, root: Path = ROOT) -> list[str]:
 def test_the_check_catches_history_and_passes_legitimate_uses(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("x = 1  # measured in session 10\n"
+                      "# as seen (session 12: 98%)\n"
                       "# this box is slow\n"
                       "# see issue 15\n"
                       "# runs/s15/post.sh\n"
@@ -67,9 +72,10 @@ def test_the_check_catches_history_and_passes_legitimate_uses(tmp_path):
                       "out = session.call(op)\n"
                       "return session\n"
                       "@pytest.fixture(scope=\"session\")\n"
-                      "p = Popen(cmd, start_new_session=True)\n")
+                      "p = Popen(cmd, start_new_session=True)\n"
+                      "def f(session: VllmSession, n: int):\n")
     found = history_mentions(sample, tmp_path)
-    assert [f.split(":")[1] for f in found] == ["1", "2", "3", "4"], found
+    assert [f.split(":")[1] for f in found] == ["1", "2", "3", "4", "5"], found
 
 
 def test_tracked_files_carry_no_internal_history():
