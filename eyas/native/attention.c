@@ -148,7 +148,8 @@ static EYAS_TGT_AVX512 void attend_row_avx512(const float *qi, const float *kb, 
     ((isa) >= EYAS_ISA_AVX512VNNI ? attend_row_avx512(qi, kb, vb, mi, lim, scale, row, o, hd) \
                                   : attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd))
 #else
-#define ATTEND_ROW_V16(isa, qi, kb, vb, mi, lim, scale, row, o, hd) attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd)
+#define ATTEND_ROW_V16(isa, qi, kb, vb, mi, lim, scale, row, o, hd) \
+    attend_row(isa, qi, kb, vb, mi, lim, scale, row, o, hd)
 #endif
 
 /* one (sequence, head, row) work item; the head sizes in use as literals */
