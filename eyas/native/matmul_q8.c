@@ -7,8 +7,8 @@
  * (quantize_q8_block). A block's dot is the exact integer P = sum q * xq (AVX2 takes |q| as unsigned bytes and
  * moves q's sign onto xq; each 4-element chunk is summed to int32 at once), then acc = fma(d * dx, P, acc), block
  * after block: every (row, output) runs this sequence whatever the number of rows in the call. The AVX-512 VNNI
- * variant sums the same |q| x sign-moved xq products with vpdpbusd straight into int32 (xq stays within
- * -127..127, so moving a sign onto it never overflows): the same P, the same bits. */
+ * variant sums (xq + 128) x q with vpdpbusd straight into int32 and takes 128 sum q off (q8_rows_vnni): the same
+ * P, the same bits. */
 #define Q8_TILE 288
 
 /* the same arithmetic lane by lane, the reference the vector variants match bit for bit */
@@ -39,8 +39,9 @@ static void q8_group_portable Q8_GROUP_PARAMS {
 }
 
 EYAS_INLINE void q8_quant_body(const int isa, const float *x, int8_t *xq, float *dx, int64_t rb) {
-    (void)isa;  /* plain C: only the vectorization differs */
     quantize_q8_block(x + rb * 32, xq + rb * 32, dx + rb);
+    if (isa >= EYAS_ISA_AVX512VNNI)  /* the VNNI dot reads xq + 128 (1..255) as unsigned bytes: see q8_rows_vnni */
+        for (int t = 0; t < 32; t++) xq[rb * 32 + t] = (int8_t)(xq[rb * 32 + t] ^ -128);
 }
 EYAS_VARIANTS(q8_quant, (const float *x, int8_t *xq, float *dx, int64_t rb), x, xq, dx, rb)
 
@@ -97,10 +98,13 @@ static EYAS_TGT_AVX2 void q8_group_avx2 Q8_GROUP_PARAMS {
     if (M - r == 1) q8_rows_avx2(tg, nb, xq, dx, r, K, og + (int64_t)r * N, N, nout, 1);
 }
 
-/* AVX-512 VNNI: R = 1..8 rows against one 8-output group */
+/* AVX-512 VNNI: R = 1..8 rows against one 8-output group. vpdpbusd multiplies unsigned by signed bytes; xq arrives
+ * as xq + 128 (the AVX-512 quantization writes it so), so sum (xq + 128) q = P + 128 sum q, and 128 sum q (one
+ * vpdpbusd of ones per chunk, shared by the R rows) is taken off: the same integer P, exactly. */
 static inline __attribute__((always_inline)) EYAS_TGT_AVX512 void q8_rows_vnni(
     const uint8_t *tiles, int nb, const int8_t *xq, const float *dx, int r0, int K, float *out, int64_t ostride,
     int nout, const int R) {
+    const __m256i ones = _mm256_set1_epi8(1);
     __m256 acc[8];
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     const int8_t *x0 = xq + (int64_t)r0 * K;
@@ -110,22 +114,26 @@ static inline __attribute__((always_inline)) EYAS_TGT_AVX512 void q8_rows_vnni(
         if (r0 == 0) prefetch_ahead(t, Q8_TILE);
         __m256i s[8], h[8];  /* chunks 0-3 and 4-7 apart: two short dependency chains per row */
         for (int i = 0; i < R; i++) s[i] = h[i] = _mm256_setzero_si256();
+        __m256i ws = _mm256_setzero_si256(), ws2 = ws;  /* lane j: sum of output j's 32 weights */
         for (int c = 0; c < 4; c++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 32 + 32 * c));
             const __m256i w2 = _mm256_loadu_si256((const __m256i *)(t + 160 + 32 * c));
-            const __m256i aw = _mm256_abs_epi8(w), aw2 = _mm256_abs_epi8(w2);  /* -128 -> 0x80: the unsigned 128 */
+            ws = _mm256_dpbusd_epi32(ws, ones, w);
+            ws2 = _mm256_dpbusd_epi32(ws2, ones, w2);
             for (int i = 0; i < R; i++) {
                 int32_t a, a2;
                 memcpy(&a, x0 + (int64_t)i * K + b * 32 + 4 * c, 4);
                 memcpy(&a2, x0 + (int64_t)i * K + b * 32 + 16 + 4 * c, 4);
-                s[i] = _mm256_dpbusd_epi32(s[i], aw, _mm256_sign_epi8(_mm256_set1_epi32(a), w));
-                h[i] = _mm256_dpbusd_epi32(h[i], aw2, _mm256_sign_epi8(_mm256_set1_epi32(a2), w2));
+                s[i] = _mm256_dpbusd_epi32(s[i], _mm256_set1_epi32(a), w);
+                h[i] = _mm256_dpbusd_epi32(h[i], _mm256_set1_epi32(a2), w2);
             }
         }
+        const __m256i off = _mm256_slli_epi32(_mm256_add_epi32(ws, ws2), 7);
         const __m256 d = _mm256_loadu_ps((const float *)t);
         for (int i = 0; i < R; i++)
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[b0 + (int64_t)i * nb + b])),
-                                     _mm256_cvtepi32_ps(_mm256_add_epi32(s[i], h[i])), acc[i]);
+                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(s[i], h[i]), off)),
+                                     acc[i]);
     }
     for (int i = 0; i < R; i++) q8_store(acc[i], out + (int64_t)i * ostride, nout);
 }
