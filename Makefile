@@ -46,7 +46,7 @@ lint: setup
 test: setup lint
 	$(VENV)/bin/pytest -q -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-# The inner loop (~3 min on a quiet 2-core machine): lint and every test but those marked integration (the real
+# The inner loop (~3 min on a quiet 2-core AMD EPYC Zen 4): lint and every test but those marked integration (the real
 # bundled target), slow (over ~10 s), asset (the shipped draft and n-gram table) and vllm (a real vLLM server).
 # `make test` (CI) runs them all.
 FAST_MARKERS ?= not integration and not slow and not asset and not vllm
