@@ -63,6 +63,8 @@ def test_c_api_greedy_repeats_and_its_batch_path_agrees(llama_c, smollm2):
     assert int(logits.argmax()) == a.token_ids[0]
     with pytest.raises(BenchError, match="do not fit"):
         llama_c.greedy(ids, 512, set())
+    with pytest.raises(BenchError, match="holds 1..512 rows, got 513"):
+        llama_c.decode_rows([0] * 513)
 
 
 def test_llama_cpp_c_bench_rows_on_the_bundled_gguf(llama_c, smollm2, tmp_path):

@@ -99,6 +99,8 @@ class LlamaC:
 
     def decode_rows(self, ids: list[int]) -> None:
         """One llama_decode of len(ids) <= n_batch tokens after the cache, logits for every row (a verify forward)."""
+        if not 0 < len(ids) <= self.n_batch:  # the batch was allocated for n_batch rows: more would write past it
+            raise BenchError(f"a llama.cpp batch holds 1..{self.n_batch} rows, got {len(ids)}")
         b = self._rows
         for i, t in enumerate(ids):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, self.n_past + i, 1, 1
