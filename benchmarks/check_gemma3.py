@@ -16,6 +16,13 @@ and prints the max |logit| difference on 8 random 48-token prompts: eyas fp32 an
 HF model (eager attention) as built (transformers' default query_pre_attn_scalar 256) and with
 query_pre_attn_scalar = head_dim (the 1/sqrt(head_dim) query scale llama.cpp's llama_model::load_hparams gives
 every Gemma 3 but the 62-layer 27B), and the same HF model with the window one token wider and narrower.
+
+    .venv/bin/python benchmarks/check_gemma3.py --tiny --llama-cpp
+
+adds llama.cpp (llama-cpp-python's C API, 2 threads, n_ctx 64, logits for every position) on the same two files:
+its defaults (f16 KV cache, flash attention "auto") and with an f32 KV cache and/or flash attention off, against
+eyas fp32 and native, eyas fp32 with the scale eyas used before (query_pre_attn_scalar 256) and the two HF models.
+Skipped with a message when llama_cpp is not importable.
 """
 import os
 import sys
@@ -28,8 +35,8 @@ from eyas.engine.params import SamplingParams, SpecParams
 from eyas.target.load import load_target
 
 
-def tiny() -> None:
-    """The tiny-model comparison (see the module docstring)."""
+def tiny(llama: bool = False) -> None:
+    """The tiny-model comparison (see the module docstring); with llama, llama.cpp on the same files too."""
     import tempfile
     from pathlib import Path
 
@@ -113,6 +120,124 @@ def tiny() -> None:
                 print(f"{k:58s} vs HF as built: max|diff| {(r - built).abs().max().item():.3g}")
         scaled = ref_out["F32"]["HF query_pre_attn_scalar = head_dim (llama.cpp's scale)"]
         print(f"HF scale 16 with K/V rounded to f16 vs without: max|diff| {(kv16 - scaled).abs().max().item():.3g}")
+        if llama:
+            vs_llama_cpp(base, Path(d), prompts, got, ref_out)
+
+
+def llama_logits(path: "os.PathLike[str]", prompts: torch.Tensor, kv_f32: bool, fa_off: bool) -> torch.Tensor | None:
+    """llama.cpp's logits for every position of every prompt ([8, 48] -> [8, 48, V]), each prompt one llama_decode
+    from an empty cache; context defaults (f16 KV cache, flash attention "auto", which the CPU backend enables) but
+    n_ctx 64 and 2 threads, plus an f32 KV cache when kv_f32 and flash attention off when fa_off. None when
+    llama.cpp refuses the context."""
+    import logging
+
+    import llama_cpp as lc
+    import numpy as np
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # load chatter
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"error: llama.cpp could not load {path}")
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_threads, cp.n_threads_batch = 64, 2, 2
+    if kv_f32:
+        cp.type_k = cp.type_v = lc.GGML_TYPE_F32  # the default is GGML_TYPE_F16
+    if fa_off:
+        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = lc.llama_init_from_model(model, cp)
+    if not ctx:
+        lc.llama_model_free(model)
+        return None
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    n = prompts.shape[1]
+    batch = lc.llama_batch_init(n, 0, 1)
+    outs = []
+    try:
+        for row in prompts.tolist():
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            for i, t in enumerate(row):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+                batch.seq_id[i][0] = 0
+            batch.n_tokens = n
+            rc = lc.llama_decode(ctx, batch)
+            if rc != 0:
+                raise SystemExit(f"error: llama.cpp llama_decode returned {rc} on {path}")
+            outs.append(np.stack([np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+                                  for i in range(n)]))
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+    return torch.from_numpy(np.stack(outs))  # [8, 48, V]
+
+
+def llama_file(base: torch.nn.Module, d: "os.PathLike[str]", q: str) -> "os.PathLike[str]":
+    """g3-{q}.gguf again with one BPE merge added: llama.cpp refuses a gpt2 vocabulary without a merges key (and
+    gguf-py an empty array), transformers' tokenizer builder a merge whose parts are not tokens. The tensors are
+    written by the same code from the same model; checked byte for byte against the file eyas loaded."""
+    from pathlib import Path
+
+    import gguf
+
+    import tests.gguf_write as gw
+
+    plain = gw._vocab
+
+    def with_merge(writer, vocab: int, arch: str) -> None:
+        plain(writer, vocab, arch)
+        writer.add_token_merges(['! "'])  # never applied: llama.cpp gets token ids, not text
+
+    gw._vocab = with_merge
+    try:
+        path = gw.write_gguf(base, Path(d) / f"g3-{q}-llama.cpp.gguf", q)
+    finally:
+        gw._vocab = plain
+    a, b = gguf.GGUFReader(Path(d) / f"g3-{q}.gguf"), gguf.GGUFReader(path)
+    if [(t.name, t.tensor_type, t.data.tobytes()) for t in a.tensors] != \
+            [(t.name, t.tensor_type, t.data.tobytes()) for t in b.tensors]:
+        raise SystemExit(f"error: {path} does not hold the tensors of g3-{q}.gguf")
+    return path
+
+
+def vs_llama_cpp(base: torch.nn.Module, d: "os.PathLike[str]", prompts: torch.Tensor, got: dict,
+                 ref_out: dict) -> None:
+    """llama.cpp on the same two GGUF files against eyas and the HF references; also eyas fp32 with the scale eyas
+    used before it followed llama.cpp (query_pre_attn_scalar 256), rebuilt from the F32 file."""
+    from pathlib import Path
+
+    from eyas.engine.weights import engine_model
+
+    t = load_target(str(Path(d) / "g3-F32.gguf"))
+    for layer in t.model.model.layers:  # the engine takes the query scale from the HF attention module
+        layer.self_attn.scaling = 256 ** -0.5
+    old = engine_model(t, "fp32")
+    with torch.no_grad():
+        got["eyas fp32, old scale 1/16 (F32 file)"] = torch.stack(
+            [old.forward(row[None], torch.arange(48)[None], old.new_cache(1, 48), logits="all").logits[0]
+             for row in prompts])
+    built, scaled = "HF as built (query_pre_attn_scalar 256)", "HF query_pre_attn_scalar = head_dim (llama.cpp's scale)"
+    print(f"eyas fp32 old scale vs {built}: max|diff| "
+          f"{(got['eyas fp32, old scale 1/16 (F32 file)'] - ref_out['F32'][built]).abs().max().item():.3g}")
+    for q in ("F32", "Q8_0"):
+        cpp, path = {}, llama_file(base, d, q)
+        print(f"llama.cpp reads {Path(path).name}: the tensors of g3-{q}.gguf, byte for byte, plus one BPE merge")
+        for kv, fa in (("f16", "auto"), ("f32", "auto"), ("f16", "off"), ("f32", "off")):
+            name = f"llama.cpp {q} file, KV {kv}, FA {fa}"
+            out = llama_logits(path, prompts, kv == "f32", fa == "off")
+            if out is None:
+                print(f"{name}: llama.cpp made no context; skipped")
+                continue
+            cpp[name] = out
+            others = {k: v for k, v in got.items() if q in k}
+            others |= {f"{k} ({q} weights)": v for k, v in ref_out[q].items() if k in (built, scaled)}
+            for k, v in others.items():
+                print(f"{name:38s} vs {k:72s} max|diff| {(out - v).abs().max().item():.3g} "
+                      f"(max|logit| {out.abs().max().item():.3g})")
+        default = cpp.pop(f"llama.cpp {q} file, KV f16, FA auto", None)
+        for k, v in cpp.items() if default is not None else ():
+            print(f"{k} vs llama.cpp's defaults (KV f16, FA auto): max|diff| {(v - default).abs().max().item():.3g}")
+
 
 def real(path: str) -> None:
     t = load_target(path)
@@ -141,6 +266,16 @@ def real(path: str) -> None:
 
 torch.set_num_threads(2)
 if len(sys.argv) > 1 and sys.argv[1] == "--tiny":
-    tiny()
+    if any(a != "--llama-cpp" for a in sys.argv[2:]):
+        print(f"error: --tiny takes only --llama-cpp after it, got {' '.join(sys.argv[2:])!r}", file=sys.stderr)
+        sys.exit(2)
+    use_llama = "--llama-cpp" in sys.argv[2:]
+    if use_llama:
+        try:
+            import llama_cpp  # noqa: F401
+        except (ImportError, OSError, RuntimeError) as e:  # not installed, or its shared library does not load
+            print(f"llama.cpp comparison skipped: llama_cpp is not importable ({e}; pip install llama-cpp-python)")
+            use_llama = False
+    tiny(use_llama)
 else:
     real(sys.argv[1] if len(sys.argv) > 1 else "/tmp/g3/gemma3-270m-q4_k_m.gguf")
