@@ -200,7 +200,7 @@ def file_digest(path: str | Path, algo: str = DIGEST) -> str:
     The file is mapped rather than read into a buffer, which saves a copy that would cost more than the hash; still,
     mapping the pages costs more than hashing them, so this pass over a shard folder cost 11-13% of the CPU time of
     reading it for one epoch (benchmarks/bench_checksum.py, AMD EPYC Zen 4, 2 cores, shared), and training instead
-    hashes each shard inside the one read that loads it (eyas.data.shards.read_checked: 3-6%, medians of runs)."""
+    hashes each shard inside the one read that loads it (eyas.data.shards.read_checked: 2-8%)."""
     h = _hasher(algo)
     with open(path, "rb") as f:
         try:

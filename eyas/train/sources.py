@@ -54,10 +54,8 @@ class ShardSource:
                  data_tokens: list[int] | None = None):
         self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
         # sizes only here: each shard's digest is checked by the one read that loads it for training (_load), before
-        # any batch holds its samples (3-6% of an epoch's read CPU time, where a separate pass over every file cost
-        # 11-13%: benchmarks/bench_checksum.py). The whole-file read into fresh memory itself costs 1.4x the CPU
-        # time of safetensors' mapped read plus that pass (page faults and one copy): the price of tensors made
-        # only from bytes that were checked
+        # any batch holds its samples (2-8% of an epoch's read CPU time, where a separate pass over every file cost
+        # 11-13%: benchmarks/bench_checksum.py)
         self.set.verify(digests=False)
         if data_tokens is not None and (len(data_tokens) != len(folders) or min(data_tokens) < 0):
             raise TrainError(f"--data-tokens has {len(data_tokens)} values for {len(folders)} --data folders; "
