@@ -9,20 +9,18 @@ aux streams), samples of 64-1024 tokens, shards of at most 65,536 tokens as data
 folder is reused when its manifest lists the same size.
 
 Then, --repeats times, interleaved so load drift hits all of them alike:
-  read    every shard read as training reads it (eyas.train.sources.ShardSource: sizes checked and the token index
-          read once, then each shard's whole file read once, eyas.data.shards.read_verified as ShardSource._load
-          calls it), aux/final widened to fp32 as each batch widens them; each file checked by size only, nothing
-          hashed
-  verify  the same read as training does it (ShardSource._load): each file hashed (xxh3_128) piece by piece as
-          it lands and checked against the manifest's digest, the startup token index compared with the verified
-          bytes; verify - read is what checking costs training now
-  mmap / pass  the read before 2026-12 (safetensors maps each file; read_fields) and the separate digest pass it
-          needed first (ShardSet.verify()), for comparison
-and prints each repeat's wall and CPU times and the ratio (verify - read) / read (wall and CPU) measured within it
-(on a shared machine the CPU ratio is the steadier one), pass / mmap, the old check's cost, and the CPU time of
-the verified read over that of the old read and its pass (the whole epoch's read, before and after). One warm-up read
-first, so every timing reads from the page cache: the ratio is the CPU cost of checking, the part a faster disk
-does not hide. The goal is (verify - read) / read <= 0.05. Compare ratios within one run, never across runs.
+  read    every shard's tensors as training reads them (eyas.train.sources.ShardSource: the token index once,
+          then aux/final/offsets per shard; eyas.data.shards.read_fields), widened as training widens them
+  copy    the same tensors only copied: the least any reader does with the bytes (a stricter denominator)
+  verify  ShardSet.verify(), the check training runs before its first step (size + recorded digest per shard)
+  sha256  the same files through sha256, the digest eyas recorded before xxh3_128, for comparison
+  chunked / inread  each file read into memory in 4 MiB pieces, without and with xxh3_128 over each piece as it
+          lands: the difference is what verifying inside the read (no second pass) would cost
+and prints each repeat's wall and CPU times and the ratios verify/read (wall and CPU) and sha256/read measured
+within it (on a shared machine the CPU ratio is the steadier one). One warm-up read first, so every timing reads
+from the page cache: the ratio is the CPU cost of checking, the part a faster disk does not hide (from a cold
+cache the check's pass also brings the files into memory, which the epoch's read then finds there). The goal is
+verify/read <= 0.05. Compare ratios within one run, never across runs.
 """
 
 from __future__ import annotations
@@ -36,11 +34,11 @@ import time
 from pathlib import Path
 
 import torch
+import xxhash
 
-from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, read_fields, read_verified, write_shard
-from eyas.files import atomic_write_json, recorded_digest
+from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, read_fields, write_shard
+from eyas.files import atomic_write_json, file_digest, recorded_digest
 from eyas.layout import Layout, TargetIdentity
-from eyas.train.sources import ShardSource
 
 SHARD_TOKENS = 65536  # datagen's default --shard-tokens
 
@@ -81,28 +79,38 @@ def build(folder: Path, gib: float, hidden: int, n_aux: int, seed: int = 0) -> N
                                           "shards": entries, "synthetic": {"gib": gib, "hidden": hidden}})
 
 
-def train_epoch(folder: Path, check: bool) -> None:
-    """Every shard read as training reads it (ShardSource: startup index, then each shard loaded once); `check`:
-    with the manifest's digests, hashed inside the read, else with sizes only. Widened as a batch widens them."""
-    src = ShardSource([str(folder)], heldout_pct=0.0, buffer_mb=1 << 20)
-    for si, (p, record) in enumerate(zip(src.paths, src.records, strict=True)):
-        # the read training does when a batch first needs shard si (hash + token index compared with the startup
-        # one); without `check`, the same whole-file read checked by size only and nothing compared
-        t = src._load(si) if check else read_verified(p, {"bytes": record.get("bytes")}, ("aux", "final", "offsets"))
-        t["aux"].float(), t["final"].float()
-
-
-def mmap_epoch(paths: list[Path]) -> int:
-    """The read before 2026-12: safetensors maps each file (read_fields), so the bytes are read when training
-    widens them (ids to int64, masks to bool, aux/final to fp32); returns the bytes of tensor data read."""
+def read_epoch(paths: list[Path], as_training: bool = True) -> int:
+    """Every tensor training reads from each shard, its bytes touched; returns the bytes of tensor data read.
+    safetensors maps the file, so read_fields alone reads nothing: training reads the bytes when it widens them
+    (ids to int64, masks to bool at indexing; aux/final to fp32 per batch, eyas.train.sources.ShardSource), which
+    `as_training` does; otherwise each tensor is only copied, the least any reader does with the bytes."""
     n = 0
     for p in paths:
         tok = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"))
         hid = read_fields(p, ("aux", "final", "offsets"))
         for t in (*tok.values(), *hid.values()):
             n += t.numel() * t.element_size()
-        tok["input_ids"].long(), tok["loss_mask"].bool(), hid["aux"].float(), hid["final"].float()
+        if as_training:
+            tok["input_ids"].long(), tok["loss_mask"].bool(), hid["aux"].float(), hid["final"].float()
+        else:
+            [t.clone() for t in (*tok.values(), *hid.values())]
     return n
+
+
+def chunked_read(paths: list[Path], digest: bool, chunk: int = 4 << 20) -> None:
+    """Each file read into one buffer in `chunk`-byte pieces; `digest`: xxh3_128 over each piece right after it
+    lands, while it is still in the CPU's cache. The difference between the two is what a reader that verified
+    the bytes it reads anyway would add (eyas's check is a separate pass: ShardSet.verify)."""
+    for p in paths:
+        size = p.stat().st_size
+        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")  # not zero-filled
+        h = xxhash.xxh3_128()
+        with open(p, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size and (n := f.readinto(view[pos:pos + chunk])):
+                if digest:
+                    h.update(view[pos:pos + n])
+                pos += n
 
 
 def timed(fn) -> float:
@@ -143,33 +151,31 @@ def main() -> None:
     print(f"{folder}: {len(paths)} shards, {size / (1 << 30):.2f} GiB, recorded digests: {', '.join(algos)}")
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
-    tensor_bytes = mmap_epoch(paths)  # warm-up: every timing below reads from the page cache
+    tensor_bytes = read_epoch(paths)  # warm-up: every timing below reads from the page cache
     rows = []
     for i in range(a.repeats):
         r: dict[str, float] = {}
-        pair = [("read", lambda: train_epoch(folder, False)), ("verify", lambda: train_epoch(folder, True))]
-        # the pair's order alternates: whichever runs first also pays for memory the previous step freed
-        steps = (*(pair if i % 2 == 0 else pair[::-1]), ("mmap", lambda: mmap_epoch(paths)), ("pass", shard_set.verify))
+        steps = (("read", lambda: read_epoch(paths)), ("copy", lambda: read_epoch(paths, as_training=False)),
+                 ("verify", shard_set.verify), ("sha256", lambda: [file_digest(p, "sha256") for p in paths]),
+                 ("chunked", lambda: chunked_read(paths, False)), ("inread", lambda: chunked_read(paths, True)))
         for name, fn in steps:
             r[f"{name}_s"], r[f"{name}_cpu_s"] = cpu_timed(fn)
         r["load_avg"] = os.getloadavg()[0]
-        r.update(verify_over_read=(r["verify_s"] - r["read_s"]) / r["read_s"],
-                 verify_over_read_cpu=(r["verify_cpu_s"] - r["read_cpu_s"]) / r["read_cpu_s"],
-                 pass_over_mmap=r["pass_s"] / r["mmap_s"], pass_over_mmap_cpu=r["pass_cpu_s"] / r["mmap_cpu_s"],
-                 new_over_old_cpu=r["verify_cpu_s"] / (r["mmap_cpu_s"] + r["pass_cpu_s"]))
+        r.update(verify_over_read=r["verify_s"] / r["read_s"], sha256_over_read=r["sha256_s"] / r["read_s"],
+                 verify_over_copy=r["verify_s"] / r["copy_s"], verify_over_read_cpu=r["verify_cpu_s"] / r["read_cpu_s"],
+                 inread_over_read_cpu=(r["inread_cpu_s"] - r["chunked_cpu_s"]) / r["read_cpu_s"])
         rows.append(r)
-        print(f"repeat {i + 1}: wall: read {r['read_s']:.3f} s ({tensor_bytes / r['read_s'] / 1e9:.2f} GB/s), "
-              f"verified read {r['verify_s']:.3f} s, mmap read {r['mmap_s']:.3f} s, separate pass {r['pass_s']:.3f} s; "
-              f"CPU: read {r['read_cpu_s']:.3f} s, verified read {r['verify_cpu_s']:.3f} s, mmap read "
-              f"{r['mmap_cpu_s']:.3f} s, separate pass {r['pass_cpu_s']:.3f} s; (verify-read)/read "
-              f"{r['verify_over_read']:.3f} wall, {r['verify_over_read_cpu']:.3f} CPU; pass/mmap "
-              f"{r['pass_over_mmap']:.3f} wall, {r['pass_over_mmap_cpu']:.3f} CPU (load {r['load_avg']:.2f})")
-    keys = ("verify_over_read", "verify_over_read_cpu", "pass_over_mmap", "pass_over_mmap_cpu", "new_over_old_cpu")
+        print(f"repeat {i + 1}: wall: read {r['read_s']:.3f} s ({tensor_bytes / r['read_s'] / 1e9:.2f} GB/s), copy "
+              f"only {r['copy_s']:.3f} s, verify {r['verify_s']:.3f} s, sha256 {r['sha256_s']:.3f} s; CPU: read "
+              f"{r['read_cpu_s']:.3f} s, verify {r['verify_cpu_s']:.3f} s; verify/read {r['verify_over_read']:.3f} "
+              f"(CPU {r['verify_over_read_cpu']:.3f}), sha256/read {r['sha256_over_read']:.3f}, verify/copy "
+              f"{r['verify_over_copy']:.3f}; hashing while reading adds {r['inread_cpu_s'] - r['chunked_cpu_s']:.3f} "
+              f"CPU s (/read {r['inread_over_read_cpu']:.3f}) (load {r['load_avg']:.2f})")
+    keys = ("verify_over_read", "verify_over_read_cpu", "sha256_over_read", "verify_over_copy", "inread_over_read_cpu")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
-    print(f"median (verified read - read) / read {med['verify_over_read']:.3f} wall, {med['verify_over_read_cpu']:.3f} "
-          f"CPU (goal <= 0.05); the separate pass before 2026-12 / mmap read {med['pass_over_mmap']:.3f} wall, "
-          f"{med['pass_over_mmap_cpu']:.3f} CPU; verified read / (mmap read + separate pass) "
-          f"{med['new_over_old_cpu']:.3f} CPU")
+    print(f"median verify/read {med['verify_over_read']:.3f} wall, {med['verify_over_read_cpu']:.3f} CPU (goal <= "
+          f"0.05); sha256/read {med['sha256_over_read']:.3f}; verify/copy-only {med['verify_over_copy']:.3f}; "
+          f"hashing while reading / read {med['inread_over_read_cpu']:.3f} CPU")
     if a.out:
         Path(a.out).write_text(json.dumps({"folder": str(folder), "bytes": size, "shards": len(paths),
                                            "digests": algos, "cpu": cpu_name(), "repeats": rows,

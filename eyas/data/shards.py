@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EyasError
-from ..files import _hasher, atomic_write, damaged, file_digest, recorded_digest, save_safetensors
+from ..files import atomic_write, damaged, file_digest, save_safetensors
 from ..layout import Layout, check_layouts
 from ..target.template import describe_record, same_template
 
@@ -87,101 +86,6 @@ def read_fields(path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
         raise
     except Exception as e:
         raise ShardError(f"{path} is not a readable eyas shard ({e}); delete it and re-run datagen to resume") from e
-
-
-# safetensors dtype names -> torch dtypes (those a shard or any safetensors writer may hold)
-_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-           "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
-           "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-READ_CHUNK = 1 << 20  # small enough that each piece is still in the core's cache when it is hashed
-
-
-def rerun_fix(folder: Path) -> str:
-    return f"rerun the `eyas datagen` that wrote {folder} (same --out): it redoes the damaged shard's chunk"
-
-
-def read_checked(path: Path, record: dict[str, Any] | None) -> torch.Tensor:
-    """The file's bytes [size] uint8, read once in READ_CHUNK pieces, each hashed as it lands (no second pass
-    over the file); ShardError naming the file and the fix when the size or the recorded digest differs. A record
-    without a digest (shards written before eyas recorded them) is checked by size, when it has one."""
-    path = Path(path)
-    want = recorded_digest(record)
-    size = path.stat().st_size if path.is_file() else -1
-    expect = (record or {}).get("bytes")
-    if size < 0 or (expect is not None and size != expect):
-        why = "it is missing" if size < 0 else f"it is {size} bytes, {expect} were written (truncated or overwritten)"
-        raise ShardError(f"{path}: {why}; {rerun_fix(path.parent)}")
-    algo = want.split(":", 1)[0] if want else None
-    try:
-        h = _hasher(algo) if algo else None
-    except ValueError:
-        raise ShardError(f"{path}: its recorded digest {want[:24]}... uses {algo!r}, which this eyas cannot check "
-                         "(upgrade eyas)") from None
-    buf = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
-    view = memoryview(buf.numpy()).cast("B")
-    pos = 0
-    try:
-        with open(path, "rb", buffering=0) as f:
-            while pos < size and (n := f.readinto(view[pos:pos + READ_CHUNK])):
-                if h is not None:
-                    h.update(view[pos:pos + n])
-                pos += n
-    except OSError as e:  # permissions, an I/O error of the disk
-        raise ShardError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or disk, or "
-                         f"{rerun_fix(path.parent)}") from e
-    if pos != size:
-        raise ShardError(f"{path}: it shrank to {pos} bytes while it was read ({size} before); "
-                         f"{rerun_fix(path.parent)}")
-    if h is not None and f"{algo}:{h.hexdigest()}" != want:
-        raise ShardError(f"{path}: its {algo} digest differs from the {want[:len(algo) + 13]}... recorded when it was "
-                         f"written (damaged bytes); {rerun_fix(path.parent)}")
-    return buf
-
-
-def tensors_in(path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in `buf` [size] uint8, as views of it (no copy: each keeps `buf`
-    alive). The format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
-    then the data; a malformed header is one ShardError naming the file."""
-    size = buf.numel()
-    arr = buf.numpy()
-    try:
-        if size < 8:
-            raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(arr[:8].tobytes(), "little")
-        if n > size - 8:
-            raise ValueError(f"its header length {n} runs past the end of the file ({size} bytes)")
-        header = json.loads(arr[8:8 + n].tobytes())
-        if not isinstance(header, dict):
-            raise ValueError("its header is not a JSON object")
-        out = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
-                raise ValueError(f"tensor {name!r} has no known dtype ({info!r:.80})")
-            dt = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            a, b = (int(x) for x in info["data_offsets"])
-            count = math.prod(shape)
-            if min(shape, default=0) < 0 or not 0 <= a <= b <= size - 8 - n or b - a != count * dt.itemsize:
-                raise ValueError(f"tensor {name!r}: shape {shape} {info['dtype']} does not fit data_offsets [{a}, {b}] "
-                                 f"of {size - 8 - n} data bytes")
-            out[name] = (torch.frombuffer(arr, dtype=dt, count=count, offset=8 + n + a).reshape(shape) if count
-                         else torch.empty(shape, dtype=dt))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ShardError(f"{path} is not a readable eyas shard ({type(e).__name__}: {e}); delete it and re-run "
-                         "datagen to resume") from e
-    return out
-
-
-def read_verified(path: Path, record: dict[str, Any] | None, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The shard's tensors named in `need` from one read of the whole file, checked against its manifest `record`
-    before any tensor is returned (read_checked); the tensors share the one buffer (tensors_in)."""
-    out = tensors_in(path, read_checked(path, record))
-    missing = sorted(set(need) - set(out))
-    if missing:
-        raise ShardError(f"{path} lacks fields {missing}; it was not written by eyas datagen")
-    return {k: out[k] for k in need}
 
 
 def read_shard(path: Path) -> list[Sample]:
@@ -249,19 +153,15 @@ class ShardSet:
     def num_tokens(self) -> int:
         return sum(s["tokens"] for m in self.manifests for s in m["shards"])
 
-    def verify(self, digests: bool = True) -> None:
+    def verify(self) -> None:
         """Check every listed shard against its manifest entry (size, and its digest where recorded: shards written
-        before eyas recorded digests are checked by size): one error naming the first damaged file. digests=False
-        checks sizes only (no byte read), for a reader that checks each digest as it reads the file (read_verified)."""
+        before eyas recorded digests are checked by size): one error naming the first damaged file."""
         for f, m in zip(self.folders, self.manifests, strict=True):
             for entry in m["shards"]:
-                why = damaged(f / entry["file"], entry if digests else {"bytes": entry.get("bytes")})
+                why = damaged(f / entry["file"], entry)
                 if why is not None:
-                    raise ShardError(f"{f / entry['file']}: {why}; {rerun_fix(f)}")
-
-    def shard_records(self) -> list[dict[str, Any]]:
-        """The manifest entry ({"file", "bytes", "digest", ...}) of each shard, in shard_paths order."""
-        return [s for m in self.manifests for s in m["shards"]]
+                    raise ShardError(f"{f / entry['file']}: {why}; rerun the `eyas datagen` that wrote {f} (same "
+                                     "--out): it redoes the damaged shard's chunk")
 
     def shard_paths(self) -> list[Path]:
         return [f / s["file"] for f, m in zip(self.folders, self.manifests, strict=True) for s in m["shards"]]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..data.shards import ShardError, ShardSet, is_heldout, read_fields, read_verified
+from ..data.shards import ShardSet, is_heldout, read_fields
 from .config import TrainError
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -47,37 +47,30 @@ def has_rows(loss_mask: torch.Tensor, max_len: int) -> bool:
 
 class ShardSource:
     """Captured shards. Token ids and masks are indexed up front (small); aux/final are read per shard
-    on demand (one read of the whole file, its digest checked as it lands) and held up to `buffer_mb` (the planner
-    keeps each shuffling window inside that budget)."""
+    on demand and held up to `buffer_mb` (the planner keeps each shuffling window inside that budget)."""
 
     def __init__(self, folders: list[str], heldout_pct: float, buffer_mb: int, max_len: int = 1 << 30,
                  data_tokens: list[int] | None = None):
         self.set = ShardSet(folders)  # refuses folders whose layouts differ, naming the fields
-        # sizes only here: each shard's digest is checked by the one read that loads it for training (_load), before
-        # any batch holds its samples (2-8% of an epoch's read CPU time, where a separate pass over every file cost
-        # 11-13%: benchmarks/bench_checksum.py)
-        self.set.verify(digests=False)
+        # every shard against its recorded size and digest, once per run, before any of it trains (xxh3_128: 4-10% of
+        # an epoch's read time, benchmarks/bench_checksum.py)
+        self.set.verify()
         if data_tokens is not None and (len(data_tokens) != len(folders) or min(data_tokens) < 0):
             raise TrainError(f"--data-tokens has {len(data_tokens)} values for {len(folders)} --data folders; "
                              "give one count >= 0 per folder, in --data order (0 = all of it)")
         self.data_tokens = data_tokens
         self.layout = self.set.layout
         self.paths = self.set.shard_paths()
-        self.records = self.set.shard_records()
         self.bytes = [p.stat().st_size for p in self.paths]
         self.buffer = buffer_mb << 20
         self.tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.train: list[Item] = []
         self.heldout: list[Item] = []
         self.skipped: dict[str, int] = {}
-        # per shard (offsets, row_ids, input_ids long, loss_mask bool) as read here, unverified (reading the whole
-        # file for them would be the second pass again): _load checks them against the verified read
-        self._index: list[tuple[torch.Tensor, ...]] = []
         for si, p in enumerate(self.paths):
-            t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"))  # a damaged header is named
+            t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"))  # a damaged file is named
             off, rows = t["offsets"].tolist(), t["row_ids"].tolist()
             ids, mask = t["input_ids"].long(), t["loss_mask"].bool()
-            self._index.append((t["offsets"], t["row_ids"], ids, mask))
             for i, row in enumerate(rows):
                 a, b = off[i], off[i + 1]
                 if not has_rows(mask[a:b], max_len):
@@ -138,21 +131,9 @@ class ShardSource:
         if si not in self._cache:
             while self._cache_order and sum(self.bytes[s] for s in self._cache_order) + self.bytes[si] > self.buffer:
                 del self._cache[self._cache_order.pop(0)]
-            self._cache[si] = self._load(si)
+            self._cache[si] = read_fields(self.paths[si], ("aux", "final", "offsets"))
             self._cache_order.append(si)
         return self._cache[si]
-
-    def _load(self, si: int) -> dict[str, torch.Tensor]:
-        """aux/final/offsets of shard `si` from one read of its file that checks the recorded digest; the token index
-        read at startup must equal the verified one, else the file changed since (a datagen rerun) or was misread."""
-        p = self.paths[si]
-        t = read_verified(p, self.records[si], ("aux", "final", "offsets", "row_ids", "input_ids", "loss_mask"))
-        off, rows, ids, mask = self._index[si]
-        if not (torch.equal(t["offsets"], off) and torch.equal(t["row_ids"], rows)
-                and torch.equal(t["input_ids"].long(), ids) and torch.equal(t["loss_mask"].bool(), mask)):
-            raise ShardError(f"{p}: its token index differs from the one read when training started (the file was "
-                             "rewritten since, e.g. by a datagen rerun); start training again once that is done")
-        return {k: t[k] for k in ("aux", "final", "offsets")}
 
     def batch(self, items: list[Item], device: torch.device, max_len: int) -> Batch:
         aux, final, ids, mask = [], [], [], []
