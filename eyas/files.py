@@ -196,10 +196,10 @@ def bytes_digest(data: bytes | bytearray | memoryview, algo: str = DIGEST) -> st
 
 
 def file_digest(path: str | Path, algo: str = DIGEST) -> str:
-    """'<algo>:<hex>' of a file's bytes. xxh3_128 hashes 7-24 GB/s on one core (memory-bound: the lower figure
-    on a busy machine), so checking a shard folder before training costs 4-10% of reading it for one epoch where
-    sha256 cost 35-55% (benchmarks/bench_checksum.py, AMD EPYC Zen 4, 2 cores, shared). The file is mapped rather
-    than read into a buffer, which saves a copy that would cost more than the hash."""
+    """'<algo>:<hex>' of a file's bytes. xxh3_128 hashes ~18 GB/s in memory on one core, ~5 GB/s through the
+    mapping (page faults dominate), so checking a shard folder before training costs 11-12% of the CPU time of
+    reading it for one epoch where sha256 costs 70-80% (benchmarks/bench_checksum.py, AMD EPYC Zen 4, quiet). The
+    file is mapped rather than read into a buffer, which saves a copy that would cost more than the hash."""
     h = _hasher(algo)
     with open(path, "rb") as f:
         try:
