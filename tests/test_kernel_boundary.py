@@ -56,7 +56,9 @@ def test_a_library_built_for_another_cpu_feature_set_is_never_loaded(tiny, monke
     _, small_key, small_path, _ = _load(tiny)
     assert small_key["cpu"] != key["cpu"] and small_path != path
     # the same file name holding the other CPU's library and record (a copied cache, a tag collision): rebuilt
-    shutil.copy(path, small_path)
+    # copied to a new file then renamed over: writing into the library this process has mapped would crash it
+    shutil.copy(path, small_path.with_name("copied"))
+    os.replace(small_path.with_name("copied"), small_path)
     shutil.copy(path.with_suffix(".json"), small_path.with_suffix(".json"))
     assert "another" in build.verified(small_path, small_key)
     before = small_path.stat().st_ino
