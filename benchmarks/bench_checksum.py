@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -36,21 +35,12 @@ from pathlib import Path
 import torch
 import xxhash
 
+from eyas.bench.report import cpu_name
 from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, read_fields, write_shard
 from eyas.files import atomic_write_json, file_digest, recorded_digest
 from eyas.layout import Layout, TargetIdentity
 
 SHARD_TOKENS = 65536  # datagen's default --shard-tokens
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def build(folder: Path, gib: float, hidden: int, n_aux: int, seed: int = 0) -> None:

@@ -47,7 +47,7 @@ def environment(target: Target) -> dict[str, Any]:
     dev = target.device
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "threads": torch.get_num_threads(), "device": str(dev),
-           "dtype": str(target.dtype).replace("torch.", ""), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+           "dtype": str(target.dtype).replace("torch.", ""), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
            # other work on the machine skews tok/s: the load when the results were written says how much
            "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
     if dev.type == "cuda":
@@ -60,7 +60,8 @@ def environment(target: Target) -> dict[str, Any]:
     return env
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name, as every reported figure names it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
