@@ -43,7 +43,7 @@ def test_a_cached_library_is_reused_and_records_its_key_and_digest(tiny):
     so, key, path, ino = _load(tiny)
     assert so.eyas_tiny() == 7
     rec = json.loads(path.with_suffix(".json").read_text())
-    assert rec["key"] == key and rec["sha256"] == build.file_digest(path)
+    assert rec["key"] == key and rec["digest"] == build.file_digest(path)
     assert rec["key"]["compiler"] and rec["key"]["cpu"] and rec["key"]["flags"] == "-O1 -shared -fPIC"
     _, key2, path2, ino2 = _load(tiny)
     assert (key2, path2, ino2) == (key, path, ino)  # verified and loaded, not rebuilt

@@ -26,6 +26,7 @@ import torch
 
 from ..files import atomic_write_json, cache_dir
 from . import kernels
+from .boundary import KernelError
 from .build import PREFIX
 
 FAST_ISAS = ("avx2", "avx512vnni")  # the variants native is measured faster with (see the module docstring)
@@ -100,8 +101,6 @@ def auto_native() -> AutoChoice:
 def describe(gguf: bool, on_cpu_fp32: bool = True) -> dict[str, str]:
     """For `eyas inspect`: the kernels' variant, the ones this CPU runs, and what --weights auto picks and why
     (before the GGUF's matrices are read: a type the kernels do not cover still makes auto run fp32)."""
-    from .boundary import KernelError
-
     try:
         choice = auto_native()
         variants = ", ".join(kernels.supported_isas())

@@ -4,9 +4,10 @@ A cached library is tied to what it was built from: every source and header (nam
 (`cc --version`, so an upgraded gcc behind the same name builds anew), the flags and this CPU's feature set (a
 home folder shared by machines of different CPUs must never hand one an object built for the other). These make
 the cache key. Next to each `eyas_kernels-<tag>.so` a sidecar `eyas_kernels-<tag>.json` records the full key and
-the sha256 of the .so; a library is loaded only when its sidecar records the current key and its bytes hash to the
-recorded digest, so a stale or damaged file is rebuilt, never loaded by name. Check, build and load happen under
-a lock on the cache folder, so two processes starting at once build once and never read a half-written pair.
+the digest of the .so (eyas.files.file_digest); a library is loaded only when its sidecar records the current
+key and its bytes hash to the recorded digest, so a stale or damaged file is rebuilt, never loaded by name.
+Check, build and load happen under a lock on the cache folder, so two processes starting at once build once and
+never read a half-written pair.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def verified(so: Path, key: dict[str, str]) -> str | None:
         return "its record is missing or unreadable"
     if not isinstance(rec, dict) or rec.get("key") != key:
         return "it was built for another source, compiler, flag set or CPU"
-    if rec.get("sha256") != file_digest(so):
+    if rec.get("digest") != file_digest(so):
         return "its bytes differ from those recorded when it was built"
     return None
 
@@ -160,7 +161,7 @@ def cached_library(cc: str, sources: Sequence[Path], flags: Sequence[str]) -> tu
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if verified(so, key) is not None:
             atomic_write(so, lambda tmp: compile_library(cc, flags, sources, tmp))
-            atomic_write_json(_sidecar(so), {"key": key, "sha256": file_digest(so)})
+            atomic_write_json(_sidecar(so), {"key": key, "digest": file_digest(so)})
             remove_stale(folder, key["tag"])
             why = verified(so, key)
             if why is not None:  # the folder changed under the lock: a broken filesystem, not a race
