@@ -188,6 +188,13 @@ def _hasher(algo: str) -> Any:
     raise ValueError(f"unknown digest algorithm {algo!r} (this eyas knows xxh3_128 and sha256)")
 
 
+def bytes_digest(data: bytes | bytearray | memoryview, algo: str = DIGEST) -> str:
+    """'<algo>:<hex>' of bytes already in memory (the same value file_digest gives for a file holding them)."""
+    h = _hasher(algo)
+    h.update(data)
+    return f"{algo}:{h.hexdigest()}"
+
+
 def file_digest(path: str | Path, algo: str = DIGEST) -> str:
     """'<algo>:<hex>' of a file's bytes. xxh3_128 hashes ~18 GB/s in memory on one core, ~5 GB/s through the
     mapping (page faults dominate), so checking a shard folder before training costs 11-12% of the CPU time of
