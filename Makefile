@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 # The main job: MT-bench side by side (HF greedy vs eyas plain vs eyas EAGLE-3 tree vs tree + lookup vs lookup
 # alone, with and without the shipped n-gram table) with the shipped draft, the bundled GGUF in its native 4-bit weights (the default `--weights auto`). Tree setting: the
 # device's default (eyas.engine.params.TREE_DEFAULTS; on the CPU depth 2, topk 2, 3 tokens, lookup 4, min-prob 0.35: on
-# a 2-core AMD EPYC Zen 4 a verify of S rows costs ~1 + 0.15-0.3 (S - 1) decode steps, see docs/RESULTS.md); BENCH_ARGS overrides
+# a 2-core AMD EPYC Zen 3 a verify of S rows costs ~1 + 0.15-0.3 (S - 1) decode steps, see docs/RESULTS.md); BENCH_ARGS overrides
 # it, e.g. BENCH_ARGS="--depth 4 --topk 4 --tokens 16". BENCH_LIMIT=80 BENCH_TOKENS=256 is the full figure run;
 # BENCH_METHODS=hf-greedy,plain,tree,tree-lookup,lookup,lookup-context,llama-cpp adds llama.cpp after `make llama-cpp`.
 BENCH_LIMIT ?= 8

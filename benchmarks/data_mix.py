@@ -12,7 +12,7 @@ Each is measured the same way:
     folder's held-out rows, which no arm trains on: the split is by source row id in every folder);
   - EAGLE-3-only tau on MT-bench (one question per category, greedy, a tree with no lookup), lossless checked.
 
-The budget's price list is explicit (--*-tok-s flags; defaults measured on a 2-core AMD EPYC Zen 4, docs/RESULTS.md),
+The budget's price list is explicit (--*-tok-s flags; defaults measured on a 2-core AMD EPYC Zen 3, docs/RESULTS.md),
 so the allocation does not depend on what else ran while the data was made. The regenerated arm uses the
 regenerated folder's training rows (all, or --regen-tokens of them), which fixes the budget; the others get the
 same CPU-seconds.

@@ -31,7 +31,7 @@ from eyas.engine.params import SamplingParams, SpecParams
 from eyas.engine.prompt import chat_input_ids
 from eyas.target.load import load_target
 
-# native row costs measured with eyas 0.1.0 on a 2-core AMD EPYC Zen 4 (ms, 300-token context), used without --verify
+# native row costs measured with eyas 0.1.0 on a 2-core AMD EPYC Zen 3 (ms, 300-token context), used without --verify
 DEFAULT_MS = {1: 8.37, 2: 9.54, 3: 11.15, 4: 13.06, 8: 22.20, 16: 39.26}
 
 

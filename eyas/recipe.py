@@ -19,7 +19,7 @@ Stages (each one resumes after a kill, so a long recipe can be stopped and conti
          and WORK/ngram into eyas/assets/ngram/default (with --ship-to DIR: DIR and DIR-ngram).
 
 bf16 autocast is used for training only on CUDA: on CPUs without fast bf16 matmuls (measured on a 2-core AMD EPYC
-Zen 4) it is slower than fp32.
+Zen 3, AVX2 only) it is slower than fp32.
 """
 
 from __future__ import annotations

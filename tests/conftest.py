@@ -11,7 +11,7 @@ import torch
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     """Every test runs with one torch thread. The tiny models gain nothing from intra-op threads, and on a shared
-    2-core machine OpenMP's spinning threads made small ops 30-1000x slower (measured on an AMD EPYC Zen 4); results are
+    2-core machine OpenMP's spinning threads made small ops 30-1000x slower (measured on an AMD EPYC Zen 3); results are
     identical either way, only the wall time changes. Benchmarks, not tests, measure speed."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

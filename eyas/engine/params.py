@@ -55,7 +55,7 @@ class SamplingParams:
 
 
 # The tree generate, serve and bench draft when none is given, per device (measured with eyas 0.1.0,
-# docs/RESULTS.md). On a 2-core AMD EPYC Zen 4 each verified row costs ~10-25% of a decode step and a draft
+# docs/RESULTS.md). On a 2-core AMD EPYC Zen 3 each verified row costs ~10-25% of a decode step and a draft
 # step ~15%, so only a small pruned tree plus lookup comes near plain decoding with today's draft; a GPU
 # verifies dozens of rows for about the price of one.
 TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
@@ -63,7 +63,7 @@ TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_p
 
 
 # method lookup's chain length (any device): replaying 80 MT-bench and 40 HumanEval plain outputs with the
-# native row costs of a 2-core AMD EPYC Zen 4 (benchmarks/lookup_sim.py), lengths 2 and 3 tie for the best
+# native row costs of a 2-core AMD EPYC Zen 3 (benchmarks/lookup_sim.py), lengths 2 and 3 tie for the best
 # speedup (1.19x / 1.32x over the first 128 / 256 tokens of MT-bench replies) and 3 accepts more per round;
 # 4 loses 2-3%, 8 about 15%.
 LOOKUP_ALONE = 3
@@ -105,7 +105,7 @@ class SpecParams:
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
     # tokens the engine's n-gram table (eyas.engine.ngram) proposes in a round where context lookup found nothing:
     # replaying 80 MT-bench plain outputs, 1 beat 2 and 3 (a table token is accepted ~30% of the time and each
-    # verified row costs ~14% of a step on a 2-core AMD EPYC Zen 4)
+    # verified row costs ~14% of a step on a 2-core AMD EPYC Zen 3)
     ngram_tokens: int = 1
     # tree: verify only candidates the draft gives at least this probability (cumulative along the path), so a
     # round where the draft is unsure verifies fewer rows, down to the root alone (a plain step); 0 = off
