@@ -20,6 +20,7 @@ BODY_IDLE_TIMEOUT_S = 15.0  # no body byte for this long: 408
 BODY_TOTAL_TIMEOUT_S = 120.0  # the whole body, however it trickles in: 408 (16 MiB at ~140 KB/s still fits)
 HEADER_TIMEOUT_S = 15.0  # from connect (or the previous response) to a complete request head: the socket is closed
 MAX_HEADER_BYTES = 32 << 10  # h11's bound on an incomplete request head (request line + headers)
+LINGER_S = 2.0  # after a response that closes the connection: how long unread request bytes are still drained
 
 
 def too_large(size: int | str) -> APIError:
@@ -58,9 +59,42 @@ async def read_body(request: Request) -> bytes | None:
             raise too_large(f"more than {MAX_BODY}")
 
 
+class LingeringTransport:
+    """A connection's transport whose close() sends the response's end (FIN) first and closes for good once the
+    client closes its side or LINGER_S have passed, discarding what still arrives meanwhile. Closing a socket that
+    holds unread request bytes (a 413 for a body not read) makes the kernel send a reset, which can destroy the
+    response before the client has read it: the client then sees a dropped connection instead of the 413."""
+
+    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        if self._transport.is_closing() or not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()  # after the buffered response is flushed
+        self._transport.resume_reading()  # flow control may have paused it on the unread body: drain it instead
+        self._loop.call_later(LINGER_S, self._transport.close)
+
+    def close_now(self) -> None:
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+
 def protocol_class() -> type:
-    """uvicorn's h11 protocol plus a deadline for the request head: armed when a connection opens and after
-    each response, disarmed once h11 has a complete request, and closing the socket if it fires first.
+    """uvicorn's h11 protocol plus a deadline for the request head (armed when a connection opens and after
+    each response, disarmed once h11 has a complete request, and closing the socket if it fires first) and a
+    lingering close (LingeringTransport).
     (Uvicorn's keep-alive timer is reset by every byte received, so a trickling client never trips it.)"""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -84,10 +118,12 @@ def protocol_class() -> type:
                 self.transport.close()
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(LingeringTransport(transport, self.loop))
             self.arm()
 
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:  # the response is sent and the connection closing: drain, discard
+                return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:
                 self.disarm()
@@ -96,6 +132,11 @@ def protocol_class() -> type:
             super().on_response_complete()
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self.arm()
+
+        def eof_received(self) -> None:
+            if self.transport.lingering:  # the client read the response and closed its side
+                self.transport.close_now()
+            return super().eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.disarm()
