@@ -75,14 +75,16 @@ class _Tree:
 
 class Engine:
     def __init__(self, target: Target, draft: DraftCheckpoint | None = None, spec: SpecParams | None = None,
-                 ngram: NgramTable | None = None):
+                 ngram: NgramTable | None = None, model=None):
+        """`model`: the forward to run instead of engine_model(target, spec.weights), with TargetModel's interface
+        (eyas.replay.recorded.RecordedModel answers from a recording, so `target` may hold no weights)."""
         self.target = target
         self.spec = spec or SpecParams()
         if ngram is not None:
             check_ngram_for_target(ngram, target)
         # proposes where context lookup finds nothing, so only methods with lookup candidates consult it
         self.ngram = ngram if self.spec.lookup else None
-        self.model = engine_model(target, self.spec.weights)
+        self.model = model if model is not None else engine_model(target, self.spec.weights)
         native = self.model.native
         # the mode auto resolved to
         self.weights = "fp32" if native is None else "native" if native.act == "q8" else "native-bf16"
@@ -99,7 +101,7 @@ class Engine:
             d.to(device=self.device, dtype=self.model.dtype)
             d.eval()
             d.requires_grad_(False)
-            d.set_embeddings(target.embed_tokens().weight)
+            d.set_embeddings(self.model.embed_weight)
             dw = self.spec.draft_weights
             if dw == "auto":
                 dw = "fp32" if self.weights == "fp32" else "q8"

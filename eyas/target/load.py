@@ -85,6 +85,30 @@ class Target:
         return self.model.get_output_embeddings()
 
 
+def input_embeddings(target: Target) -> torch.Tensor:
+    """The target's token embedding matrix [V, H] (the draft's frozen input embeddings). A target loaded without
+    weights (load_weights=False: a model too big for this machine) has it read from its safetensors files alone."""
+    emb = target.embed_tokens().weight
+    if emb.device.type != "meta":
+        return emb
+    name = next((n for n, p in target.model.named_parameters() if p is emb), "model.embed_tokens.weight")
+    from safetensors import safe_open
+
+    files = sorted(Path(target.path).glob("*.safetensors")) if target.path is not None else []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            keys = list(sf.keys())
+            key = name if name in keys else next((k for k in keys if k.endswith("embed_tokens.weight")), None)
+            if key is not None:
+                w = sf.get_tensor(key).to(emb.dtype)
+                if tuple(w.shape) != tuple(emb.shape):
+                    raise TargetError(f"{f}: {key} has shape {tuple(w.shape)}, the config implies {tuple(emb.shape)}"
+                                      "; the folder's weights and config.json disagree")
+                return w
+    raise TargetError(f"no token embedding ({name}) in the safetensors files of {target.path}: the draft needs the "
+                      "target's embeddings; pass the target's own HF folder")
+
+
 def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: str | None = None) -> list[int]:
     """The tokens that end an assistant turn: the tokenizer's eos, every eos id in the model's config and
     generation config, and the chat template's end-of-turn token (the special token right after an assistant

@@ -7,7 +7,8 @@ the input of layer x: 0 = the embedding output, L = the last layer's output befo
 eyas's stream index). Then it answers commands, one JSON object per stdin line, with one
 `EYAS-RESULT {json}` line on stdout (vLLM's own log lines are interleaved; eyas skips them):
 
-  {"op": "generate", "prompts": [[ids]], "max_tokens": [n], "temperature", "top_p", "seeds": [s], "stop_ids"}
+  {"op": "generate", "prompts": [[ids]], "max_tokens": [n], "temperature", "top_p", "seeds": [s], "stop_ids",
+   "ignore_eos" (optional: generate past the model's end tokens)}
       -> {"replies": [[ids]], "finish": ["stop"|"length"], "seconds"}   (the stop token, if any, is included)
   {"op": "capture", "rows": [[ids]], "file": PATH}
       -> writes PATH (safetensors: hidden_states [N, n_ids, H] in ascending id order, lengths [rows]) and
@@ -155,7 +156,8 @@ def main() -> None:
                 prompts = cmd["prompts"]
                 params = [SamplingParams(max_tokens=int(m), temperature=float(cmd.get("temperature", 0.0)),
                                          top_p=float(cmd.get("top_p", 1.0)), seed=int(s),
-                                         stop_token_ids=list(cmd.get("stop_ids") or []), detokenize=False)
+                                         stop_token_ids=list(cmd.get("stop_ids") or []), detokenize=False,
+                                         ignore_eos=bool(cmd.get("ignore_eos", False)))
                           for m, s in zip(cmd["max_tokens"], cmd["seeds"], strict=True)]
                 outs = gen.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                 for o in outs:  # the connector saved the prompt's states too: not wanted here
