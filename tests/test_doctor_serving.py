@@ -19,8 +19,7 @@ from typer.testing import CliRunner
 
 from eyas.cli import app
 from eyas.doctor.serving import (
-    FAULTS,
-    Prediction,
+    ExportFacts,
     ServerClient,
     ServingError,
     SpecCounters,
@@ -84,26 +83,36 @@ def counters(per_pos, drafts, gen=None) -> SpecCounters:
 
 
 def test_verdict_on_synthetic_counters():
-    mine = Prediction([40, 20, 10], 100, [[1, 2]])
-    assert judge(counters([40, 20, 10], 100), mine, True).status == "pass"
-    close = judge(counters([45, 18, 12], 104), mine, False)  # other numerics: a few tokens differ
+    right = ([40, 20, 10], 100)
+    plants = {"aux_ids_minus_1": ([39, 19, 11], 101), "aux_ids_plus_1": ([10, 2, 0], 140),
+              "embedding_mixed_in": ([38, 20, 10], 100), "d2t_missing": ([0, 0, 0], 150),
+              "untrained": ([0, 0, 0], 150)}
+    assert judge(counters([40, 20, 10], 100), right, plants, True).status == "pass"
+    # other numerics (tokens differ): close to the draft and nearer it than any fault passes, with the tolerance
+    close = judge(counters([45, 18, 12], 104), right, plants, False)
     assert close.status == "pass" and "within 0.1" in close.line and "numerics differ" in close.notes[0]
-    near = judge(counters([39, 19, 11], 101), mine, True)  # same tokens, slightly different counts, no fault
-    assert near.status == "pass" and "none of eyas's planted faults" in near.notes[0]
-    shifted = next(f for f in FAULTS if f[0] == "aux_ids_minus_1")
-    v = judge(counters([39, 19, 11], 101), mine, True, reproduced=shifted)  # small loss, but the fault reproduces it
-    assert v.status == "fail" and v.line.startswith("likely the aux layer ids") and "reproduces" in v.line
-    v = judge(counters([2, 0, 0], 150), mine, True)  # drafted tokens are never the target's
-    assert v.status == "fail" and "vocab map" in v.line
-    v = judge(counters([15, 5, 1], 130), mine, True)  # position 0 collapses, not to zero
-    assert v.status == "fail" and "aux layer ids" in v.line
-    v = judge(counters([40, 5, 1], 120), mine, True)  # position 0 agrees, later steps do not
-    assert v.status == "fail" and "later steps" in v.line
-    v = judge(counters([70, 50, 30], 80), mine, True)
+    assert any("cannot be told apart" in n and "aux_ids_minus_1" in n for n in close.notes)
+    # same numerics: equal means equal; a small difference that a fault reproduces fails with that fault's cause
+    v = judge(counters([39, 19, 11], 101), right, plants, True)
+    assert v.status == "fail" and v.line.startswith("likely the aux layer ids") and "exactly" in v.line
+    v = judge(counters([38, 20, 10], 100), right, plants, True)  # one count off at position 0: the embedding mixed in
+    assert v.status == "fail" and "embedding output" in v.line
+    # same numerics, a difference no fault reproduces: still a finding, the nearest fault named
+    v = judge(counters([40, 19, 10], 100), right, plants, True)
+    assert v.status == "fail" and "must be equal" in v.line and "nearest fault" in v.line
+    # other numerics, nearer a fault than the draft: that fault, even within the tolerance
+    v = judge(counters([12, 2, 0], 138), right, plants, False)
+    assert v.status == "fail" and "aux layer ids" in v.line and "nearer" in v.line
+    # nothing accepted: d2t or an untrained draft; the export tells them apart
+    v = judge(counters([0, 0, 0], 150), right, plants, True)
+    assert v.status == "fail" and "--export" in v.line
+    v = judge(counters([0, 0, 0], 150), right, plants, True, ExportFacts("e", "missing", "same"))
+    assert v.status == "fail" and "vocab map" in v.line and "d2t is missing" in v.line
+    v = judge(counters([0, 0, 0], 150), right, plants, True, ExportFacts("e", "present", "differ"))
+    assert v.status == "fail" and "untrained or foreign" in v.line
+    v = judge(counters([70, 50, 30], 80), right, {}, False)
     assert v.status == "fail" and "another draft" in v.line
-    v = judge(counters([10, 2, 0], 150), mine, False)
-    assert v.status == "fail" and "different target" in v.line
-    v = judge(counters([0, 0, 0], 0), mine, True)
+    v = judge(counters([0, 0, 0], 0), right, plants, True)
     assert v.status == "fail" and "drafted nothing" in v.line
     for verdict in (v, close):
         assert "\n" not in verdict.line

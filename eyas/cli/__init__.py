@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from . import data, decode, doctor, inspect, interop, recipe, train
+from . import data, decode, doctor, inspect, interop, recipe, replay, train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyas: EAGLE-3 drafts with the hidden-state wiring checked end to end.")
@@ -24,6 +24,7 @@ app.command()(decode.serve)
 app.command()(interop.export)
 app.command("import")(interop.import_)
 app.add_typer(doctor.doctor_app, name="doctor")
+app.add_typer(replay.replay_app, name="replay")
 app.command()(decode.generate)
 app.command()(data.ngram)
 app.command()(recipe.recipe)

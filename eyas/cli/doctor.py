@@ -125,34 +125,37 @@ def doctor_trace(
         render_trace(rep)
 
 
-@doctor_app.command("serving")
+@doctor_app.command("serving", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def doctor_serving(
     url: str = typer.Option(..., "--url", help="the running vLLM server, e.g. http://127.0.0.1:8000"),
     draft: str = typer.Option(..., "--draft", help="the eyas draft the server's export was made from (or 'default')"),
     target: str = TargetOpt,
+    rows_dir: Path = typer.Option(None, "--rows", help="replay rows (`eyas replay capture`) of this target; default: "
+                                  "captured by eyas's engine on --bench / --prompts once, then cached"),
+    export: Path = typer.Option(None, "--export", help="the folder the server loads as its draft: its d2t and weights "
+                                "are checked directly, its config by `doctor flags`"),
     k: int = typer.Option(None, "--k", help="the server's num_speculative_tokens (default: read from its /metrics)"),
     prompts: int = typer.Option(4, "--prompts", help="MT-bench questions to send (first turn, stratified)"),
     bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="max_tokens per request (and for eyas)"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="max_tokens per request (and for the replay)"),
     api_key: str = typer.Option(None, "--api-key", help="sent as 'Authorization: Bearer KEY'"),
     timeout: float = typer.Option(120.0, "--timeout", help="seconds per HTTP request"),
-    weights: str = typer.Option("fp32", "--weights", help="eyas's target forward for the prediction: fp32 (the HF "
-                                "weights, what vLLM runs) | native | auto"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     device: str = DeviceOpt,
+    command: list[str] = typer.Argument(None, help="after --: the server's launch command (vllm serve ...), linted "
+                                        "by `doctor flags` first"),
 ) -> None:
-    """Live check of a vLLM server: its spec-decode acceptance per position vs eyas's prediction for the same draft,
-    prompts and chain length; a failure names the likely cause. Exit 0 on pass, 1 on fail."""
+    """Live check of a vLLM server: its spec-decode acceptance per position vs the replay of the same draft on the
+    same prompts and chain length; a failure names the cause. Exit 0 on pass, 1 on fail."""
     import sys
 
-    from ..bench.prompts import load_prompts
     from ..doctor.report import jsonable
     from ..doctor.serving import ServerClient, check_server, render_serving
-    from ..engine.prompt import chat_input_ids
+    from ..replay.rows import load_rows
     from ..target.load import load_target
 
     with user_errors():
-        probe = ServerClient(url, api_key, timeout)  # a bad or unreachable URL fails before the target loads
+        probe = ServerClient(url, api_key, timeout)  # a bad or unreachable URL fails before anything loads
         try:
             found = probe.counters()
         finally:
@@ -160,15 +163,44 @@ def doctor_serving(
         if k is not None and k != found.k:
             fail(f"--k {k}, but the server drafts {found.k} tokens per round (its per-position counters); drop --k "
                  f"or pass --k {found.k}")
-        rows = load_prompts(bench_set, limit=prompts)
-        tgt = load_target(target, dtype="fp32", device=device)
-        ids = [chat_input_ids(tgt.tokenizer, r.messages) for r in rows]
-        rep = check_server(url, tgt, draft, ids, k=k, max_new_tokens=max_new_tokens, api_key=api_key,
-                           timeout=timeout, weights=weights,
-                           log=None if json_out else (lambda m: typer.echo(m, err=True)))
+        say = None if json_out else (lambda m: typer.echo(m, err=True))
+        if rows_dir is not None:
+            rows = load_rows(rows_dir)
+            if prompts < len(rows):
+                rows.tokens, rows.prompt_lens, rows.states = (rows.tokens[:prompts], rows.prompt_lens[:prompts],
+                                                              rows.states[:prompts])
+            tgt = load_target(target, dtype="fp32", device=device, load_weights=False)
+            m = min(max_new_tokens, rows.max_new_tokens)
+        else:
+            rows, tgt = _fresh_rows(target, draft, bench_set, prompts, max_new_tokens, device, say)
+            m = max_new_tokens
+        rep = check_server(url, tgt, draft, rows, k=k, max_new_tokens=m, api_key=api_key, timeout=timeout,
+                           export=export, command=list(command or []) or None, log=say)
     if json_out:
         typer.echo(json.dumps(jsonable(rep.to_dict()), indent=2))
     else:
         render_serving(rep, typer.echo)
     sys.stdout.flush()
     raise typer.Exit(0 if rep.ok else 1)
+
+
+def _fresh_rows(target: str, draft: str, bench_set: str, prompts: int, max_new_tokens: int, device: str, say):
+    """Rows captured by eyas's engine (fp32) for the first --prompts of --bench, cached after the first check."""
+    from ..bench.prompts import load_prompts
+    from ..draft import load_draft
+    from ..engine.prompt import chat_input_ids
+    from ..replay.rows import cached_rows_eyas, plant_streams
+    from ..target.family import check_engine_family
+    from ..target.load import load_target
+
+    check_engine_family(target, "eyas doctor serving without --rows",
+                        "capture rows where the target runs (`eyas replay capture --engine vllm --out DIR`) and "
+                        "pass --rows DIR")
+    items = load_prompts(bench_set, limit=prompts)
+    tgt = load_target(target, dtype="fp32", device=device)
+    aux = list(load_draft(draft, device="cpu").layout.aux_indices)
+    ids = [chat_input_ids(tgt.tokenizer, r.messages) for r in items]
+    rows = cached_rows_eyas(tgt, ids, max_new_tokens, plant_streams(aux, tgt.num_layers),
+                            source={"target": target, "bench": bench_set, "prompts": prompts, "engine": "eyas"},
+                            log=say)
+    return rows, tgt

@@ -1,12 +1,14 @@
-"""`eyas doctor serving`: measure a running vLLM server's EAGLE-3 acceptance against eyas's own prediction.
+"""`eyas doctor serving`: measure a running vLLM server's EAGLE-3 acceptance against the replay of the same draft.
 
 High validation accuracy in training and a poor accept length in serving is the failure this answers in one
-command: it reads the server's spec-decode counters, sends a few prompts (token ids, greedy), reads the counters
-again, and compares the per-position accepted counts with what eyas's engine predicts for the same draft, the
-same token ids, the same number of new tokens and the same chain length (method chain, k = the server's
-num_speculative_tokens, fp32 weights). With the same numerics (vLLM's CPU build on the HF fp32 weights) the
-counts are equal, token for token; a wiring fault leaves a signature, and eyas re-runs its engine with each
-known fault planted to name the one that reproduces the server's counts.
+command: it reads the server's spec-decode counters, sends the replay rows' prompts (token ids, greedy), reads the
+counters again, and compares the per-position accepted counts with the replay of the draft on those rows
+(eyas.replay: the target's greedy replies and stream states captured once, the draft run alone through eyas's
+engine; any target whose features can be captured, MoE and MLA included). With the same numerics (vLLM's CPU
+build on fp32 weights, rows captured in fp32) the counts are equal, token for token; a wiring fault leaves a
+signature, and each known fault is replayed planted (eyas.replay.plants) to name the one that reproduces the
+server's counts. Given the launch command or the export folder, `doctor flags` runs first, so a server that
+dies on its first request (no "method": "eagle3") is named.
 
 vLLM (read in vllm/v1/spec_decode/metrics.py SpecDecodingProm, vLLM 0.32): Prometheus counters
 `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens`,
@@ -29,9 +31,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import EyasError
+from ..replay.plants import FAULTS
+from ..replay.rows import ReplayRows
+from .report import Check
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -42,8 +50,8 @@ GENERATION_TOKENS = "vllm:generation_tokens"
 
 # Verdict thresholds. Same numerics (vLLM CPU, fp32): counts are equal. Other numerics (a GPU, bf16) change a
 # few greedy tokens and with them the rounds, so a per-position acceptance rate within RATE_TOL (absolute) of
-# eyas's is still "close"; a wiring fault moves position 0 by far more (measured on SmolLM2-135M: aux ids
-# shifted by one 0.43 -> 0.1x, d2t dropped -> ~0).
+# the replay's is still "close" when no planted fault is nearer; a wiring fault moves position 0 by far more
+# (measured on SmolLM2-135M: aux ids shifted by one 0.43 -> 0.1x, d2t dropped -> ~0).
 RATE_TOL = 0.10
 MAX_BODY = 32 << 20  # bytes read from one GET at most
 NEAR_ZERO = 0.05  # position-0 acceptance below this: the drafted tokens are not the target's tokens at all
@@ -241,63 +249,55 @@ class ServerClient:
         return [int(t) for t in toks]
 
 
-# ---- eyas's prediction ----------------------------------------------------------------------------
+# ---- the prediction: replay ------------------------------------------------------------------------
+
+Counts = tuple[list[int], int]  # accepted per draft position, rounds (vLLM: drafts)
+
 
 @dataclass
-class Prediction:
-    per_pos: list[int]  # accepted per draft position, summed over the prompts
-    rounds: int  # speculative rounds (vLLM: drafts)
-    tokens: list[list[int]]  # new tokens per prompt
+class ExportFacts:
+    """What the folder the server loads says directly (--export): its d2t and whether its weights are the draft's."""
+    path: str
+    d2t: str  # present | missing | zero | differs
+    weights: str  # same | differ | unknown
+
+    def line(self) -> str:
+        return f"the export {self.path}: d2t {self.d2t}, weights {self.weights} (vs --draft)"
 
 
-# a fault eyas can plant in its own copy of the draft: (name, the one-line cause, how to plant it)
-Fault = tuple[str, str, Callable[[Any, int], None]]
+def export_facts(export: Path, ck) -> ExportFacts:
+    """Read the export's safetensors: is d2t there and equal to the draft's, are fc and lm_head the draft's."""
+    from safetensors import safe_open
 
-
-def _shift(delta: int) -> Callable[[Any, int], None]:
-    def plant(ck, L: int) -> None:
-        ck.layout.aux_indices = [min(max(k + delta, 0), L) for k in ck.layout.aux_indices]
-    return plant
-
-
-def _drop_d2t(ck, L: int) -> None:
-    ck.model.d2t.zero_()  # what vLLM's Eagle3 loader keeps when the weights carry no d2t: draft id = target id
-
-
-FAULTS: list[Fault] = [
-    ("aux_ids_minus_1", "likely the aux layer ids: the server feeds the draft the layers one below the trained ones "
-     "(SGLang's output-of ids read by vLLM as input-of); export with `eyas export --format vllm`", _shift(-1)),
-    ("aux_ids_plus_1", "likely the aux layer ids: the server feeds the draft the layers one above the trained ones "
-     "(input-of ids given +1 again, e.g. eagle_aux_layer_semantics \"sglang\" on vLLM ids); export with `eyas "
-     "export --format vllm`", _shift(+1)),
-    ("d2t_missing", "likely the draft->target vocab map: the server's draft has no d2t (vLLM then reads draft id i as "
-     "target token i), so every drafted token is the wrong one; export with `eyas export --format vllm`, which "
-     "writes d2t", _drop_d2t),
-]
-
-
-def predict(target, draft_spec: str, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: list[int],
-            weights: str = "fp32", plant: Callable[[Any, int], None] | None = None) -> Prediction:
-    """eyas's chain of k draft steps on each prompt, greedy; `plant` changes the loaded draft first (a fault)."""
-    from ..draft import load_draft
-    from ..engine.load import EngineParts, make_engine
-    from ..engine.params import SamplingParams, SpecParams
-
-    ck = load_draft(draft_spec, device=str(target.device))
-    if plant is not None:
-        plant(ck, target.num_layers)
-    eng = make_engine(EngineParts(target, ck, None), SpecParams(method="chain", steps=k, weights=weights,
-                                                                draft_weights="fp32"))
-    eng.eos = set(eng.eos) | set(stop_ids)
-    per = [0] * k
-    rounds = 0
-    toks: list[list[int]] = []
-    for ids in prompts:
-        res = eng.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-        per = [a + b for a, b in zip(per, res.stats.accepted_per_depth[:k], strict=True)]
-        rounds += res.stats.rounds
-        toks.append(list(res.token_ids))
-    return Prediction(per, rounds, toks)
+    files = sorted(Path(export).glob("*.safetensors"))
+    if not files:
+        raise ServingError(f"--export {export}: no *.safetensors in that folder; pass the folder the server's "
+                           "speculative config points at")
+    found: dict[str, Any] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    base = key.split(".", 1)[1] if key.startswith(("model.", "draft.")) else key
+                    if base in ("d2t", "fc.weight", "lm_head.weight"):
+                        found[base] = sf.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - a damaged export is one line
+            raise ServingError(f"--export {export}: {f.name} is not readable safetensors ({e})") from e
+    d = ck.model.d2t.cpu()
+    d2t = found.get("d2t")
+    if d2t is None:
+        d2t_s = "missing"
+    elif not bool(d2t.any()):
+        d2t_s = "zero"
+    else:
+        d2t_s = "present" if d2t.shape == d.shape and bool((d2t.long() == d).all()) else "differs"
+    weights = "unknown"
+    if "fc.weight" in found and "lm_head.weight" in found:
+        same = all(found[n].shape == w.shape and torch.allclose(found[n].float(), w.detach().float().cpu(), atol=1e-2,
+                                                               rtol=1e-2)
+                   for n, w in (("fc.weight", ck.model.fc.weight), ("lm_head.weight", ck.model.lm_head.weight)))
+        weights = "same" if same else "differ"
+    return ExportFacts(str(export), d2t_s, weights)
 
 
 # ---- the verdict ----------------------------------------------------------------------------------
@@ -309,59 +309,111 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
 
 
-def judge(server: SpecCounters, eyas: Prediction, same_tokens: bool, reproduced: Fault | None = None) -> Verdict:
-    """Compare the server's per-position accepted counts (this check's traffic) with eyas's prediction.
-    pass: equal, or every position's acceptance rate within RATE_TOL of eyas's and no planted fault reproduces the
-    server's counts. fail: one line naming the cause — the planted fault that reproduces the counts exactly
-    (`reproduced`), else the likely one read from the signature (position 0 near zero -> the drafted tokens are
-    wrong; position 0 collapsed -> the draft's input features; later positions only -> the draft's own steps)."""
-    k = len(eyas.per_pos)
-    srv = server.rates()
-    mine = [a / eyas.rounds if eyas.rounds else 0.0 for a in eyas.per_pos]
-    notes = []
+def _rates(c: Counts) -> list[float]:
+    return [a / c[1] if c[1] else 0.0 for a in c[0]]
+
+
+def _dist(a: Counts, b: Counts) -> float:
+    return sum(abs(x - y) for x, y in zip(_rates(a), _rates(b), strict=True))
+
+
+def judge(server: SpecCounters, right: Counts, plants: dict[str, Counts], same_tokens: bool,
+          export: ExportFacts | None = None, flags_fail: str | None = None) -> Verdict:
+    """The server's per-position accepted counts over this check's traffic against the replay of the draft as
+    given (`right`) and of each planted fault (`plants`, by FAULTS name).
+
+    Same numerics (the server's greedy tokens equal the rows'): equal means equal. Equal to `right` passes; a
+    fault whose replay gives the server's exact counts fails with its cause; any other difference fails too,
+    naming the nearest fault. Nothing accepted at all is reproduced by both a missing d2t and an untrained draft:
+    the export's own d2t and weights (--export) tell them apart. Other numerics (tokens differ: bf16, a GPU):
+    the nearest of the draft and the faults by acceptance rates decides; the draft passes when every position's
+    rate is within RATE_TOL of the replay's."""
+    by_name = {f.name: f for f in FAULTS}
+    notes: list[str] = []
     if not same_tokens:
-        notes.append("the server's greedy tokens differ from eyas's on some prompt: its target numerics differ "
-                     "(dtype, kernels, GPU), so the counts can only be close, not equal")
+        notes.append("the server's greedy tokens differ from the rows' on some prompt: its target numerics differ "
+                     f"(dtype, kernels, GPU), so counts can only be close: tolerance {RATE_TOL:g} in acceptance "
+                     "rate per position (docs/CLI.md, doctor serving)")
+    if flags_fail:
+        notes.append(f"doctor flags: {flags_fail}")
     if server.drafts <= 0:
         return Verdict("fail", "the server drafted nothing during the check: speculative decoding is off for these "
                        "requests (or the draft never ran); check --speculative-config", notes)
-    counts = [int(round(v)) for v in server.per_pos]
-    if counts == eyas.per_pos and int(round(server.drafts)) == eyas.rounds:
-        return Verdict("pass", f"the server's accepted counts per position {counts} over {eyas.rounds} drafts equal "
-                       "eyas's prediction exactly", notes)
-    if reproduced is not None:
-        # same numerics and a planted fault that gives the server's exact counts: stronger than any signature,
-        # and it catches faults that cost little acceptance on this draft (adjacent layers look alike)
-        return Verdict("fail", f"{reproduced[1]} (eyas with that fault planted reproduces the server's counts "
-                       f"{counts} over {int(round(server.drafts))} drafts exactly; eyas as given: {eyas.per_pos} over "
-                       f"{eyas.rounds})", notes)
-    diff = [s - m for s, m in zip(srv, mine, strict=True)]
-    if all(abs(d) <= RATE_TOL for d in diff):
-        if same_tokens:
-            notes.append("the target's tokens are identical but the accepted counts are not: the draft's numerics "
-                         "differ slightly from eyas's, or a wiring fault that costs little acceptance and that none of "
-                         "eyas's planted faults reproduces")
-        return Verdict("pass", f"the server's acceptance per position {_fmt(srv)} is within {RATE_TOL:g} of eyas's "
-                       f"{_fmt(mine)} (counts {counts} vs {eyas.per_pos})", notes)
-    if not same_tokens:
-        return Verdict("fail", "likely a different target: the server's greedy tokens differ from eyas's for the same "
-                       "token ids, so it does not run the target eyas measured (another checkpoint, dtype or "
-                       "quantization); serve the same weights, or pass that model as --target", notes)
+    counts: Counts = ([int(round(v)) for v in server.per_pos], int(round(server.drafts)))
+    mine = _rates(right)
+    srv = _rates(counts)
+    exact = "the server's accepted counts per position {} over {} drafts".format(*counts)
+    if counts == right:
+        return Verdict("pass", f"{exact} equal the replay of this draft exactly", notes)
+    if sum(counts[0]) == 0 and sum(right[0]) > 0:
+        d2t, untrained = by_name["d2t_missing"], by_name["untrained"]
+        if export is None:
+            return Verdict("fail", f"nothing accepted ({counts[1]} drafts; the replay accepts {sum(right[0])}): "
+                           "either the vocab map (d2t) is missing or the server's draft is untrained or foreign; "
+                           "pass --export DIR (the folder the server loads) to tell which", notes)
+        if export.d2t in ("missing", "zero"):
+            return Verdict("fail", f"{d2t.cause} (the export's d2t is {export.d2t}; nothing accepted over "
+                           f"{counts[1]} drafts)", notes)
+        if export.d2t == "differs" or export.weights == "differ":
+            what = "d2t" if export.d2t == "differs" else "weights (fc, lm_head)"
+            return Verdict("fail", f"{untrained.cause} (the export's {what} differ from --draft's; nothing accepted "
+                           f"over {counts[1]} drafts)", notes)
+        return Verdict("fail", f"nothing accepted over {counts[1]} drafts although the export carries this draft's "
+                       "d2t and weights: the server does not feed the draft the target's aux states (method other "
+                       "than eagle3, or ids outside the target); run `eyas doctor flags` on its command", notes)
+    repro = [f for f in FAULTS if plants.get(f.name) == counts and f.name != "untrained"]
+    if repro:
+        f = repro[0]
+        return Verdict("fail", f"{f.cause} (replayed with that fault planted, the draft gives {exact} exactly; as "
+                       f"given: {right[0]} over {right[1]})", notes)
+    ranked = sorted(((_dist(counts, c), n) for n, c in plants.items() if n != "untrained"), key=lambda t: t[0])
+    nearest = f"; nearest fault {ranked[0][1]} {plants[ranked[0][1]][0]} over {plants[ranked[0][1]][1]}" \
+        if ranked else ""
+    if same_tokens:
+        return Verdict("fail", f"{exact} differ from the replay's {right[0]} over {right[1]} although the greedy "
+                       "tokens are identical (same numerics: the counts must be equal); none of eyas's planted "
+                       f"faults reproduces them{nearest}: {_signature(srv, mine)}", notes)
+    # other numerics: a fault can be told from the draft only where its replay moves a rate by more than the
+    # tolerance; among those, one nearer the server than the draft is the finding
+    def off(c: Counts) -> float:
+        return max(abs(a - b) for a, b in zip(_rates(c), mine, strict=True))
+
+    blind = [n for n, c in plants.items() if n != "untrained" and off(c) <= RATE_TOL]
+    if blind:
+        notes.append(f"under other numerics these faults stay within the tolerance of the draft on these prompts and "
+                     f"cannot be told apart from it: {', '.join(blind)}; check with equal numerics (fp32) to rule them "
+                     "out")
+    told = [(d, n) for d, n in ranked if n not in blind]
+    if told and told[0][0] < _dist(counts, right):
+        f = by_name[told[0][1]]
+        return Verdict("fail", f"{f.cause} (its replay is nearer the server's acceptance {_fmt(srv)} than the draft "
+                       f"as given {_fmt(mine)})", notes)
+    if all(abs(s - m) <= RATE_TOL for s, m in zip(srv, mine, strict=True)):
+        return Verdict("pass", f"the server's acceptance per position {_fmt(srv)} is within {RATE_TOL:g} of the "
+                       f"replay's {_fmt(mine)} (counts {counts[0]} vs {right[0]}), and nearer it than any planted "
+                       "fault's", notes)
+    return Verdict("fail", _signature(srv, mine), notes)
+
+
+def _signature(srv: list[float], mine: list[float]) -> str:
+    """The likely cause read from where the acceptance differs."""
     if srv[0] > mine[0] + RATE_TOL:
-        return Verdict("fail", f"likely another draft: the server accepts more at position 0 ({srv[0]:.2f}) than eyas "
-                       f"predicts ({mine[0]:.2f}) for this draft; pass the draft the server loads as --draft", notes)
+        return (f"likely another draft: the server accepts more at position 0 ({srv[0]:.2f}) than the replay of this "
+                f"draft ({mine[0]:.2f}); pass the draft the server loads as --draft")
     if srv[0] < NEAR_ZERO <= mine[0]:
-        return Verdict("fail", f"likely the draft->target vocab map (d2t): position-0 acceptance {srv[0]:.2f} vs "
-                       f"eyas's {mine[0]:.2f}, near zero: the drafted tokens are not the target's; check that the "
-                       "export carries d2t (eyas export --format vllm)", notes)
+        return (f"likely the draft->target vocab map (d2t): position-0 acceptance {srv[0]:.2f} vs {mine[0]:.2f}, near "
+                "zero: the drafted tokens are not the target's; check that the export carries d2t")
     if srv[0] < COLLAPSE * mine[0]:
-        return Verdict("fail", f"likely the feature wiring (aux layer ids / layer convention, or a method other than "
-                       f"eagle3): position-0 acceptance {srv[0]:.2f} vs eyas's {mine[0]:.2f}; compare the export's "
-                       "eagle_aux_hidden_state_layer_ids with `eyas doctor flags`", notes)
-    worst = max(range(k), key=lambda i: abs(diff[i]))
-    return Verdict("fail", f"likely the draft's later steps (its fed-back hidden state, RoPE or norm config): "
-                   f"position 0 agrees ({srv[0]:.2f} vs {mine[0]:.2f}) but position {worst} does not "
-                   f"({srv[worst]:.2f} vs {mine[worst]:.2f})", notes)
+        return (f"likely the feature wiring (aux layer ids / layer convention, or a method other than eagle3): "
+                f"position-0 acceptance {srv[0]:.2f} vs {mine[0]:.2f}; compare the export's "
+                "eagle_aux_hidden_state_layer_ids with `eyas doctor flags`")
+    diff = [s - m for s, m in zip(srv, mine, strict=True)]
+    worst = max(range(len(diff)), key=lambda i: abs(diff[i]))
+    if worst == 0 or abs(diff[worst]) < 1e-9:
+        return (f"likely the feature wiring or the draft's numerics: position-0 acceptance {srv[0]:.2f} vs the "
+                f"replay's {mine[0]:.2f}")
+    return (f"likely the draft's later steps (its fed-back hidden state, RoPE or norm config): position 0 agrees "
+            f"({srv[0]:.2f} vs {mine[0]:.2f}) but position {worst} does not ({srv[worst]:.2f} vs {mine[worst]:.2f})")
 
 
 def _fmt(xs: list[float]) -> str:
@@ -377,11 +429,15 @@ class ServingReport:
     k: int
     prompts: int
     max_new_tokens: int
+    rows: dict[str, Any]  # where the rows came from (folder, numerics)
     server: dict[str, Any]  # this check's counter differences
-    eyas: dict[str, Any]
-    same_tokens: int  # prompts whose greedy tokens equal eyas's
+    replay: dict[str, Any]  # the draft as given
+    plants: dict[str, Any]  # fault name -> {per_pos, rounds}
+    same_tokens: int  # prompts whose greedy tokens equal the rows' replies
     verdict: Verdict
-    reproduced_by: str | None  # the planted fault whose prediction equals the server's counts
+    reproduced_by: str | None  # the planted fault whose replay equals the server's counts
+    flags: list[dict[str, Any]]  # doctor flags' checks on the launch command / export
+    export: dict[str, Any] | None
     seconds: dict[str, float]
     notes: list[str]
 
@@ -393,19 +449,56 @@ class ServingReport:
         return asdict(self)
 
 
-def check_server(url: str, target, draft_spec: str, prompts: list[list[int]], k: int | None = None,
-                 max_new_tokens: int = 64, api_key: str | None = None, timeout: float = 120.0,
-                 weights: str = "fp32", diagnose: bool = True, log: Callable[[str], None] | None = None
-                 ) -> ServingReport:
-    """The live check. `target`: the eyas Target the server serves (its tokenizer made `prompts`)."""
-    from ..target.load import end_token_ids
+def flags_checks(command: list[str] | None, export: Path | None, k: int | None, num_layers: int
+                 ) -> tuple[list[Check], str | None]:
+    """doctor flags on the launch command (its --speculative-config model is the export) or, with --export alone,
+    on the export's config as vLLM would read it; -> (checks, the first failure's summary)."""
+    from .flags import FlagsError, lint_serve_command, parse_serve_command
+
+    if not command and export is None:
+        return [], None
+    argv = list(command or [])
+    folder = export
+    if argv and folder is None:
+        try:
+            spec = parse_serve_command(argv).spec_config or {}
+        except FlagsError as e:
+            raise ServingError(f"the launch command after --: {e}") from e
+        folder = Path(spec["model"]) if spec.get("model") else None
+    if folder is None:
+        return [], None
+    synthetic = not argv
+    if synthetic:  # the export's own config, read as the eagle3 method would: only its ids and paths are checked
+        argv = ["vllm", "serve", "TARGET", "--speculative-config",
+                json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": k or 3})]
+    try:
+        lint = lint_serve_command(argv, folder, num_layers)
+    except FlagsError as e:
+        raise ServingError(f"doctor flags on {folder}: {e}") from e
+    checks = [c for c in lint.checks if not synthetic or c.name not in ("method", "num_speculative_tokens")]
+    bad = next((c for c in checks if c.status == "fail"), None)
+    return checks, (f"{bad.name}: {bad.summary}" if bad else None)
+
+
+def check_server(url: str, target, draft_spec: str, rows: ReplayRows, k: int | None = None,
+                 max_new_tokens: int | None = None, api_key: str | None = None, timeout: float = 120.0,
+                 export: Path | None = None, command: list[str] | None = None, diagnose: bool = True,
+                 log: Callable[[str], None] | None = None) -> ServingReport:
+    """The live check: the rows' prompts to the server, its counters read before and after, and the replay of
+    the draft (and of each planted fault) on the rows. `target` is the served model (weights not needed)."""
+    from ..draft import load_draft
+    from ..replay.run import chain, replay
 
     say = log or (lambda _m: None)
-    if not prompts or not all(prompts):
-        raise ServingError("no prompts to send (or an empty one): pass --prompts 1 or more")
-    if max_new_tokens < 1:
-        raise ServingError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
+    m = rows.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if not rows.tokens:
+        raise ServingError("the replay rows hold no prompts: capture some with `eyas replay capture`")
+    rows.check_target(target.identity, "the --target")
+    ck = load_draft(draft_spec, device="cpu")
+    checks, flags_fail = flags_checks(command, export, k, target.num_layers)
+    facts = export_facts(export, ck) if export is not None else None
     cl = ServerClient(url, api_key, timeout)
+    seconds: dict[str, float] = {}
     try:
         before = cl.counters()
         if k is not None and k != before.k:
@@ -413,71 +506,82 @@ def check_server(url: str, target, draft_spec: str, prompts: list[list[int]], k:
                                f"{PER_POS} positions 0..{before.k - 1}); drop --k or pass --k {before.k}")
         k = before.k
         model = cl.model()
-        stop = sorted(set(end_token_ids(target.tokenizer, target.model)))
-        vocab = int(target.config.vocab_size)
-        if max(max(p) for p in prompts) >= vocab:
-            raise ServingError(f"a prompt holds token ids beyond the target's vocabulary ({vocab}): wrong tokenizer")
         t0 = time.perf_counter()
-        got = []
-        for i, ids in enumerate(prompts):
-            say(f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens -> server")
-            got.append(cl.complete(model, ids, max_new_tokens, stop))
-        t_server = time.perf_counter() - t0
-        after = cl.counters()
+        got: list[list[int]] = []
+        failed: str | None = None
+        for i in range(len(rows)):
+            ids = rows.prompt(i)
+            say(f"prompt {i + 1}/{len(rows)}: {len(ids)} tokens -> server")
+            try:
+                got.append(cl.complete(model, ids, m, rows.eos))
+            except ServingError as e:
+                failed = str(e)
+                break
+        seconds["server"] = time.perf_counter() - t0
+        after = cl.counters() if failed is None else before
     finally:
         cl.close()
+    base = dict(url=cl.url, model=model, k=k, prompts=len(rows), max_new_tokens=m,
+                rows={"path": str(rows.path) if rows.path else None, "numerics": rows.numerics,
+                      "streams": rows.streams}, flags=[c.to_dict() for c in checks],
+                export=asdict(facts) if facts else None)
+    if failed is not None:
+        cause = (f"; doctor flags names the cause: {flags_fail}" if flags_fail else
+                 "; read the server's log, and pass its launch command after -- so eyas can lint it")
+        v = Verdict("fail", f"the server failed a request ({failed}){cause}")
+        return ServingReport(**base, server={}, replay={}, plants={}, same_tokens=0, verdict=v, reproduced_by=None,
+                             seconds=seconds, notes=[])
     delta = after.minus(before)
-    notes = ["the counters are server-wide: other requests during the check add to them (this check cannot tell "
-             "its own traffic apart); run it on an otherwise idle server"]
-    sent_prompt, sent_new = sum(len(p) for p in prompts), sum(len(t) for t in got)
+    notes = ["the counters are server-wide: other requests during the check add to them; run it on an otherwise "
+             "idle server"]
+    sent_new = sum(len(t) for t in got)
     if delta.generation_tokens is not None and delta.generation_tokens > sent_new:
         notes.append(f"other traffic was present: the server generated {delta.generation_tokens:.0f} tokens during "
                      f"the check, this check asked for {sent_new}; the comparison below is polluted")
-    say(f"eyas: chain of {k} on the same {len(prompts)} prompts")
+    same = sum(g == rows.reply(i, m) for i, g in enumerate(got))
+    say(f"replay: chain of {k} on the {len(rows)} rows")
     t0 = time.perf_counter()
-    mine = predict(target, draft_spec, prompts, k, max_new_tokens, stop, weights)
-    t_eyas = time.perf_counter() - t0
-    same = sum(a == b for a, b in zip(got, mine.tokens, strict=True))
-    counts = [int(round(v)) for v in delta.per_pos]
-    exact = counts == mine.per_pos and int(round(delta.drafts)) == mine.rounds
-    reproduced: Fault | None = None
-    seconds = {"server": t_server, "eyas": t_eyas}
-    if not exact and diagnose and same == len(prompts) and delta.drafts > 0:
-        # same numerics (identical greedy tokens), different counts: plant each known fault in eyas's copy of the
-        # draft, the one the signature points at first (each try is a full eyas run over the prompts)
+    right = replay(rows, target, ck, chain(k), m)
+    seconds["replay"] = time.perf_counter() - t0
+    counts = ([int(round(v)) for v in delta.per_pos], int(round(delta.drafts)))
+    plants: dict[str, Counts] = {}
+    if diagnose and counts != right.counts():
         t0 = time.perf_counter()
-        vocab_first = delta.rates()[0] < NEAR_ZERO
-        for fault in sorted(FAULTS, key=lambda f: (f[0] != "d2t_missing") == vocab_first):
-            say(f"eyas: the same chain with a planted fault ({fault[0]})")
-            alt = predict(target, draft_spec, prompts, k, max_new_tokens, stop, weights, fault[2])
-            if alt.per_pos == counts and alt.rounds == int(round(delta.drafts)):
-                reproduced = fault
-                break
-        else:
-            notes.append(f"none of the faults eyas can plant ({', '.join(f[0] for f in FAULTS)}) reproduces the "
-                         "server's counts exactly")
-        seconds["diagnosis"] = time.perf_counter() - t0
-    verdict = judge(delta, mine, same == len(prompts), reproduced)
-    eyas_d = {"per_pos": mine.per_pos, "rounds": mine.rounds,
-              "rates": [a / mine.rounds if mine.rounds else 0.0 for a in mine.per_pos],
-              "tau": 1 + sum(mine.per_pos) / mine.rounds if mine.rounds else 0.0}
-    srv_d = {**asdict(delta), "rates": delta.rates(), "tau": delta.tau(), "prompt_tokens_sent": sent_prompt,
-             "new_tokens": sent_new}
+        for f in FAULTS:
+            say(f"replay with a planted fault: {f.name}")
+            plants[f.name] = replay(rows, target, ck, chain(k), m, plant=f.plant).counts()
+        seconds["plants"] = time.perf_counter() - t0
+    verdict = judge(delta, right.counts(), plants, same == len(rows), facts, flags_fail)
+    repro = next((n for n, c in plants.items() if c == counts and n != "untrained"), None)
+    srv_d = {**asdict(delta), "rates": delta.rates(), "tau": delta.tau(), "new_tokens": sent_new}
     srv_d = {k_: (None if isinstance(v, float) and math.isnan(v) else v) for k_, v in srv_d.items()}
-    return ServingReport(url=cl.url, model=model, k=k, prompts=len(prompts), max_new_tokens=max_new_tokens,
-                         server=srv_d, eyas=eyas_d, same_tokens=same, verdict=verdict,
-                         reproduced_by=reproduced[0] if reproduced else None,
-                         seconds=seconds, notes=notes + verdict.notes)
+    return ServingReport(**base, server=srv_d,
+                         replay={"per_pos": right.per_pos, "rounds": right.rounds, "rates": right.rates,
+                                 "tau": right.tau},
+                         plants={n: {"per_pos": c[0], "rounds": c[1]} for n, c in plants.items()},
+                         same_tokens=same, verdict=verdict, reproduced_by=repro, seconds=seconds,
+                         notes=notes + verdict.notes)
 
 
 def render_serving(rep: ServingReport, echo: Callable[[str], None] = print) -> None:
-    s, e = rep.server, rep.eyas
-    echo(f"server {rep.url} (model {rep.model}), k = {rep.k}, {rep.prompts} prompts x {rep.max_new_tokens} tokens")
-    echo(f"  server: drafts {s['drafts']:.0f}, accepted per position {[int(round(v)) for v in s['per_pos']]}, "
-         f"rate {_fmt(s['rates'])}, tau {s['tau']:.2f}")
-    echo(f"  eyas:   drafts {e['rounds']}, accepted per position {e['per_pos']}, rate {_fmt(e['rates'])}, "
-         f"tau {e['tau']:.2f}")
-    echo(f"  greedy tokens equal to eyas's on {rep.same_tokens}/{rep.prompts} prompts")
+    echo(f"server {rep.url} (model {rep.model}), k = {rep.k}, {rep.prompts} prompts x {rep.max_new_tokens} tokens; "
+         f"rows {rep.rows.get('path') or '(captured now)'} ({rep.rows.get('numerics')})")
+    for c in rep.flags:
+        if c["status"] != "pass":
+            echo(f"  flags {c['status']}: {c['name']}: {c['summary']}")
+    if rep.export:
+        echo(f"  export {rep.export['path']}: d2t {rep.export['d2t']}, weights {rep.export['weights']}")
+    s, e = rep.server, rep.replay
+    if s:
+        echo(f"  server: drafts {s['drafts']:.0f}, accepted per position {[int(round(v)) for v in s['per_pos']]}, "
+             f"rate {_fmt(s['rates'])}, tau {s['tau']:.2f}")
+    if e:
+        echo(f"  replay: drafts {e['rounds']}, accepted per position {e['per_pos']}, rate {_fmt(e['rates'])}, "
+             f"tau {e['tau']:.2f}")
+        echo(f"  greedy tokens equal to the rows' on {rep.same_tokens}/{rep.prompts} prompts")
+    for name, c in rep.plants.items():
+        mark = "  <- reproduces the server's counts" if name == rep.reproduced_by else ""
+        echo(f"  planted {name}: {c['per_pos']} over {c['rounds']}{mark}")
     for n in rep.notes:
         echo(f"  note: {n}")
     echo(f"{rep.verdict.status.upper()}: {rep.verdict.line}")
