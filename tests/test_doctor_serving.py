@@ -195,8 +195,18 @@ def test_k_mismatch_is_refused_before_the_target_loads(page_server):
 # ---- live vLLM servers ------------------------------------------------------------------------------
 
 K = 3
-PROMPTS, NEW_TOKENS = 3, 48  # small: CI has 2 cores and each server start costs minutes
+PROMPTS, NEW_TOKENS = 3, 48  # small: CI has 2 cores and each server start costs about a minute
 TIMINGS: dict[str, float] = {}
+# each planted export, and what doctor serving must say of it (one vLLM server each, one at a time)
+EXPECT = {
+    "right": ("pass", "equal the replay of this draft exactly", None),
+    "minus1": ("fail", "one below the trained ones", "aux_ids_minus_1"),
+    "plus1": ("fail", "one above the trained ones", "aux_ids_plus_1"),
+    "embedding": ("fail", "the embedding output (id 0)", "embedding_mixed_in"),
+    "nod2t": ("fail", "vocab map", None),
+    "random": ("fail", "untrained or foreign", None),
+    "nomethod": ("fail", "the server failed a request", None),
+}
 
 
 def _vllm_python() -> Path | None:
@@ -208,38 +218,68 @@ def _vllm_python() -> Path | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """The bundled draft exported for vLLM by eyas, and two planted faults made from that export."""
+def _variant(right: Path, out: Path, ids=None, weights=None) -> Path:
+    """A copy of the right export with its config's aux ids or its weights changed after export (so its
+    manifest's digest no longer matches, which doctor flags notes)."""
     from safetensors.torch import load_file, save_file
 
+    shutil.copytree(right, out)
+    if ids is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids(cfg["eagle_aux_hidden_state_layer_ids"])
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if weights is not None:
+        sd = load_file(out / "model.safetensors")
+        weights(sd)
+        save_file(sd, out / "model.safetensors")
+    return out
+
+
+def _randomize(sd) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    for k, v in list(sd.items()):
+        if v.is_floating_point():
+            sd[k] = torch.ones_like(v) if k.endswith("norm.weight") else torch.randn(v.shape, generator=g) * 0.02
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """The bundled draft exported for vLLM by eyas, and the founding case's faults planted in copies of it."""
     from eyas.interop.export import export_draft
     from eyas.target.load import load_target
 
     root = tmp_path_factory.mktemp("serving")
     target = load_target("smollm2-135m")
     right = export_draft("default", "vllm", root / "right").path
-    shifted, nod2t = root / "shifted", root / "nod2t"
-    shutil.copytree(right, shifted)
-    cfg = json.loads((shifted / "config.json").read_text())
-    # SGLang's output-of ids (one below) placed where vLLM reads input-of ids
-    cfg["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
-    (shifted / "config.json").write_text(json.dumps(cfg, indent=2))
-    shutil.copytree(right, nod2t)
-    sd = load_file(nod2t / "model.safetensors")
-    del sd["d2t"]
-    save_file(sd, nod2t / "model.safetensors")
-    return target, {"right": right, "shifted": shifted, "nod2t": nod2t}
+    paths = {
+        "right": right,
+        "minus1": _variant(right, root / "minus1", ids=lambda v: [i - 1 for i in v]),  # SGLang's ids where vLLM's go
+        "plus1": _variant(right, root / "plus1", ids=lambda v: [i + 1 for i in v]),
+        "embedding": _variant(right, root / "embedding", ids=lambda v: [0, *v[1:]]),  # [0, 15, 27]
+        "nod2t": _variant(right, root / "nod2t", weights=lambda sd: sd.pop("d2t")),
+        "random": _variant(right, root / "random", weights=_randomize),  # random weights, d2t intact
+        "nomethod": right,  # the right export, served without "method": "eagle3"
+    }
+    return target, paths
 
 
-def _start(py: Path, model: Path, draft: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def _spec(name: str, draft: Path) -> dict:
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": K}
+    if name == "nomethod":
+        del spec["method"]
+    return spec
+
+
+def _start(py: Path, model: Path, spec: dict, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": K})
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config", spec,
-           # eager: vLLM's CPU torch.compile warm-up took ~10 minutes of a loaded 2-core AMD EPYC Zen 4, eager ~3
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config",
+           json.dumps(spec),
+           # eager: vLLM's CPU torch.compile warm-up took ~10 minutes of a loaded 2-core AMD EPYC Zen 4, eager ~1
            "--enforce-eager"]
     with open(log, "w") as f:
         # its own session, so the whole process group (API server, engine core, worker) can be ended at teardown
@@ -259,56 +299,72 @@ def _stop(p: subprocess.Popen) -> None:
             p.wait(timeout=30)
 
 
-@pytest.fixture(scope="module", params=["right", "shifted", "nod2t"])
+def wait_up(p: subprocess.Popen, url: str, log: Path, limit: float = 900) -> float:
+    import httpx
+
+    t0 = time.perf_counter()
+    while True:
+        if p.poll() is not None:
+            pytest.fail(f"vllm serve exited ({p.returncode}); its log:\n" + log.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - t0 > limit:
+            pytest.fail("vllm serve did not come up in 15 minutes; its log:\n" + log.read_text()[-3000:])
+        time.sleep(2)
+
+
+@pytest.fixture(scope="module", params=list(EXPECT))
 def vllm_server(request, exports, tmp_path_factory):
     """One real vLLM server per export; pytest runs a parametrized module fixture one parameter at a time, so
     only one server lives at once (2 cores)."""
     py = _vllm_python()
     if py is None:
         pytest.skip("no vLLM python found (make vllm builds .venv-vllm, or set $EYAS_VLLM_PYTHON)")
-    import httpx
-
     target, paths = exports
     log = tmp_path_factory.mktemp("vllm-log") / f"{request.param}.log"
-    t0 = time.perf_counter()
-    p, url = _start(py, target.path, paths[request.param], log)
+    spec = _spec(request.param, paths[request.param])
+    p, url = _start(py, target.path, spec, log)
     try:
-        while True:
-            if p.poll() is not None:
-                pytest.fail(f"vllm serve exited ({p.returncode}); its log:\n" + log.read_text()[-3000:])
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 900:
-                pytest.fail("vllm serve did not come up in 15 minutes; its log:\n" + log.read_text()[-3000:])
-            time.sleep(2)
-        TIMINGS[f"start {request.param}"] = time.perf_counter() - t0
+        TIMINGS[f"start {request.param}"] = wait_up(p, url, log)
         print(f"\nvllm serve ({request.param}) up in {TIMINGS[f'start {request.param}']:.0f} s")
-        yield request.param, url, target
+        yield request.param, url, target, paths[request.param], spec
     finally:
         _stop(p)
 
 
 @pytest.mark.vllm
+@pytest.mark.integration
 def test_live_server_verdict(vllm_server):
+    """The founding case's faults against a live vLLM, each named from the replay of the planted fault: the
+    right export passes with counts equal to the replay's, and each fault fails with its cause."""
     from eyas.bench.prompts import load_prompts
     from eyas.doctor.serving import check_server, render_serving
     from eyas.engine.prompt import chat_input_ids
+    from eyas.replay.rows import cached_rows_eyas, plant_streams
 
-    name, url, target = vllm_server
+    name, url, target, export, spec = vllm_server
     ids = [chat_input_ids(target.tokenizer, r.messages) for r in load_prompts("mt-bench", limit=PROMPTS)]
+    rows = cached_rows_eyas(target, ids, NEW_TOKENS, plant_streams([2, 15, 27], target.num_layers))
+    command = ["vllm", "serve", str(target.path), "--speculative-config", json.dumps(spec)]
     t0 = time.perf_counter()
-    rep = check_server(url, target, "default", ids, max_new_tokens=NEW_TOKENS)
+    rep = check_server(url, target, "default", rows, export=export, command=command)
     TIMINGS[f"check {name}"] = time.perf_counter() - t0
     lines: list[str] = []
     render_serving(rep, lines.append)
     print("\n" + "\n".join(lines) + f"\n(check {TIMINGS[f'check {name}']:.0f} s)")
-    assert rep.k == K and rep.same_tokens == PROMPTS  # same target, same numerics: identical greedy text
-    if name == "right":
-        assert rep.ok and "equal eyas's prediction exactly" in rep.verdict.line
-    elif name == "shifted":
-        assert not rep.ok and "aux layer ids" in rep.verdict.line
-    else:
-        assert not rep.ok and "vocab map" in rep.verdict.line and rep.reproduced_by == "d2t_missing"
+    status, says, reproduced = EXPECT[name]
+    assert rep.verdict.status == status and says in rep.verdict.line, rep.verdict.line
+    assert "\n" not in rep.verdict.line
+    if name != "nomethod":
+        assert rep.k == K and rep.same_tokens == PROMPTS  # same target, same numerics: identical greedy text
+    if reproduced is not None:
+        assert rep.reproduced_by == reproduced
+    if name == "nod2t":
+        assert rep.export["d2t"] == "missing"
+    if name == "random":
+        assert rep.export["d2t"] == "present" and rep.export["weights"] == "differ"
+    if name == "nomethod":
+        assert 'no "method"' in rep.verdict.line
