@@ -184,8 +184,12 @@ def test_training_lifts_heldout_accuracy_far_above_chance(world):
     out = root / "learn"
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [120, 240]
-    for key in ("tokens_seen", "train_loss", "heldout_loss", "heldout_acc", "tokens_per_s"):
+    for key in ("tokens_seen", "train_loss", "heldout_loss", "heldout_acc", "tokens_per_s", "replay_tau",
+                "simulated_tau"):
         assert key in evals[-1]
+    # the replay of a served chain of 3 on held-out replies: the trained draft is accepted, the untrained one is not
+    assert m["replay_k"] == 3 and len(m["replay_per_pos"]) == 3 and m["replay_rows"] > 0
+    assert before["replay_tau"] < 1.1 < m["replay_tau"], (before["replay_tau"], m["replay_tau"])
     assert (out / "curves.png").stat().st_size > 1000
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 240
 

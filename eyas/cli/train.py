@@ -32,6 +32,9 @@ def train(
     save_every: int = typer.Option(500, "--save-every"),
     heldout_pct: float = typer.Option(5.0, "--heldout-pct"),
     eval_samples: int = typer.Option(256, "--eval-samples", help="held-out samples per eval (0 = all)"),
+    replay_k: int = typer.Option(3, "--replay-k", help="each eval replays a served chain of k (vLLM's "
+                                 "num_speculative_tokens) on held-out replies and logs its τ (0 = off)"),
+    replay_samples: int = typer.Option(16, "--replay-samples", help="held-out samples the replay uses"),
     intermediate_size: int = typer.Option(None, "--intermediate-size", help="draft MLP width (default: target's)"),
     fc_init: str = typer.Option("scaled", "--fc-init", help="scaled (by the layout's stream norms) | default"),
     init_from: str = typer.Option(None, "--init-from", help="warm start from an eyas draft (keeps its vocabulary): "
@@ -66,6 +69,7 @@ def train(
                       warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
                       batch_tokens=batch_tokens, max_len=max_len, bf16=bf16, seed=seed, eval_every=eval_every,
                       save_every=save_every, heldout_pct=heldout_pct, eval_samples=eval_samples,
+                      replay_k=replay_k, replay_samples=replay_samples,
                       intermediate_size=intermediate_size, fc_init=fc_init, init_from=init_from, resume=resume,
                       refresh_vocab=refresh_vocab, device=device,
                       target_dtype=dtype, quiet=quiet, threads=threads, chat_template=chat_template, raw=raw)

@@ -58,6 +58,7 @@ class ReplayRows:
     numerics: str  # who computed tokens and states: eyas-fp32 | vllm-float32 | vllm-bfloat16 | shards
     source: dict[str, Any] = field(default_factory=dict)  # the prompt set, the command
     path: Path | None = None
+    caps: list[int] | None = None  # per row, a lower max_new_tokens (rows cut from samples: eyas.replay.heldout)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -68,6 +69,8 @@ class ReplayRows:
     def reply(self, i: int, max_new_tokens: int | None = None) -> list[int]:
         """The committed greedy reply of row i: up to and including the first end token, at most max_new_tokens."""
         m = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if self.caps is not None:
+            m = min(m, self.caps[i])
         cont = self.tokens[i][self.prompt_lens[i]:][:m]
         stop = set(self.eos)
         end = next((j for j, t in enumerate(cont) if t in stop), None)

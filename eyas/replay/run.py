@@ -121,8 +121,9 @@ def replay(rows: ReplayRows, target: Target, draft: str | DraftCheckpoint, spec:
     out: list[RowReplay] = []
     for i in range(n):
         model.use(i)
-        res = eng.generate(rows.prompt(i), SamplingParams(temperature=0.0, max_new_tokens=m))
-        want = rows.reply(i, m)
+        cap = m if rows.caps is None else min(m, rows.caps[i])
+        res = eng.generate(rows.prompt(i), SamplingParams(temperature=0.0, max_new_tokens=cap))
+        want = rows.reply(i, cap)
         if res.token_ids != want:  # lossless by construction: a difference is a bug in the replay, never noise
             raise ReplayError(f"row {i}: the replay committed {len(res.token_ids)} tokens that differ from the "
                               f"recorded reply ({len(want)} tokens) — a bug in eyas's replay; please report it")

@@ -46,6 +46,8 @@ class TrainConfig:
     save_every: int = 500
     heldout_pct: float = 5.0
     eval_samples: int = 256
+    replay_k: int = 3  # each eval also replays a served chain of k on held-out replies (0 = off): eyas.replay.heldout
+    replay_samples: int = 16  # held-out samples that replay uses
     intermediate_size: int | None = None
     fc_init: str = "scaled"  # scaled | default (see init_draft)
     init_from: str | None = None  # warm start from this eyas draft (its weights and its draft vocabulary)

@@ -26,6 +26,7 @@ from .. import __version__
 from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import Eagle3Draft, save_draft
 from ..files import portable_command
+from ..replay.heldout import heldout_replay, simulated_length
 from ..vocab import DraftVocab
 from .checkpoint import (
     check_resume,
@@ -219,6 +220,11 @@ class Trainer:
         if not d.heldout:
             return None
         m = heldout_metrics(self.draft, d.source, d.heldout, d.target, self.cfg, self.dd, self.device)
+        if self.cfg.replay_k and self.dd.main:
+            # beside accuracy, the τ a served chain would reach, and the frameworks' offline estimate of it
+            m["simulated_tau"] = round(simulated_length(m["heldout_acc"], self.cfg.replay_k), 4)
+            m.update(heldout_replay(self.draft, d.layout, d.source, d.heldout, d.target, self.cfg.replay_k,
+                                    self.cfg.replay_samples))
         m = {"step": at.step, "epoch": at.epoch, "tokens_seen": at.tokens_seen, **self.win.metrics(), **m,
              "tokens_per_s": round(self.win.tokens_per_s, 1), "lr": lr_at(max(at.step - 1, 0), self.total, self.cfg),
              "elapsed_s": round(at.train_time_s, 2)}

@@ -22,6 +22,10 @@ def metrics_table(m: dict[str, Any], title: str):
     tr = m.get("train_acc") or []
     for j, (lo, ac) in enumerate(zip(m["heldout_loss"], m["heldout_acc"], strict=True)):
         tab.add_row(str(j), f"{lo:.4f}", f"{ac:.4f}", f"{tr[j]:.4f}" if j < len(tr) else "-")
+    if "replay_tau" in m:  # what a served chain of k would reach: the number to pick a checkpoint by
+        tab.caption = (f"served chain k={m['replay_k']}: replay τ {m['replay_tau']:.3f} on {m['replay_rows']} held-out "
+                       f"replies (accepted per position {m['replay_per_pos']} over {m['replay_drafts']} drafts); "
+                       f"simulated from accuracy {m.get('simulated_tau', 0):.3f}")
     return tab
 
 
