@@ -31,7 +31,8 @@ def moe_config(family: str):
         return tf.DeepseekV3Config(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
                                    n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
-                                   qk_rope_head_dim=64, v_head_dim=16, topk_method="noaux_tc", routed_scaling_factor=2.5,
+                                   qk_rope_head_dim=64, v_head_dim=16, topk_method="noaux_tc",
+                                   routed_scaling_factor=2.5,
                                    **common), tf.DeepseekV3ForCausalLM
     raise KeyError(family)
 

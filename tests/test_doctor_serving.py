@@ -18,15 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from eyas.doctor.serving import (
-    ExportFacts,
-    ServerClient,
-    ServingError,
-    SpecCounters,
-    judge,
-    parse_prometheus,
-    spec_counters,
-)
+from eyas.doctor.server import ServerClient, ServingError, SpecCounters, parse_prometheus, spec_counters
+from eyas.doctor.serving import ExportFacts, judge
 
 # what vLLM 0.32 writes (vllm/v1/spec_decode/metrics.py SpecDecodingProm): counters with _total, a model_name and
 # an engine label, one per-position series per draft position; two engines here (data parallel) to be summed
@@ -174,7 +167,7 @@ def page_server():
     ({"/metrics": (200, "vllm:num_requests_running 0\n")}, "without speculative decoding"),
 ])
 def test_servers_that_are_not_a_speculating_vllm(page_server, pages, says, monkeypatch):
-    import eyas.doctor.serving as serving
+    import eyas.doctor.server as serving
 
     monkeypatch.setattr(serving, "MAX_BODY", 2 << 20)  # the cap, scaled down so the test page stays small
     page_server.pages = pages

@@ -12,6 +12,7 @@ import each other):
   engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, stats, prompt, decode, load, report
   data     eyas/data: conversations, regen, shards, datagen_config, capture, chunks, manifest, datagen_vllm,
            datagen, ngrams (needs the target to capture)
+  replay   eyas/replay (same rank as data): rows, the recorded target, the replay on the engine, planted faults
   train    eyas/train: config, sources, checkpoint, ttt, step, prepare, report, loop (reads shards)
   doctor   eyas/doctor: checks, inference, flags lint, trace (measures with ttt)
   interop  eyas/interop: conventions, formats, export, import (import asks the doctor's layout inference)
@@ -28,9 +29,10 @@ from pathlib import Path
 import eyas
 
 ROOT = Path(eyas.__file__).parent
-RANK = {"core": 0, "native": 1, "vllm": 1, "target": 2, "draft": 3, "engine": 4, "data": 5, "train": 6, "doctor": 7,
-        "interop": 8, "bench": 9, "serve": 9, "recipe": 10, "cli": 11, "__main__": 12}
-STAGE_PACKAGES = ("native", "vllm", "target", "engine", "data", "train", "doctor", "interop", "bench", "serve")
+RANK = {"core": 0, "native": 1, "vllm": 1, "target": 2, "draft": 3, "engine": 4, "data": 5, "replay": 5, "train": 6,
+        "doctor": 7, "interop": 8, "bench": 9, "serve": 9, "recipe": 10, "cli": 11, "__main__": 12}
+STAGE_PACKAGES = ("native", "vllm", "target", "engine", "data", "replay", "train", "doctor", "interop", "bench",
+                  "serve")
 FLAT = {"draft": "draft", "inspect": "draft", "recipe": "recipe", "cli": "cli", "__main__": "__main__"}
 
 

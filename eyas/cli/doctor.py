@@ -150,7 +150,8 @@ def doctor_serving(
     import sys
 
     from ..doctor.report import jsonable
-    from ..doctor.serving import ServerClient, check_server, render_serving
+    from ..doctor.server import ServerClient
+    from ..doctor.serving import check_server, render_serving
     from ..replay.rows import load_rows
     from ..target.load import load_target
 

@@ -231,18 +231,18 @@ def capture_rows_vllm(py: Path, target, prompts: list[list[int]], max_new_tokens
            "generator": "auto", "engine_args": engine_args or {}}
     work.mkdir(parents=True, exist_ok=True)
     say(f"starting vLLM ({py}) on {target.path}: {len(prompts)} prompts, streams {streams}")
-    with VllmSession(py, req, work, log=lambda _line: None) as session:
-        info = session.info
+    with VllmSession(py, req, work, log=lambda _line: None) as worker:
+        info = worker.info
         if (info["num_layers"], info["hidden_size"]) != (L, H):
             raise ReplayError(f"vLLM loaded a model of {info['num_layers']} layers x {info['hidden_size']}, eyas's "
                               f"target has {L} x {H}: pass the same model to both")
-        out = session.call({"op": "generate", "prompts": prompts, "max_tokens": [max_new_tokens + lookahead]
+        out = worker.call({"op": "generate", "prompts": prompts, "max_tokens": [max_new_tokens + lookahead]
                             * len(prompts), "temperature": 0.0, "top_p": 1.0, "seeds": [0] * len(prompts),
                             "stop_ids": [], "ignore_eos": True})
         toks = [list(p) + [int(t) for t in r] for p, r in zip(prompts, out["replies"], strict=True)]
         cut = [state_positions(t, len(p), max_new_tokens, eos) for t, p in zip(toks, prompts, strict=True)]
         file = work / "replay-capture.safetensors"
-        r = session.call({"op": "capture", "rows": [t[:n] for t, n in zip(toks, cut, strict=True)],
+        r = worker.call({"op": "capture", "rows": [t[:n] for t, n in zip(toks, cut, strict=True)],
                           "file": str(file)})
         t = load_file(r["file"])
         file.unlink()
