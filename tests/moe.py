@@ -15,14 +15,15 @@ SHARPEN = 8.0  # random init gives near-uniform next tokens; a sharper head give
 def moe_config(family: str):
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    # head_dim 64: vLLM's CPU attention refuses 16 ("Unsupported CPU attention configuration: head_dim=16")
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
+        return tf.Qwen3MoeConfig(head_dim=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
                                  num_experts_per_tok=2, norm_topk_prob=True, **common), tf.Qwen3MoeForCausalLM
     if family == "gpt_oss":
-        return tf.GptOssConfig(head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        return tf.GptOssConfig(head_dim=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
                                **common), tf.GptOssForCausalLM
     if family == "deepseek_v3":

@@ -225,3 +225,25 @@ def test_readme_train_your_own_draft(tmp_path):
     assert len(launch) == 1, export.stdout
     spec = json.loads(shlex.split(launch[0])[shlex.split(launch[0]).index("--speculative-config") + 1])
     assert spec["method"] == "eagle3" and Path(spec["model"]) == out
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_readme_replay(tmp_path):
+    """Example 4 as written with the shipped draft (DRAFT=default, as its comment offers) and 2 prompts x 24
+    tokens: capture rows, then replay a vLLM chain and an SGLang tree; each prints its τ."""
+    lines = command_lines(readme_blocks()["replay"][1])
+    head = re.fullmatch(r"TARGET=(\S+); DRAFT=(\S+)(\s+#.*)?", lines[0])
+    assert head and "DRAFT=default" in lines[0], lines[0]
+    outs = []
+    for line in lines[1:]:
+        argv = [head.group(1) if a == "$TARGET" else "default" if a == "$DRAFT" else a
+                for a in shlex.split(line, comments=True)]
+        if argv[:3] == ["eyas", "replay", "capture"]:
+            argv = with_overrides(argv, [("--prompts", "2")]) + ["--max-new-tokens", "24"]
+        done = subprocess.run(argv, cwd=tmp_path, env=eyas_env(), capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{shlex.join(argv)}: {done.stderr[-3000:]}"
+        outs.append(done.stdout)
+    assert "2 rows" in outs[0] and "eyas-fp32" in outs[0]
+    assert "chain k=3" in outs[1] and "tau " in outs[1]
+    assert "tree depth 3, topk 4, 8 tokens" in outs[2] and "should log an accept length near" in outs[2]

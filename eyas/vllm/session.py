@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -25,6 +26,7 @@ from ..conventions import CONVENTIONS, to_engine_ids
 from .env import WORKERS, VllmError, worker_env
 
 RESULT = "EYAS-RESULT "
+_ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
 WORKER = "capture_worker.py"
 
 
@@ -49,6 +51,7 @@ class VllmSession:
         env = worker_env()
         self.log = log
         self.tail: list[str] = []
+        self.errors: list[str] = []  # the log's last exception lines (Error: ...)
         self.lines: queue.Queue[str | None] = queue.Queue()
         # its own session: vLLM spawns engine processes, and a failure here ends the whole group
         self.proc = subprocess.Popen([str(py), str(WORKERS / WORKER), str(req), str(work)], stdin=subprocess.PIPE,
@@ -79,11 +82,24 @@ class VllmSession:
                 out = json.loads(line[len(RESULT):])
                 if "error" in out:
                     self.kill()
-                    raise VllmError(f"the vLLM worker failed while {what}: {out['error']}")
+                    cause = self.root_cause()
+                    raise VllmError(f"the vLLM worker failed while {what}: {out['error']}"
+                                    + (f" (its log: {cause})" if cause and cause not in out["error"] else ""))
+                self.errors = []
                 return out
             self.tail = (self.tail + [line])[-15:]
+            if _ERROR_LINE.search(line):  # vLLM's engine logs the root cause; the worker only hears "EngineDead"
+                self.errors = (self.errors + [line])[:5]  # the first ones since the last result: the cause
             if self.log is not None:
                 self.log(line)
+
+    def root_cause(self) -> str | None:
+        """The first exception line vLLM logged (e.g. `RuntimeError: Unsupported CPU attention configuration`),
+        its prefix (process, time, file) removed."""
+        if not self.errors:
+            return None
+        m = _ERROR_LINE.search(self.errors[0])
+        return m.group(0)[:300] if m else None
 
     def call(self, op: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         assert self.proc.stdin is not None
