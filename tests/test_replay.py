@@ -163,3 +163,24 @@ def test_replay_cli_on_a_saved_target_folder(tiny, tmp_path):
     assert r.exit_code == 2 and "one serving configuration" in r.output
     r = CliRunner().invoke(app, ["replay", "run", "--rows", str(tmp_path), "--draft", str(draft), "--k", "2"])
     assert r.exit_code == 2 and "not a replay-rows folder" in r.output
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_replay_equals_the_engine_on_the_bundled_target(smollm2):
+    """The shipped draft on the bundled target (fp32, 3 MT-bench questions x 48 tokens): the replay's counts equal
+    eyas's engine's for chain k = 1..5 and the CPU default tree (lookup 4 and min-prob 0.35 included)."""
+    from eyas.bench.prompts import load_prompts
+    from eyas.draft import load_draft
+    from eyas.engine.prompt import chat_input_ids
+    from eyas.replay.rows import cached_rows_eyas
+
+    ck = load_draft("default")
+    ids = [chat_input_ids(smollm2.tokenizer, r.messages) for r in load_prompts("mt-bench", limit=3)]
+    rows = cached_rows_eyas(smollm2, ids, 48, plant_streams(ck.layout.aux_indices, smollm2.num_layers))
+    for spec in [chain(k) for k in range(1, 6)] + [tree(**TREE_DEFAULTS["cpu"])]:
+        res = replay(rows, smollm2, ck, spec)
+        per, prop, rounds, toks = engine_counts(smollm2, ck, spec, ids, 48)
+        assert toks == [rows.reply(i) for i in range(len(rows))]
+        assert (res.per_pos, res.proposed, res.rounds) == (per, prop, rounds), spec
+        assert sum(per) > 0
