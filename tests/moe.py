@@ -10,6 +10,7 @@ import torch
 
 VOCAB = 49152  # the bundled tokenizer's
 SHARPEN = 8.0  # random init gives near-uniform next tokens; a sharper head gives replies a draft can learn
+REPLY_TOKENS = 64  # the head's rows kept: greedy replies use these tokens only, so a small run learns them
 
 
 def moe_config(family: str):
@@ -27,6 +28,7 @@ def moe_config(family: str):
                                sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
                                **common), tf.GptOssForCausalLM
     if family == "deepseek_v3":
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: HF's attention expects one per head
         # kv_lora_rank 512 and a 64-wide rope part: the only MLA shape vLLM's CPU backend runs (head dim 576);
         # noaux_tc routing, so the checkpoint carries e_score_correction_bias as vLLM expects
         return tf.DeepseekV3Config(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
@@ -42,8 +44,14 @@ def save_moe_target(family: str, folder: Path, tokenizer_dir: Path, seed: int = 
     cfg, cls = moe_config(family)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(SHARPEN)
+    with torch.no_grad():  # a random model's next token is mostly a function of the current one (the layers add
+        # little at init), so with REPLY_TOKENS head rows its greedy replies are learnable from a few conversations
+        w = model.get_output_embeddings().weight
+        g = torch.Generator().manual_seed(seed)
+        keep = torch.zeros(VOCAB, dtype=torch.bool)
+        keep[torch.randperm(VOCAB - 100, generator=g)[:REPLY_TOKENS] + 100] = True
+        w[~keep] = 0.0
+        w[keep] *= SHARPEN
     model.config.architectures = [cls.__name__]
     model.generation_config.eos_token_id = 2
     model.save_pretrained(folder)
