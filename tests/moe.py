@@ -10,7 +10,7 @@ import torch
 
 VOCAB = 49152  # the bundled tokenizer's
 SHARPEN = 8.0  # random init gives near-uniform next tokens; a sharper head gives replies a draft can learn
-REPLY_TOKENS = 32  # the head's rows kept: greedy replies use these tokens only, so a small run learns them
+REPLY_TOKENS = 64  # the head's rows kept: greedy replies use these tokens only, so a small run learns them
 
 
 def moe_config(family: str):
