@@ -265,12 +265,12 @@ def _spec(name: str, draft: Path) -> dict:
     return spec
 
 
-def _start(py: Path, model: Path, spec: dict, log: Path) -> tuple[subprocess.Popen, str]:
+def _start(py: Path, model: Path, spec: dict, log: Path, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--speculative-config",
+           "--port", str(port), "--dtype", dtype, "--max-model-len", "1024", "--speculative-config",
            json.dumps(spec),
            # eager: vLLM's CPU torch.compile warm-up took ~10 minutes of a loaded 2-core AMD EPYC Zen 4, eager ~1
            "--enforce-eager"]

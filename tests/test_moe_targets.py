@@ -99,7 +99,7 @@ def test_deepseek_v3_mla_moe_through_hf_capture(tmp_path, smollm2_tokenizer_dir)
     r = CliRunner().invoke(app, ["doctor", "--target", str(target), "--draft", str(draft), "--data",
                                  str(tmp_path / "shards"), "--samples", "2", "--max-len", "192", "--json"])
     assert r.exit_code in (0, 1), r.output  # a 20-step draft may fail its quality checks, never the wiring
-    rep = json.loads(r.output)
+    rep = json.loads(r.stdout)  # stderr (a progress bar) goes to r.output too
     status = {c["name"]: c["status"] for c in rep["checks"]}
     assert status.get("data_layout") == "pass", rep["checks"]
     for fmt in ("vllm", "sglang"):
