@@ -3,11 +3,12 @@ manifest), the training frameworks' simulated acceptance length from it, the rep
 live vLLM server's τ, for a chain of k on MT-bench and on 16 other prompts.
 
     python benchmarks/replay_table.py --drafts default --train-data runs/table-data --checkpoints 4 \\
-        --out runs/replay-table [--engine] [--vllm]
+        --out runs/replay-table [--engine N] [--vllm]
 
 --train-data trains a fresh draft on those shards and keeps a copy of it at each of --checkpoints evenly spaced
-saves (each evaluated first, so its manifest holds its held-out accuracy). --engine runs eyas's engine (fp32)
-beside the replay; --vllm serves each draft's vLLM export (make vllm) and reads its spec-decode counters.
+saves (each evaluated first, so its manifest holds its held-out accuracy). --engine N runs eyas's engine (fp32)
+beside the replay on the first N drafts; --vllm serves each draft's vLLM export (make vllm) and reads its
+spec-decode counters.
 Prints a markdown table and writes table.json.
 """
 
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="training steps in all, with --train-data")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--engine", action="store_true", help="also run eyas's engine (fp32) on each draft")
+    ap.add_argument("--engine", type=int, default=0, help="also run eyas's engine (fp32) on the first N drafts")
     ap.add_argument("--vllm", action="store_true", help="also serve each draft in vLLM (make vllm)")
     ap.add_argument("--out", default="runs/replay-table")
     a = ap.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
 
         py = vllm_python(needed_for="replay_table --vllm")
     table = []
-    for d in drafts:
+    for j, d in enumerate(drafts):
         ck = load_draft(d)
         acc = (ck.manifest.get("metrics") or {}).get("heldout_acc") or []
         row = {"draft": d, "step": ck.manifest.get("step"), "heldout_acc": acc,
@@ -121,7 +122,7 @@ def main() -> None:
             res = replay(rows, target, ck, chain(a.k))
             cell = {"replay_tau": res.tau, "replay_per_pos": res.per_pos, "drafts": res.rounds,
                     "replay_s": round(time.perf_counter() - t0, 1)}
-            if a.engine:
+            if j < a.engine:
                 eng = Engine(target, load_draft(d), chain(a.k))
                 eng.eos = set(rows.eos)
                 acc_e, rounds = 0, 0
