@@ -137,11 +137,12 @@ def load_parts(opts: EngineOptions, use: EngineUse, choice: ChatTemplate, specs:
     return EngineParts(target, draft, resolve_ngram(opts.ngram, target) if ngram else None, warning)
 
 
-def make_engine(parts: EngineParts, spec: SpecParams, ngram: bool = True) -> Engine:
+def make_engine(parts: EngineParts, spec: SpecParams, ngram: bool = True, model=None) -> Engine:
     """The one place an Engine is built from options: the draft only for a drafting method; ngram=False runs
-    lookup on the context alone (bench's lookup-context)."""
+    lookup on the context alone (bench's lookup-context); `model` replaces the target's forward (the replay's
+    recording, eyas.replay.recorded)."""
     draft = parts.draft if spec.method in DRAFT_METHODS else None
-    return Engine(parts.target, draft, spec, parts.ngram if ngram else None)
+    return Engine(parts.target, draft, spec, parts.ngram if ngram else None, model=model)
 
 
 def load_engine(opts: EngineOptions, use: EngineUse, *, target: Target | None = None,

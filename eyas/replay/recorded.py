@@ -1,6 +1,6 @@
 """The target replaced by its recording: answers eyas's engine forwards from one replay row.
 
-eyas.engine.decode.Engine runs with this in place of its forward (Engine(..., model=RecordedModel)), so a replay
+eyas's engine runs with this in place of its forward (make_engine(..., model=RecordedModel)), so a replay
 drafts, merges lookup candidates, verifies, commits and counts with the engine's own code; only the target's
 answers come from the recording. A verified row is on the recorded path when its token and every ancestor's
 token equal the recorded tokens at their positions: there the target's greedy next token is the recorded next

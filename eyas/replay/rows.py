@@ -182,11 +182,11 @@ def capture_rows_eyas(target, prompts: list[list[int]], max_new_tokens: int, str
                       log: Callable[[str], None] | None = None) -> ReplayRows:
     """Rows from eyas's own engine in fp32 on the HF weights (the numerics vLLM's CPU build serves in): plain
     greedy decoding with end tokens not honoured, then one forward over prompt + continuation for the states."""
-    from ..engine.decode import Engine
+    from ..engine.load import EngineParts, make_engine
     from ..engine.params import SamplingParams, SpecParams
 
     say = log or (lambda _m: None)
-    eng = Engine(target, None, SpecParams(method="plain", weights="fp32"))
+    eng = make_engine(EngineParts(target, None, None), SpecParams(method="plain", weights="fp32"))
     eos = sorted(eng.eos)
     eng.eos = set()  # the continuation past an end token: what a verify compares a draft's tokens with there
     tm, H = eng.model, target.hidden_size

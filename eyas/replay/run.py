@@ -1,6 +1,6 @@
 """The replay predictor: a draft's greedy speculative decoding on recorded rows, with the draft alone.
 
-Each row runs through eyas's engine (eyas.engine.decode.Engine) with the target replaced by its recording
+Each row runs through eyas's engine (eyas.engine.load.make_engine) with the target replaced by its recording
 (eyas.replay.recorded.RecordedModel): the same drafting, lookup merge, verification, commit and counters as a
 live `eyas generate`, so the counts are the engine's, and with them vLLM's spec-decode counters (a round is one
 of vLLM's drafts; accepted_per_depth[i] is its num_accepted_tokens_per_pos[i]: rounds whose first i+1 drafted
@@ -111,11 +111,11 @@ def replay(rows: ReplayRows, target: Target, draft: str | DraftCheckpoint, spec:
     if plant is not None:
         plant(ck, target.num_layers)
     rows.check_streams(list(ck.layout.aux_indices), f"a draft on stream indices {ck.layout.aux_indices}")
-    from ..engine.decode import Engine
+    from ..engine.load import EngineParts, make_engine
 
     cfg = getattr(target.config, "text_config", None) or target.config
     model = RecordedModel(rows, cfg, input_embeddings(target), device)
-    eng = Engine(target, ck, copy.deepcopy(spec), model=model)
+    eng = make_engine(EngineParts(target, ck, None), copy.deepcopy(spec), model=model)
     eng.eos = set(rows.eos)
     n = len(rows) if limit is None else min(limit, len(rows))
     out: list[RowReplay] = []
