@@ -167,9 +167,7 @@ def doctor_serving(
         say = None if json_out else (lambda m: typer.echo(m, err=True))
         if rows_dir is not None:
             rows = load_rows(rows_dir)
-            if prompts < len(rows):
-                rows.tokens, rows.prompt_lens, rows.states = (rows.tokens[:prompts], rows.prompt_lens[:prompts],
-                                                              rows.states[:prompts])
+            rows.head(prompts)
             tgt = load_target(target, dtype="fp32", device=device, load_weights=False)
             m = min(max_new_tokens, rows.max_new_tokens)
         else:

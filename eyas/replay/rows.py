@@ -63,6 +63,12 @@ class ReplayRows:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def head(self, n: int) -> None:
+        """Keep the first n rows only."""
+        self.tokens, self.prompt_lens, self.states = self.tokens[:n], self.prompt_lens[:n], self.states[:n]
+        if self.caps is not None:
+            self.caps = self.caps[:n]
+
     def prompt(self, i: int) -> list[int]:
         return self.tokens[i][:self.prompt_lens[i]]
 
