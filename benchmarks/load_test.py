@@ -163,11 +163,14 @@ class InProcess:
     """Engine.generate with the script's engine flags, on a thread of its own (see the module docstring)."""
 
     def __init__(self, a: argparse.Namespace):
+        from eyas.engine.load import EngineOptions
+        from eyas.engine.params import TreeSettings
         from eyas.serve.app import build_engine
 
         self.a = a
-        self.engine, self.target, _ = build_engine(a.target, a.draft, a.method, a.steps, a.depth, a.topk, a.tokens,
-                                                   a.dtype, a.device)
+        tree = TreeSettings(steps=a.steps, depth=a.depth, topk=a.topk, tokens=a.tokens)
+        self.engine, self.target = build_engine(EngineOptions(target=a.target, draft=a.draft, method=a.method,
+                                                              tree=tree, dtype=a.dtype, device=a.device))
         self.pool = ThreadPoolExecutor(1)
 
     def _run(self, messages: list[dict]):

@@ -11,8 +11,8 @@ from .errors import EyasError
 from .files import read_json
 from .native.auto import describe as describe_native
 from .target.gguf_config import rope_summary
-from .target.load import load_target
-from .target.template import chat_ids, describe_record, raw_ids, require_template, resolve_template, use_template
+from .target.open import TargetChoice
+from .target.template import chat_ids, describe_record, raw_ids
 
 INSPECT_PROMPTS = [
     "What is the capital of France?",
@@ -27,10 +27,8 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_tem
     text (base models)."""
     import torch
 
-    choice = resolve_template(chat_template, raw)
-    require_template(spec, choice)  # a base model without a template: say what to pass, before loading
-    t = load_target(spec, dtype=dtype, device=device)
-    use_template(t, choice)
+    t = TargetChoice(spec, dtype, device, chat_template, raw).open()
+    choice = t.chat_template
     cfg = getattr(t.config, "text_config", None) or t.config
     layout = t.default_layout()
     L = t.num_layers

@@ -234,6 +234,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
 
 def stage_eval(cfg: RecipeConfig, log=print) -> Path:
     from .bench.config import BenchConfig
+    from .bench.load import bench_spec
     from .bench.run import run_bench
 
     run = trained_dir(cfg)
@@ -244,7 +245,8 @@ def stage_eval(cfg: RecipeConfig, log=print) -> Path:
                      draft=str(draft), methods=["hf-greedy", "plain", "tree", "tree-lookup"], out=str(out),
                      device=cfg.device, threads=cfg.threads or None, resume=True,
                      ngram=str(table) if table.is_dir() else "auto")
-    log(f"[recipe] eval {draft} -> {out}")
+    # the device's defaults, as `eyas bench` runs them
+    log(f"[recipe] eval {draft} -> {out} (tree-lookup: {bench_spec(bc, 'tree-lookup').describe()})")
     run_bench(bc)
     return out
 

@@ -10,6 +10,7 @@ from eyas.bench.methods import Output, hf_runner
 from eyas.bench.prompts import BenchPrompt
 from eyas.bench.rows import first_diff, make_row, mark_lossless, summarize
 from eyas.draft import save_random_draft
+from eyas.engine.params import TreeSettings
 from eyas.target.load import end_token_ids, load_target
 from tests.tiny import tiny_model
 
@@ -141,7 +142,8 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
     prompts.write_text(json.dumps({"prompt": "Name three colours.", "category": "a"}) + "\n"
                        + json.dumps({"prompt": "Count to five: one two", "category": "b"}) + "\n")
     cfg = BenchConfig(bench=str(prompts), limit=2, max_new_tokens=8, target=str(tiny_dir / "target"),
-                      draft=str(tiny_dir / "draft"), depth=3, topk=2, tokens=6, steps=3, lookup_tokens=3,
+                      draft=str(tiny_dir / "draft"),
+                      tree=TreeSettings(steps=3, depth=3, topk=2, tokens=6, lookup=3, min_prob=0.0), lookup_tokens=3,
                       out=str(tmp_path / "out"))
     res = run_bench(cfg, target=tiny_target, draft=load_draft(tiny_dir / "draft"), progress=False, show=False)
     out = tmp_path / "out"
@@ -166,6 +168,9 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
     for name in ("hf-greedy", "hf-lookup"):  # computed, whatever HF's numerics give
         assert m[name]["compared"] == 2 and 0 <= m[name]["identical"] <= 2
     assert m["plain"]["tau"] == 1.0 and m["hf-greedy"]["tau"] == 1.0
+    sp = saved["specs"]  # the knobs each eyas method ran with, the given ones kept
+    assert (sp["tree"]["depth"], sp["tree"]["lookup"], sp["tree-lookup"]["lookup"], sp["chain"]["steps"]) == (3, 0, 3, 3)
+    assert (sp["lookup"]["lookup"], sp["lookup"]["min_prob"], sp["plain"]["lookup"]) == (3, 0.0, 0)
     assert all(s["tok_s"] > 0 and s["new_tokens"] > 0 for s in m.values())
     assert m["hf-greedy"]["speedup_vs_hf"] == 1.0
     assert res["summary"] == saved["summary"]

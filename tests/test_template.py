@@ -134,12 +134,12 @@ def test_template_rebuilt_from_its_record(tmp_path):
 def test_base_model_is_refused_before_it_loads_with_the_flag_to_pass(base, tmp_path, monkeypatch):
     root, target, docs, _ = base
     assert tpl.peek_template(str(target.path)) is None
-    import eyas.data.datagen as dg
+    import eyas.target.open as opening
 
     def no_load(*a, **k):
         raise AssertionError("the target was loaded before the template check")
 
-    monkeypatch.setattr(dg, "load_target", no_load)
+    monkeypatch.setattr(opening, "load_target", no_load)  # every command opens its target there
     with pytest.raises(tpl.TemplateError, match=r"--chat-template chatml .* or --raw"):
         _datagen(root, target, "refused", docs)
     # a Gemma base model is pointed at Gemma's own turn format (its vocabulary holds those tokens)

@@ -20,9 +20,10 @@ def test_bench_vllm_matches_eyas_chain_and_plain(vllm_py, smollm2, tmp_path):
     and both vLLM methods' tokens equal eyas plain greedy on the fp32 weights, read straight from the rows."""
     from eyas.bench.config import BenchConfig
     from eyas.bench.run import run_bench
+    from eyas.engine.params import TreeSettings
 
     cfg = BenchConfig(bench="mt-bench", limit=2, max_new_tokens=32, methods=["plain", "chain", "vllm", "vllm-eagle3"],
-                      steps=K, vllm_k=K, weights="fp32", min_prob=0.0, out=str(tmp_path / "bench"),
+                      tree=TreeSettings(steps=K, min_prob=0.0), vllm_k=K, weights="fp32", out=str(tmp_path / "bench"),
                       vllm_python=str(vllm_py))
     res = run_bench(cfg, target=smollm2, progress=False, show=False)
     rows = res["rows"]

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..engine.load import EngineUse
-from ..engine.params import LOOKUP_ALONE
+from ..engine.params import TreeSettings
 from ..errors import EyasError
 from ..text import parse_int_list as parse_ints
 from .vllm_peer import VLLM_METHODS
@@ -77,15 +77,11 @@ class BenchConfig:
     weights: str = "auto"  # eyas methods' target forward (eyas.engine.weights.engine_model)
     draft_weights: str = "auto"  # the draft's matrices (eyas.engine.params.SpecParams.draft_weights)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    steps: int = 4  # chain
-    depth: int = 4  # tree
-    topk: int = 4
-    tokens: int = 16
+    # the eyas methods' knobs as given; unset ones are the device's defaults, as for generate and serve
+    # (eyas.engine.load.bench_spec). --lookup: tree-lookup's merged candidates and method lookup's chain alike
+    tree: TreeSettings = field(default_factory=TreeSettings)
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
-    lookup: int = 8  # tree-lookup: lookup candidates merged into the EAGLE-3 tree per round
-    lookup_alone: int = LOOKUP_ALONE  # method lookup: the chain's length
     ngram: str = "auto"  # the n-gram table of lookup and tree-lookup (eyas.engine.ngram.resolve_ngram)
-    min_prob: float = 0.0  # chain/tree: verify only candidates with at least this cumulative draft probability
     threads: int | None = None
     out: str | None = None
     resume: bool = False

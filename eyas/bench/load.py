@@ -3,31 +3,32 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..draft import DraftCheckpoint
 from ..engine.load import EngineOptions, EngineParts, EngineUse, check_options, load_parts
-from ..engine.params import SpecParams
+from ..engine.params import DRAFT_METHODS, SpecParams
 from ..target.load import Target
 from ..target.template import ChatTemplate, raw_ids, resolve_template
-from .config import DRAFT_METHODS, BenchConfig, BenchError
+from .config import BenchConfig, BenchError
 from .prompts import BenchPrompt
 
 
 def bench_options(cfg: BenchConfig) -> EngineOptions:
-    """The engine options of a bench run (its tree settings already resolved by the CLI)."""
-    return EngineOptions(target=cfg.target, draft=cfg.draft, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk,
-                         tokens=cfg.tokens, lookup=cfg.lookup, min_prob=cfg.min_prob, ngram=cfg.ngram,
-                         weights=cfg.weights, draft_weights=cfg.draft_weights, dtype=cfg.dtype, device=cfg.device,
+    """The engine options of a bench run."""
+    return EngineOptions(target=cfg.target, draft=cfg.draft, tree=cfg.tree, ngram=cfg.ngram, weights=cfg.weights,
+                         draft_weights=cfg.draft_weights, dtype=cfg.dtype, device=cfg.device,
                          chat_template=cfg.chat_template, raw=cfg.raw)
 
 
 def bench_spec(cfg: BenchConfig, m: str) -> SpecParams:
-    """An eyas method's engine spec: tree-lookup is the tree with --lookup candidates merged in, tree and chain
-    merge none, lookup and lookup-context run the chain of lookup_alone tokens; min-prob for the draft's."""
+    """An eyas method's engine spec, the device's defaults where the run gave none (as generate and serve):
+    tree-lookup is the tree with --lookup candidates merged in, tree and chain merge none, lookup and
+    lookup-context run the lookup chain alone (--lookup tokens, default LOOKUP_ALONE)."""
     method = {"tree-lookup": "tree", "lookup-context": "lookup"}.get(m, m)
-    lookup = cfg.lookup if m == "tree-lookup" else cfg.lookup_alone if method == "lookup" else 0
-    return SpecParams(method=method, steps=cfg.steps, depth=cfg.depth, topk=cfg.topk, tokens=cfg.tokens,
-                      lookup=lookup, weights=cfg.weights, draft_weights=cfg.draft_weights,
-                      min_prob=cfg.min_prob if m in DRAFT_METHODS else 0.0)
+    lookup = cfg.tree.lookup if m == "tree-lookup" or method == "lookup" else 0
+    tree = replace(cfg.tree, lookup=lookup, min_prob=cfg.tree.min_prob if method in DRAFT_METHODS else 0.0)
+    return tree.spec(method, cfg.device, weights=cfg.weights, draft_weights=cfg.draft_weights)
 
 
 def bench_template(cfg: BenchConfig, prompts: list[BenchPrompt] | None) -> ChatTemplate:

@@ -15,7 +15,7 @@ from .config import BenchConfig, BenchError
 # the fields that must agree for `--resume` to continue an earlier run's rows
 RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                "draft_weights", "methods",
-               "steps", "depth", "topk", "tokens", "lookup_tokens", "lookup", "lookup_alone", "ngram", "min_prob",
+               "tree", "lookup_tokens", "ngram",
                "chat_template", "raw", "vllm_k")
 SWEEP_RESUME_KEYS = ("bench", "limit", "turn", "max_new_tokens", "target", "draft", "dtype", "device", "weights",
                      "sweep_limit", "grid", "chat_template", "raw")

@@ -84,11 +84,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     summ = results["summary"]["methods"]
     cfg = results["config"]
     methods = list(summ)
-    setting = {"chain": f"steps {cfg['steps']}", "tree": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']}",
-               "tree-lookup": f"d{cfg['depth']} k{cfg['topk']} t{cfg['tokens']} +{cfg.get('lookup', 0)}",
-               "lookup": f"{cfg.get('lookup_alone', 0)} tokens" + (" + table" if results.get("ngram") else ""),
-               "lookup-context": f"{cfg.get('lookup_alone', 0)} tokens", "hf-lookup": f"{cfg['lookup_tokens']} tokens",
+    sp = results.get("specs") or {}  # each eyas method's knobs as it ran
+    setting = {"hf-lookup": f"{cfg['lookup_tokens']} tokens",
                "vllm-eagle3": f"k {(results.get('vllm') or {}).get('k')}"}
+    for m, s in sp.items():
+        tree = f"d{s['depth']} k{s['topk']} t{s['tokens']}"
+        setting[m] = {"chain": f"steps {s['steps']}", "tree": tree, "tree-lookup": f"{tree} +{s['lookup']}",
+                      "lookup": f"{s['lookup']} tokens" + (" + table" if results.get("ngram") else ""),
+                      "lookup-context": f"{s['lookup']} tokens"}.get(m, "")
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"

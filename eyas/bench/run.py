@@ -136,6 +136,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
 
     say(progress, f"bench: {len(prompts)} prompts x {len(runners)} methods ({', '.join(runners)}), "
                   f"{cfg.max_new_tokens} new tokens each" + (f"; {len(done)} prompts done earlier" if done else ""))
+    say(progress, "bench: " + "; ".join(f"{m}: {bench_spec(cfg, m).describe()}" for m in runners
+                                        if m in ENGINE_METHODS and m != "plain"))
     for m, run in runners.items():  # warm-up: allocations, lazy init, kernel selection
         say(progress, f"bench: warm-up {m}")
         run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
@@ -157,6 +159,8 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     results = {
         "kind": "eyas-bench", "format_version": 1, "out": str(out), "command": " ".join(sys.argv),
         "config": cfg.to_dict(),
+        # each eyas method's knobs as they ran (config.tree holds what was given; the device filled in the rest)
+        "specs": {m: asdict(bench_spec(cfg, m)) for m in cfg.methods if m in ENGINE_METHODS},
         "environment": environment(target), "target": {**target.identity.to_dict(), "source": target.source},
         "draft": draft_summary(draft, cfg.draft), "ngram": describe_ngram(ngram, cfg.ngram), "stop_ids": end_ids,
         "reference": reference,

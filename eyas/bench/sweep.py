@@ -13,7 +13,7 @@ import torch
 from ..draft import DraftCheckpoint
 from ..engine.load import EngineUse, make_engine
 from ..engine.ngram import describe_ngram
-from ..engine.params import EngineError, SpecParams
+from ..engine.params import EngineError, SpecParams, TreeSettings
 from ..files import atomic_write, atomic_write_json
 from ..target.load import Target
 from .config import HF_ONLY, SKIP_SPEC, WARMUP_TOKENS, BenchConfig, SweepGrid, check_threads
@@ -35,6 +35,14 @@ def sweep_settings(grid: SweepGrid) -> list[dict[str, Any]]:
     out += [{"method": "tree", "depth": d, "topk": k, "tokens": t, **({"lookup": n} if n else {})}
             for d in grid.depth for k in grid.topk for t in grid.tokens for n in grid.lookup]
     return out
+
+
+def sweep_spec(setting: dict[str, Any], cfg: BenchConfig) -> SpecParams:
+    """A grid setting's engine spec: exactly the knobs the setting names, no lookup unless it names some and no
+    min-prob (the grid measures the tree shapes themselves)."""
+    knobs = {k: v for k, v in setting.items() if k != "method"}
+    tree = TreeSettings(**{"lookup": 0, "min_prob": 0.0, **knobs})
+    return tree.spec(setting["method"], None, weights=cfg.weights, draft_weights=cfg.draft_weights)
 
 
 def setting_label(s: dict[str, Any]) -> str:
@@ -120,7 +128,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     n = min(cfg.sweep_limit, cfg.limit or cfg.sweep_limit)
     prompts = load_prompts(cfg.bench, n) if cfg.turn == 1 else None  # bad input fails before any load
     settings = [{"method": "plain"}] + sweep_settings(cfg.grid)
-    specs = [SpecParams(**s, weights=cfg.weights, draft_weights=cfg.draft_weights) for s in settings]
+    specs = [sweep_spec(s, cfg) for s in settings]
     # validate=False: the engine refuses a grid's bad settings one by one, and the sweep reports them
     parts = bench_parts(cfg, prompts, specs, SWEEP_USE, target, draft, validate=False)
     target, draft, ngram = parts.target, parts.draft, parts.ngram

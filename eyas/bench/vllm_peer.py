@@ -134,7 +134,7 @@ def accept_rates(rows: list[dict[str, Any]]) -> list[float | None] | None:
 # ---- the eyas fp32 reference ---------------------------------------------------------------------
 
 def vllm_k(cfg) -> int:
-    k = cfg.steps if cfg.vllm_k is None else cfg.vllm_k
+    k = chain_knobs(cfg)["steps"] if cfg.vllm_k is None else cfg.vllm_k
     if k < 1:
         raise VllmBenchError(f"--vllm-k {k}: vLLM's num_speculative_tokens must be >= 1")
     return k
@@ -143,14 +143,20 @@ def vllm_k(cfg) -> int:
 def reference_specs(cfg) -> list:
     """The eyas engines the vllm methods are compared with (checked and loaded before anything runs): plain on
     the fp32 weights, and for vllm-eagle3 chain-k with the fp32 draft and no --min-prob."""
-    from ..engine.params import SpecParams
+    from ..engine.params import TreeSettings
 
     if not vllm_methods(cfg.methods):
         return []
-    specs = [SpecParams(method="plain", weights="fp32")]
+    specs = [TreeSettings().spec("plain", None, weights="fp32")]
     if "vllm-eagle3" in cfg.methods:
-        specs.append(SpecParams(method="chain", steps=vllm_k(cfg), weights="fp32", draft_weights="fp32"))
+        chain = TreeSettings(steps=vllm_k(cfg), lookup=0, min_prob=0.0)
+        specs.append(chain.spec("chain", None, weights="fp32", draft_weights="fp32"))
     return specs
+
+
+def chain_knobs(cfg) -> dict[str, Any]:
+    """The bench's chain as it runs: the run's knobs, the device's defaults for the rest."""
+    return cfg.tree.resolved("chain", cfg.device)
 
 
 def _reusable(runner, method: str, cfg, k: int) -> bool:
@@ -160,7 +166,8 @@ def _reusable(runner, method: str, cfg, k: int) -> bool:
     if e is None or e.weights != "fp32":
         return False
     if method == "chain":
-        return e.draft_weights == "fp32" and cfg.steps == k and not cfg.min_prob
+        chain = chain_knobs(cfg)
+        return e.draft_weights == "fp32" and chain["steps"] == k and not chain["min_prob"]
     return True
 
 

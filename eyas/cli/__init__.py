@@ -14,6 +14,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 @app.callback()
 def _root() -> None:
     """eyas: EAGLE-3 drafts with the hidden-state wiring checked end to end."""
+    from ..target.offline import hub_offline
+
+    hub_offline()  # every command: no hub access, whatever a command imports first
 
 
 app.command()(inspect.inspect)

@@ -3,14 +3,20 @@ and exit 2."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+import typing
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import fields
+from typing import Any, TypeVar
 
 import typer
 
-from ..engine.params import LOOKUP_ALONE, default_help
 from ..errors import EyasError
 from ..files import write_fault
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C")
 
 TargetOpt = typer.Option("smollm2-135m", "--target", help="smollm2-135m, a HF model folder, or a .gguf file")
 DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16")
@@ -22,21 +28,40 @@ WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a G
                           "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
 ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
                                "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
-# generate, serve and bench: unset tree settings come from eyas.engine.params.TREE_DEFAULTS for the device
-TreeDepthOpt = typer.Option(None, "--depth", help=f"tree: draft depth ({default_help('depth')})")
-TreeTopkOpt = typer.Option(None, "--topk", help="tree: children per expanded node and frontier width "
-                           f"({default_help('topk')})")
-TreeTokensOpt = typer.Option(None, "--tokens", help="tree: tokens verified per round, root included "
-                             f"({default_help('tokens')})")
-TreeLookupOpt = typer.Option(None, "--lookup", help="lookup candidates merged into the tree per round (0 = off; "
-                             f"{default_help('lookup')}; method lookup: the chain's length, default {LOOKUP_ALONE})")
 MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
-              "before; --lookup tokens) | plain (default tree; plain with --draft none)")
+              "before; --lookup tokens) | plain (no draft). Default: tree, plain with --draft none")
+DraftHelp = ("eyas draft folder, 'default' (bundled; the default with method tree and chain), 'random' (untrained: "
+             "the plumbing, not the speed) or 'none'")
 NgramOpt = typer.Option("auto", "--ngram", help="n-gram table (eyas ngram) proposing where context lookup finds "
                         "nothing, with method lookup or --lookup > 0: auto (the bundled one when counted for this "
                         "target) | default | none | PATH")
-TreeMinProbOpt = typer.Option(None, "--min-prob", help="tree: verify only candidates whose cumulative draft "
-                              f"probability reaches this ({default_help('min_prob')})")
+
+
+def config_options(*configs: type) -> Callable[[F], F]:
+    """Add to a command, after its own parameters, every field of the dataclasses `configs` declared with
+    eyas.option.option: typer reads the extended signature and the command receives them in **given (build the
+    dataclass with `config_from`). The dataclass stays the one source of each option's name, type, default and
+    help."""
+
+    def wrap(command: F) -> F:
+        sig = inspect.signature(command, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        extra = []
+        for cfg in configs:
+            hints = typing.get_type_hints(cfg)
+            extra += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                                        default=typer.Option(f.default, f.metadata["flag"], help=f.metadata["help"]))
+                      for f in fields(cfg) if "flag" in f.metadata]
+        command.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+        return command
+
+    return wrap
+
+
+def config_from(cfg: type[C], given: dict[str, Any], **explicit: Any) -> C:
+    """The dataclass `cfg` from a command's **given (its option fields) and the fields the command sets itself."""
+    names = {f.name for f in fields(cfg)}  # type: ignore[arg-type]
+    return cfg(**{k: v for k, v in given.items() if k in names}, **explicit)
 
 
 def fail(msg: str, code: int = 2) -> None:

@@ -5,30 +5,29 @@ from __future__ import annotations
 
 import typer
 
+from ..engine.params import TreeSettings
 from .common import (
     ChatTemplateOpt,
     DeviceOpt,
+    DraftHelp,
     DraftWeightsOpt,
     DtypeOpt,
     MethodHelp,
     NgramOpt,
     TargetOpt,
-    TreeDepthOpt,
-    TreeLookupOpt,
-    TreeMinProbOpt,
-    TreeTokensOpt,
-    TreeTopkOpt,
     WeightsOpt,
+    config_from,
+    config_options,
     fail,
     user_errors,
     warn,
 )
 
 
+@config_options(TreeSettings)
 def generate(
     target: str = TargetOpt,
-    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
-                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    draft: str = typer.Option(None, "--draft", help=DraftHelp),
     prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
     messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
                                  "or a path to such a file"),
@@ -36,13 +35,7 @@ def generate(
                              "models; the tokenizer's own BOS rule applies)"),
     chat_template: str = ChatTemplateOpt,
     method: str = typer.Option(None, "--method", help=MethodHelp),
-    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round (verifies steps+1 tokens)"),
-    depth: int = TreeDepthOpt,
-    topk: int = TreeTopkOpt,
-    tokens: int = TreeTokensOpt,
-    lookup: int = TreeLookupOpt,
     ngram: str = NgramOpt,
-    min_prob: float = TreeMinProbOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
@@ -53,6 +46,7 @@ def generate(
     device: str = DeviceOpt,
     weights: str = WeightsOpt,
     draft_weights: str = DraftWeightsOpt,
+    **tree: int | float | None,
 ) -> None:
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
@@ -67,9 +61,9 @@ def generate(
     if raw and messages is not None:
         fail("--raw sends --prompt as plain text; --messages is a chat, which needs a template: drop --raw (and "
              "pass --chat-template NAME if the target has none)")
-    opts = EngineOptions(target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
-                         lookup=lookup, min_prob=min_prob, ngram=ngram, weights=weights, draft_weights=draft_weights,
-                         dtype=dtype, device=device, chat_template=chat_template, raw=raw)
+    opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree), ngram=ngram,
+                         weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
+                         chat_template=chat_template, raw=raw)
     use = EngineUse("eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench --target {target} "
                     "--methods hf-greedy --bench PROMPTS.jsonl`")
     with user_errors():
@@ -94,18 +88,12 @@ def generate(
         typer.secho(line, fg="cyan", err=True)
 
 
+@config_options(TreeSettings)
 def serve(
     target: str = TargetOpt,
-    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled), 'random' "
-                              "(untrained: the plumbing, not the speed) or 'none' (plain decoding)"),
+    draft: str = typer.Option(None, "--draft", help=DraftHelp),
     method: str = typer.Option(None, "--method", help=MethodHelp),
-    steps: int = typer.Option(None, "--steps", help="chain: draft steps per round"),
-    depth: int = TreeDepthOpt,
-    topk: int = TreeTopkOpt,
-    tokens: int = TreeTokensOpt,
-    lookup: int = TreeLookupOpt,
     ngram: str = NgramOpt,
-    min_prob: float = TreeMinProbOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
@@ -121,6 +109,7 @@ def serve(
     draft_weights: str = DraftWeightsOpt,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
     chat_template: str = ChatTemplateOpt,
+    **tree: int | float | None,
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
     from ..engine.load import EngineOptions
@@ -134,22 +123,23 @@ def serve(
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
                               max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
         cfg.check()  # bad flags fail before the model loads
-        engine, tgt, used = srv.build_engine(EngineOptions(
-            target=target, draft=draft, method=method, steps=steps, depth=depth, topk=topk, tokens=tokens,
-            lookup=lookup, min_prob=min_prob, ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype,
-            device=device, chat_template=chat_template))
+        opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree),
+                             ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
+                             chat_template=chat_template).resolved()
+        engine, tgt = srv.build_engine(opts)
         for w in srv.template_warnings(engine, tgt):
             warn(w)
         cfg.model_name = model_name or tgt.identity.name or target
         cfg.context_length = srv.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
-    desc = f"{used}, draft {draft}" if engine.drafts else f"{used}, no draft"
+    desc = f"{opts.method}, draft {opts.draft}" if engine.drafts else f"{opts.method}, no draft"
     if engine.ngram is not None:
         desc += f", n-gram table ({len(engine.ngram)} contexts)"
     typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
     srv.run(app_, host, port, log_level=log_level)
 
 
+@config_options(TreeSettings)
 def bench(
     bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
     limit: int = typer.Option(10, "--limit", help="prompts (deterministic subset; 0 = all)"),
@@ -162,14 +152,8 @@ def bench(
     methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset; "
                                 "also llama-cpp, llama-cpp-c (llama.cpp via llama-cpp-python, `make llama-cpp`) and "
                                 "vllm, vllm-eagle3 (vLLM's own environment, `make vllm`)"),
-    steps: int = typer.Option(4, "--steps", help="chain: draft steps per round"),
-    depth: int = TreeDepthOpt,
-    topk: int = TreeTopkOpt,
-    tokens: int = TreeTokensOpt,
     lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
-    lookup: int = TreeLookupOpt,
     ngram: str = NgramOpt,
-    min_prob: float = TreeMinProbOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
     out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
@@ -190,26 +174,22 @@ def bench(
                                     "environment (default $EYAS_VLLM_PYTHON, then ./.venv-vllm from `make vllm`)"),
     vllm_k: int = typer.Option(None, "--vllm-k", help="vllm-eagle3: num_speculative_tokens (default --steps); "
                                "compared with eyas chain of the same steps on the fp32 weights"),
+    **tree: int | float | None,
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
     from ..bench.config import BenchConfig, SweepGrid, parse_int_list, parse_methods
     from ..bench.run import run_bench
     from ..bench.sweep import run_sweep
-    from ..engine.params import tree_defaults
 
     with user_errors():
-        # the tree generate and serve use on this device, unless given; --lookup sets tree-lookup's merged
-        # candidates and method lookup's chain alike
-        tree = tree_defaults(device, "tree", depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
-        alone = tree_defaults(device, "lookup", lookup=lookup)["lookup"]
         grid = SweepGrid(parse_int_list(sweep_steps, "--sweep-steps"), parse_int_list(sweep_depth, "--sweep-depth"),
                          parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
         cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
                           target=target, draft=draft, dtype=dtype, device=device, weights=weights,
                           draft_weights=draft_weights, methods=parse_methods(methods),
-                          steps=steps, lookup_tokens=lookup_tokens, lookup_alone=alone, ngram=ngram, **tree,
+                          tree=config_from(TreeSettings, tree), lookup_tokens=lookup_tokens, ngram=ngram,
                           threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
                           grid=grid, chat_template=chat_template, raw=raw, vllm_python=vllm_python, vllm_k=vllm_k)
         (run_sweep if sweep else run_bench)(cfg, progress=not quiet)

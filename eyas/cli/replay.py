@@ -117,10 +117,10 @@ def run(
         tgt = load_target(target or rows.source.get("target") or "smollm2-135m", dtype="fp32", load_weights=False)
         res = rr.replay(rows, tgt, draft, spec, max_new_tokens)
     if json_out:
-        typer.echo(json.dumps({"rows": str(rows_dir), "draft": draft, "config": rr.spec_text(spec),
+        typer.echo(json.dumps({"rows": str(rows_dir), "draft": draft, "config": spec.describe(),
                                **res.to_dict()}, indent=2))
         return
-    typer.echo(f"{rr.spec_text(spec)} on {len(res.rows)} rows x {res.max_new_tokens} tokens ({rows.numerics})")
+    typer.echo(f"{spec.describe()} on {len(res.rows)} rows x {res.max_new_tokens} tokens ({rows.numerics})")
     typer.echo(f"  drafts {res.rounds}, accepted per position {res.per_pos}, rate "
                f"[{', '.join(f'{r:.2f}' for r in res.rates)}]")
     typer.echo(f"  tau {res.tau:.3f} (1 + accepted per draft: vLLM's mean acceptance length, SGLang's accept length)"

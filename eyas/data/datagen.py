@@ -23,8 +23,8 @@ import torch
 from ..files import atomic_write_json, portable_command
 from ..layout import Layout, LayoutError
 from ..target.device import parse_dtype
-from ..target.load import Target, load_target
-from ..target.template import require_template, use_template
+from ..target.load import Target
+from ..target.open import TargetChoice
 from ..vllm.env import vllm_python, vllm_version
 from ..vllm.session import VllmSession, aux_ids
 from .capture import NormAccumulator, capture_samples
@@ -48,13 +48,11 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
     out = Path(cfg.out)
     # everything a bad flag or file can fail on comes before --out is created: a failed first run leaves nothing
     source, source_fp = source_identity(cfg.data)
-    choice = cfg.template()
+    opening = TargetChoice(cfg.target, cfg.target_dtype, cfg.device, cfg.chat_template, cfg.raw)
+    choice = opening.template(check_files=target is None)
     py = vllm_python(cfg.vllm_python, "datagen --engine vllm") if cfg.engine == "vllm" else None
-    if target is None:
-        require_template(cfg.target, choice)  # a base model without a template: say what to pass, before loading
-        # vLLM runs the target, so eyas needs its tokenizer, config and identity only (no weights: it may not fit)
-        target = load_target(cfg.target, dtype=cfg.target_dtype, device=cfg.device, load_weights=py is None)
-    use_template(target, choice)
+    # vLLM runs the target, so eyas needs its tokenizer, config and identity only (no weights: it may not fit)
+    target = opening.open(target, choice, load_weights=py is None)
     if cfg.data == SELF_SOURCE:
         try:
             user_turn_opening(target.tokenizer)

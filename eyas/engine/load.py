@@ -12,37 +12,26 @@ load_engine runs the three for one EngineOptions."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
 from ..target.family import check_engine_family
-from ..target.load import Target, load_target
-from ..target.template import (
-    ChatTemplate,
-    TemplateError,
-    draft_template_warning,
-    require_template,
-    resolve_template,
-    use_template,
-)
+from ..target.load import Target
+from ..target.open import TargetChoice
+from ..target.template import ChatTemplate, draft_template_warning
 from .decode import Engine
 from .ngram import NgramTable, check_ngram_spec, resolve_ngram
-from .params import DRAFT_METHODS, EngineError, SpecParams, tree_defaults
+from .params import DRAFT_METHODS, EngineError, SpecParams, TreeSettings, resolve_method
 
 
 @dataclass
 class EngineOptions:
-    """What a command's flags ask of the engine; None tree settings come from TREE_DEFAULTS for the device."""
+    """What a command's flags ask of the engine; unset tree settings come from TREE_DEFAULTS for the device."""
 
     target: str = "smollm2-135m"
-    draft: str = "default"  # a draft folder, 'default' (bundled), 'random' (untrained) or 'none'
-    method: str | None = None  # None: tree with a draft, plain with --draft none
-    steps: int | None = None  # chain: draft steps per round; None: SpecParams' default
-    depth: int | None = None
-    topk: int | None = None
-    tokens: int | None = None
-    lookup: int | None = None
-    min_prob: float | None = None
+    draft: str | None = None  # a draft folder, 'default' (bundled), 'random' (untrained), 'none'; None: per method
+    method: str | None = None  # None: tree with a draft, plain with --draft none (eyas.engine.params.resolve_method)
+    tree: TreeSettings = field(default_factory=TreeSettings)
     ngram: str = "auto"  # eyas.engine.ngram.resolve_ngram
     weights: str = "auto"
     draft_weights: str = "auto"
@@ -51,17 +40,18 @@ class EngineOptions:
     chat_template: str | None = None  # --chat-template FILE|NAME; None: the tokenizer's own
     raw: bool = False  # no template at all (base models)
 
-    def resolved_method(self) -> str:
-        if self.method is not None:
-            return self.method
-        return "plain" if self.draft == "none" else "tree"
+    def target_choice(self, use: EngineUse) -> TargetChoice:
+        return TargetChoice(self.target, self.dtype, self.device, self.chat_template, self.raw,
+                            use.template_required)
+
+    def resolved(self) -> EngineOptions:
+        """The method and the draft to load, decided by resolve_method (refusing the contradictions)."""
+        method, draft = resolve_method(self.method, self.draft)
+        return replace(self, method=method, draft=draft)
 
     def spec(self) -> SpecParams:
-        method = self.resolved_method()
-        tree = tree_defaults(self.device, method, depth=self.depth, topk=self.topk, tokens=self.tokens,
-                             lookup=self.lookup, min_prob=self.min_prob)
-        steps = SpecParams.steps if self.steps is None else self.steps
-        return SpecParams(method=method, steps=steps, weights=self.weights, draft_weights=self.draft_weights, **tree)
+        opts = self.resolved()
+        return opts.tree.spec(opts.method, opts.device, weights=opts.weights, draft_weights=opts.draft_weights)
 
 
 @dataclass
@@ -100,20 +90,17 @@ def check_options(opts: EngineOptions, use: EngineUse, specs: Sequence[SpecParam
         for s in specs:
             s.check()
     drafted = needs_draft(specs) and not draft_loaded
-    if drafted and opts.draft == "none":
+    draft = opts.draft or "default"
+    if drafted and draft == "none":
         m = next(s.method for s in specs if s.method in DRAFT_METHODS)
         raise EngineError(f"--method {m} needs a draft: pass --draft PATH, 'default' or 'random', or use "
                           "--method plain")
     if drafted:
-        check_default_draft(opts.draft, use.draft_instead)
+        check_default_draft(draft, use.draft_instead)
     check_ngram_spec(opts.ngram)
-    choice = resolve_template(opts.chat_template, opts.raw)
-    if not target_loaded:
-        if specs:
-            check_engine_family(opts.target, use.command, use.family_instead)
-        if use.template_required:
-            require_template(opts.target, choice)  # a base model without a template: say what to pass
-    return choice
+    if not target_loaded and specs:
+        check_engine_family(opts.target, use.command, use.family_instead)
+    return opts.target_choice(use).template(check_files=not target_loaded)
 
 
 def load_parts(opts: EngineOptions, use: EngineUse, choice: ChatTemplate, specs: Sequence[SpecParams], *,
@@ -122,15 +109,9 @@ def load_parts(opts: EngineOptions, use: EngineUse, choice: ChatTemplate, specs:
     """Load what `specs` need (after check_options): the target unless given, the template installed, the draft
     unless given and only for a drafting method, the n-gram table when `ngram` (None: when a spec proposes
     lookup tokens)."""
-    if target is None:
-        target = load_target(opts.target, dtype=opts.dtype, device=opts.device)
-    try:
-        use_template(target, choice)  # before an engine reads the end-of-turn tokens
-    except TemplateError:
-        if use.template_required:
-            raise
+    target = opts.target_choice(use).open(target, choice)
     if draft is None and needs_draft(specs):
-        draft = resolve_draft(opts.draft, target)
+        draft = resolve_draft(opts.draft or "default", target)
     warning = draft_template_warning(draft.manifest, target.chat_template) if draft is not None else None
     if ngram is None:
         ngram = any(s.lookup for s in specs)
@@ -148,6 +129,7 @@ def make_engine(parts: EngineParts, spec: SpecParams, ngram: bool = True, model=
 def load_engine(opts: EngineOptions, use: EngineUse, *, target: Target | None = None,
                 draft: DraftCheckpoint | None = None) -> tuple[Engine, EngineParts]:
     """check_options, load_parts and make_engine for opts.spec(); the parts carry the template warning."""
+    opts = opts.resolved()
     spec = opts.spec()
     choice = check_options(opts, use, [spec], target_loaded=target is not None, draft_loaded=draft is not None)
     parts = load_parts(opts, use, choice, [spec], target=target, draft=draft)

@@ -3,9 +3,11 @@ the per-device tree defaults (stated once here; help strings, the Makefile and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ..errors import EyasError
+from ..option import option
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # torch generators take a 64-bit seed
 WEIGHTS = ("auto", "native", "native-bf16", "fp32")  # the target forward (eyas.engine.weights)
@@ -54,12 +56,14 @@ class SamplingParams:
             raise EngineError("stop strings must be non-empty")
 
 
-# The tree generate, serve and bench draft when none is given, per device (measured with eyas 0.1.0,
-# docs/RESULTS.md). On a 2-core AMD EPYC Zen 3 each verified row costs ~10-25% of a decode step and a draft
-# step ~15%, so only a small pruned tree plus lookup comes near plain decoding with today's draft; a GPU
-# verifies dozens of rows for about the price of one.
-TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
-                 "cuda": {"depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}}
+# The tree generate, serve, bench and the recipe's eval draft when none is given, per device (measured with eyas
+# 0.1.0, docs/RESULTS.md). On a 2-core AMD EPYC Zen 3 each verified row costs ~10-25% of a decode step and a draft
+# step ~15%, so only a small pruned tree plus lookup comes near plain decoding with today's draft; a GPU verifies
+# dozens of rows for about the price of one. CUDA's is the engine's full tree (SpecParams' own defaults, what the
+# doctor's trace follows).
+FULL_TREE = {"steps": 4, "depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}
+TREE_DEFAULTS = {"cpu": {**FULL_TREE, "depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
+                 "cuda": FULL_TREE}
 
 
 # method lookup's chain length (any device): replaying 80 MT-bench and 40 HumanEval plain outputs with the
@@ -69,21 +73,15 @@ TREE_DEFAULTS = {"cpu": {"depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_p
 LOOKUP_ALONE = 3
 
 
-def tree_defaults(device: str, method: str, **given) -> dict:
-    """The tree settings the user gave (None = not given), the rest from TREE_DEFAULTS for `device`; plain
-    decoding drafts nothing, so its lookup and min-prob default to off (a given value is kept, and refused by
-    SpecParams.validate); method lookup's chain defaults to LOOKUP_ALONE tokens, its min-prob to off."""
-    base = TREE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
-    if method == "plain":
-        base = {**base, "lookup": 0, "min_prob": 0.0}
-    if method == "lookup":
-        base = {**base, "lookup": LOOKUP_ALONE, "min_prob": 0.0}
-    return {k: base[k] if given.get(k) is None else given[k] for k in base}
+def device_kind(device: str | None) -> str:
+    """The TREE_DEFAULTS row of a --device: "cuda" for cuda and cuda:N, "cpu" otherwise."""
+    return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
 def default_help(key: str) -> str:
     """A TREE_DEFAULTS entry for a --help string: "default 2 on the CPU, 4 on CUDA"."""
-    return f"default {TREE_DEFAULTS['cpu'][key]:g} on the CPU, {TREE_DEFAULTS['cuda'][key]:g} on CUDA"
+    cpu, cuda = TREE_DEFAULTS["cpu"][key], TREE_DEFAULTS["cuda"][key]
+    return f"default {cpu:g}" if cpu == cuda else f"default {cpu:g} on the CPU, {cuda:g} on CUDA"
 
 
 def defaults_text(device: str) -> str:
@@ -95,13 +93,71 @@ def defaults_text(device: str) -> str:
 
 
 @dataclass
+class TreeSettings:
+    """The tree, chain and lookup knobs as a command was given them; None = the device's default for the method
+    (TREE_DEFAULTS), filled in by `spec`, the one place a SpecParams is built. generate, serve, bench, the recipe's
+    eval, replay and the doctor all hold one of these."""
+
+    steps: int | None = option("--steps", f"chain: draft steps per round, verifying steps + 1 tokens "
+                                        f"({default_help('steps')})")
+    depth: int | None = option("--depth", f"tree: draft depth ({default_help('depth')})")
+    topk: int | None = option("--topk", f"tree: children per expanded node and frontier width ({default_help('topk')})")
+    tokens: int | None = option("--tokens", "tree: tokens verified per round, root included "
+                                            f"({default_help('tokens')})")
+    lookup: int | None = option("--lookup", f"lookup candidates merged into the tree per round (0 = off; "
+                                          f"{default_help('lookup')}; method lookup: the chain's length, default "
+                                          f"{LOOKUP_ALONE})")
+    min_prob: float | None = option("--min-prob", "tree and chain: verify only candidates whose cumulative draft "
+                                                f"probability reaches this ({default_help('min_prob')})")
+
+    def resolved(self, method: str, device: str | None = "cpu") -> dict[str, Any]:
+        """Every knob for `method` on `device`: given values kept, the rest from TREE_DEFAULTS; device None = the
+        engine's full tree (FULL_TREE). Plain decoding drafts nothing, so its lookup and min-prob default to off
+        (a given value is kept, and refused by SpecParams.validate); method lookup's chain defaults to LOOKUP_ALONE
+        tokens, its min-prob to off."""
+        base = FULL_TREE if device is None else TREE_DEFAULTS[device_kind(device)]
+        if method == "plain":
+            base = {**base, "lookup": 0, "min_prob": 0.0}
+        if method == "lookup":
+            base = {**base, "lookup": LOOKUP_ALONE, "min_prob": 0.0}
+        given = asdict(self)
+        return {k: base[k] if given[k] is None else given[k] for k in base}
+
+    def spec(self, method: str, device: str | None = "cpu", *, weights: str = "auto",
+             draft_weights: str = "auto") -> SpecParams:
+        """The SpecParams of `method` on `device` (see `resolved`)."""
+        return SpecParams(method=method, weights=weights, draft_weights=draft_weights,
+                          **self.resolved(method, device))
+
+
+def resolve_method(method: str | None, draft: str | None) -> tuple[str, str]:
+    """The one rule for --method and --draft (generate, serve, doctor trace): (method, draft spec to load).
+    No --method: tree, or plain with --draft none. A drafting method needs a draft (unset = the bundled one);
+    plain and lookup load none, so a --draft given with them is refused rather than silently ignored."""
+    if method is None:
+        method = "plain" if draft == "none" else "tree"
+    if method not in METHODS:
+        raise EngineError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+    if method in DRAFT_METHODS:
+        if draft == "none":
+            raise EngineError(f"--method {method} needs a draft: pass --draft PATH (an eyas draft folder), 'default' "
+                              "or 'random' (untrained: the plumbing, not the speed), or use --method plain")
+        return method, draft or "default"
+    if draft not in (None, "none"):
+        raise EngineError(f"--method {method} decodes without a draft, but --draft {draft} was given: drop --draft "
+                          "(or pass --draft none), or use --method tree|chain to decode with the draft")
+    return method, "none"
+
+
+@dataclass
 class SpecParams:
     method: str = "tree"  # tree | chain | lookup (the lookup chain alone: no draft) | plain
-    steps: int = 4  # chain: draft steps per round (verifies steps + 1 tokens)
-    depth: int = 4  # tree: draft depth
-    topk: int = 4  # tree: children per expanded node and frontier width
-    tokens: int = 16  # tree: verified tokens per round, root included
-    lookup: int = 0  # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.engine.lookup)
+    steps: int = FULL_TREE["steps"]  # chain: draft steps per round (verifies steps + 1 tokens)
+    depth: int = FULL_TREE["depth"]  # tree: draft depth
+    topk: int = FULL_TREE["topk"]  # tree: children per expanded node and frontier width
+    tokens: int = FULL_TREE["tokens"]  # tree: verified tokens per round, root included
+    # lookup candidates merged into the tree per round (0 = EAGLE-3 only; eyas.engine.lookup)
+    lookup: int = FULL_TREE["lookup"]
     lookup_ngram: int = 3  # longest context suffix matched for lookup (down to 2 tokens)
     # tokens the engine's n-gram table (eyas.engine.ngram) proposes in a round where context lookup found nothing:
     # replaying 80 MT-bench plain outputs, 1 beat 2 and 3 (a table token is accepted ~30% of the time and each
@@ -109,9 +165,24 @@ class SpecParams:
     ngram_tokens: int = 1
     # tree: verify only candidates the draft gives at least this probability (cumulative along the path), so a
     # round where the draft is unsure verifies fewer rows, down to the root alone (a plain step); 0 = off
-    min_prob: float = 0.0
+    min_prob: float = FULL_TREE["min_prob"]
     weights: str = "auto"  # target forward: auto | native (a GGUF's quantized weights) | fp32 (eyas.model)
     draft_weights: str = "auto"  # auto (q8 with a native target) | q8 (eyas.native.quant.Q8Linear) | fp32
+
+    def describe(self) -> str:
+        """The knobs that shape what this method verifies: "chain k=3", "tree depth 2, topk 2, 3 tokens, lookup 4,
+        min-prob 0.35", "lookup 3", "plain"."""
+        if self.method == "plain":
+            return "plain"
+        if self.method == "lookup":
+            return f"lookup {self.lookup}"
+        text = f"chain k={self.steps}" if self.method == "chain" else \
+            f"tree depth {self.depth}, topk {self.topk}, {self.tokens} tokens"
+        if self.lookup:
+            text += f", lookup {self.lookup}"
+        if self.min_prob:
+            text += f", min-prob {self.min_prob:g}"
+        return text
 
     def shape(self) -> tuple[int, int, int]:
         """(depth, topk, tokens) of the tree this method drafts (a chain is a topk-1 tree)."""

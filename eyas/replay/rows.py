@@ -189,10 +189,10 @@ def capture_rows_eyas(target, prompts: list[list[int]], max_new_tokens: int, str
     """Rows from eyas's own engine in fp32 on the HF weights (the numerics vLLM's CPU build serves in): plain
     greedy decoding with end tokens not honoured, then one forward over prompt + continuation for the states."""
     from ..engine.load import EngineParts, make_engine
-    from ..engine.params import SamplingParams, SpecParams
+    from ..engine.params import SamplingParams, TreeSettings
 
     say = log or (lambda _m: None)
-    eng = make_engine(EngineParts(target, None, None), SpecParams(method="plain", weights="fp32"))
+    eng = make_engine(EngineParts(target, None, None), TreeSettings().spec("plain", None, weights="fp32"))
     eos = sorted(eng.eos)
     eng.eos = set()  # the continuation past an end token: what a verify compares a draft's tokens with there
     tm, H = eng.model, target.hidden_size

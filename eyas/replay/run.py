@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..draft import DraftCheckpoint, load_draft
-from ..engine.params import SamplingParams, SpecParams
+from ..engine.params import SamplingParams, SpecParams, TreeSettings
 from ..target.load import Target, input_embeddings
 from .recorded import RecordedModel
 from .rows import ReplayError, ReplayRows
@@ -67,34 +67,19 @@ class ReplayResult:
 
 def chain(k: int) -> SpecParams:
     """vLLM's EAGLE-3 proposal: a chain of k drafted tokens per round (num_speculative_tokens)."""
-    return SpecParams(method="chain", steps=k, lookup=0, min_prob=0.0, weights="fp32", draft_weights="fp32")
+    return TreeSettings(steps=k, lookup=0, min_prob=0.0).spec("chain", None, weights="fp32", draft_weights="fp32")
 
 
 def tree(depth: int, topk: int, tokens: int, lookup: int = 0, min_prob: float = 0.0) -> SpecParams:
     """eyas's EAGLE-2 dynamic tree (tokens counts the root); topk 1 is a chain of depth."""
-    if topk == 1:
-        return SpecParams(method="chain", steps=depth, lookup=lookup, min_prob=min_prob, weights="fp32",
-                          draft_weights="fp32")
-    return SpecParams(method="tree", depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob,
-                      weights="fp32", draft_weights="fp32")
+    knobs = TreeSettings(steps=depth, depth=depth, topk=topk, tokens=tokens, lookup=lookup, min_prob=min_prob)
+    return knobs.spec("chain" if topk == 1 else "tree", None, weights="fp32", draft_weights="fp32")
 
 
 def sglang(steps: int, topk: int, num_draft_tokens: int) -> SpecParams:
     """SGLang's --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens as the tree
     eyas replays (with topk 1 SGLang drafts steps + 1 tokens whatever num_draft_tokens says)."""
     return tree(steps, topk, steps + 1 if topk == 1 else num_draft_tokens)
-
-
-def spec_text(spec: SpecParams) -> str:
-    if spec.method == "chain":
-        text = f"chain k={spec.steps}"
-    else:
-        text = f"tree depth {spec.depth}, topk {spec.topk}, {spec.tokens} tokens"
-    if spec.lookup:
-        text += f", lookup {spec.lookup}"
-    if spec.min_prob:
-        text += f", min-prob {spec.min_prob:g}"
-    return text
 
 
 def replay(rows: ReplayRows, target: Target, draft: str | DraftCheckpoint, spec: SpecParams,

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.decode import Engine
 from ..engine.load import EngineOptions, EngineUse, load_engine
-from ..engine.params import DRAFT_METHODS, EngineError, SamplingParams
+from ..engine.params import EngineError, SamplingParams
 from ..engine.prompt import chat_input_ids
 from ..errors import EyasError
 from ..target.load import Target
@@ -416,31 +416,17 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"Pass --api-key KEY (or set ${API_KEY_ENV}), or bind to 127.0.0.1.")
 
 
-def resolve_method(method: str | None, draft: str) -> str:
-    """--method default: tree with a draft, plain with --draft none. Refuses the contradictions."""
-    if method is None:
-        return "plain" if draft == "none" else "tree"
-    if method == "plain" and draft != "none":
-        raise ServeError(f"--method plain decodes without a draft, but --draft {draft} was given; "
-                         "pass --draft none, or --method tree|chain to use the draft")
-    if method in DRAFT_METHODS and draft == "none":
-        raise ServeError(f"--method {method} needs a draft: pass --draft DIR (an eyas draft folder), 'default' or "
-                         "'random' (untrained: the plumbing, not the speed), or use --method plain")
-    return method
-
-
 SERVE_USE = EngineUse("eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it for an engine "
                       "that serves this family", draft_instead="--draft none for plain decoding",
                       template_required=False)
 
 
-def build_engine(opts: EngineOptions) -> tuple[Engine, Target, str]:
-    """Load the target, the draft and the n-gram table (eyas.engine.load) -> (engine, target, method).
-    Without a chat template (none given and the tokenizer has none) the server still starts: completions need
-    no template (template_warnings)."""
-    method = resolve_method(opts.method, opts.draft)
-    engine, parts = load_engine(replace(opts, method=method), SERVE_USE)
-    return engine, parts.target, method
+def build_engine(opts: EngineOptions) -> tuple[Engine, Target]:
+    """Load the target, the draft and the n-gram table (eyas.engine.load; the method rule is EngineOptions') ->
+    (engine, target). Without a chat template (none given and the tokenizer has none) the server still starts:
+    completions need no template (template_warnings)."""
+    engine, parts = load_engine(opts, SERVE_USE)
+    return engine, parts.target
 
 
 def template_warnings(engine: Any, target: Any) -> list[str]:

@@ -13,6 +13,7 @@ from torch import nn
 from ..files import atomic_folder, remove_stale_temps
 from .family import TargetError
 from .gguf_config import gguf_overrides
+from .offline import hub_offline
 
 
 def file_fingerprint(paths: list[Path]) -> str:
@@ -46,6 +47,7 @@ def tensor_fingerprint(model: nn.Module) -> str:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename): a failure or a
     kill leaves no folder at `out`, and the next conversion clears a killed one's temporary folder."""
+    hub_offline()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     remove_stale_temps(out)

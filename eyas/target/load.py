@@ -19,6 +19,7 @@ from .convert import convert_gguf, file_fingerprint
 from .device import parse_dtype, resolve_device
 from .family import BUNDLED, DEFAULT_TARGET, TargetError, _gguf_of, _hf_folder, read_config
 from .gguf_config import gguf_overrides, overrides_hold
+from .offline import hub_offline
 
 
 def _first_line(e: BaseException) -> str:
@@ -195,6 +196,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     """`spec`: a bundled name (smollm2-135m), a HF model folder, or a .gguf file. load_weights=False builds the model
     on the meta device from its config (tokenizer, identity, generation config and layout, no weights): for a
     caller that runs the target elsewhere (`datagen --engine vllm`, a target bigger than this machine)."""
+    hub_offline()  # before transformers reads anything: every asset is local
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from ..draft import DraftConfig, Eagle3Draft
 from ..layout import Layout, check_layouts
-from ..target.load import end_token_ids
-from ..target.template import require_template, resolve_template, template_from_record, use_template
+from ..target.load import end_token_ids, load_target
+from ..target.open import TargetChoice
+from ..target.template import template_from_record
 from ..vocab import DraftVocab, count_tokens, select_draft_vocab, stale_vocab_warning
 from .checkpoint import warm_start
 from .config import Dist, TrainConfig, TrainError
@@ -62,16 +63,15 @@ def open_data(cfg: TrainConfig, target=None) -> Data:
 
 
 def _online(cfg: TrainConfig, target) -> tuple[OnlineSource, Any, dict[str, Any]]:
-    choice = resolve_template(cfg.chat_template, cfg.raw)
-    if target is None:
-        if cfg.target:
-            require_template(cfg.target, choice)  # a base model without a template: before it loads
-        target = _load_target(cfg, None)
+    spec = target.source if target is not None else _target_spec(cfg, None)
+    opening = TargetChoice(spec, cfg.target_dtype, cfg.device, cfg.chat_template, cfg.raw)
+    choice = opening.template(check_files=target is None)
     if len(cfg.data) != 1:
         raise TrainError(f"--online takes one conversation source in --data, got {cfg.data}")
     if cfg.data_tokens is not None:
         raise TrainError("--data-tokens caps captured shard folders; with --online use --num-samples")
-    template = use_template(target, choice).record()
+    target = opening.open(target, choice)
+    template = target.chat_template.record()
     source = OnlineSource(target, cfg.data[0], cfg.num_samples, cfg.max_len, cfg.heldout_pct, cfg.aux_indices,
                           raw=choice.raw)
     return source, target, template
@@ -86,26 +86,25 @@ def _shards(cfg: TrainConfig, target) -> tuple[ShardSource, Any, dict[str, Any] 
     if not source.train:  # before the target loads: nothing it could be used for
         raise _no_samples(cfg, source)
     template = source.set.chat_template  # one template across the folders (ShardSet checks)
-    if target is None:
-        target = _load_target(cfg, source.describe())
     rebuilt = template_from_record(template)
     if rebuilt is not None and rebuilt.source in ("builtin", "file"):
         # the shards' template on the tokenizer, so end_token_ids finds its end-of-turn token (Gemma's
         # <end_of_turn>) and the draft vocabulary always holds it, as when training --online
-        use_template(target, rebuilt)
+        target = TargetChoice(_target_spec(cfg, source.describe()), device=cfg.device).open(target, rebuilt)
+    elif target is None:
+        target = load_target(_target_spec(cfg, source.describe()), device=cfg.device)
     check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards",
                   f"the target {target.source!r}")
     return source, target, template
 
 
-def _load_target(cfg: TrainConfig, source_desc: dict[str, Any] | None):
-    from ..target.load import load_target
-
+def _target_spec(cfg: TrainConfig, source_desc: dict[str, Any] | None) -> str:
+    """--target, else the target the shards were captured from."""
     spec = cfg.target or (source_desc or {}).get("target_source")
     if not spec:
         raise TrainError("the shards' manifest names no target_source; pass --target (the model the shards "
                          "were captured from)")
-    return load_target(spec, dtype=cfg.target_dtype if cfg.online else "fp32", device=cfg.device)
+    return spec
 
 
 def _no_samples(cfg: TrainConfig, source: ShardSource | OnlineSource) -> TrainError:
