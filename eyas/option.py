@@ -10,3 +10,17 @@ from typing import Any
 def option(flag: str, help: str, default: Any = None) -> Any:
     """A dataclass field offered on the command line as `flag` (with `help`); the CLI's default is the field's."""
     return field(default=default, metadata={"flag": flag, "help": help})
+
+
+# the help of options many commands and configs share
+TARGET_HELP = "smollm2-135m, a HF model folder, or a .gguf file"
+DEVICE_HELP = "cpu | cuda | cuda:N"
+CHAT_TEMPLATE_HELP = ("render chats with this template: a Jinja FILE or a built-in NAME (chatml | gemma | llama3); "
+                      "default: the tokenizer's own")
+DTYPE_HELP = "fp32 | bf16 | fp16"
+WEIGHTS_HELP = ("target forward: native (a GGUF's own quantized weights, 8-bit activations, CPU) | native-bf16 (the "
+                "same weights, bf16 activations) | fp32 (the dequantized copy in --dtype) | auto (native where "
+                "possible)")
+DRAFT_WEIGHTS_HELP = "draft matrices: q8 (8-bit blocks, CPU) | fp32 | auto (q8 with native target weights)"
+NGRAM_HELP = ("n-gram table (eyas ngram) proposing where context lookup finds nothing, with method lookup or "
+              "--lookup > 0: auto (the bundled one when counted for this target) | default | none | PATH")

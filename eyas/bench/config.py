@@ -9,6 +9,16 @@ from typing import Any
 from ..engine.load import EngineUse
 from ..engine.params import TreeSettings
 from ..errors import EyasError
+from ..option import (
+    CHAT_TEMPLATE_HELP,
+    DEVICE_HELP,
+    DRAFT_WEIGHTS_HELP,
+    DTYPE_HELP,
+    NGRAM_HELP,
+    TARGET_HELP,
+    WEIGHTS_HELP,
+    option,
+)
 from ..text import parse_int_list as parse_ints
 from .vllm_peer import VLLM_METHODS
 
@@ -66,32 +76,39 @@ class SweepGrid:
 
 @dataclass
 class BenchConfig:
-    bench: str = "mt-bench"
-    limit: int | None = 10
-    turn: int = 1
-    max_new_tokens: int = 256
-    target: str = "smollm2-135m"
-    draft: str = "default"  # an eyas draft folder, "default" (bundled) or "random" (untrained, in memory)
-    dtype: str = "fp32"
-    device: str = "cpu"
-    weights: str = "auto"  # eyas methods' target forward (eyas.engine.weights.engine_model)
-    draft_weights: str = "auto"  # the draft's matrices (eyas.engine.params.SpecParams.draft_weights)
+    """The options of `eyas bench`: each field declared with `option` is its flag, help and default; limit,
+    methods, threads and the sweep grid are parsed by the command from their flags."""
+
+    bench: str = option("--bench", "mt-bench | humaneval | a JSONL of prompts", "mt-bench")
+    limit: int | None = 10  # --limit: prompts (a deterministic subset; None = all)
+    turn: int = option("--turn", "MT-bench turn (2 = the target's greedy first answer in context)", 1)
+    max_new_tokens: int = option("--max-new-tokens", "new tokens per prompt and method", 256)
+    target: str = option("--target", TARGET_HELP, "smollm2-135m")
+    draft: str = option("--draft", "eyas draft folder, 'default' (bundled) or 'random' (untrained, in memory)",
+                        "default")
+    dtype: str = option("--dtype", DTYPE_HELP, "fp32")
+    device: str = option("--device", DEVICE_HELP, "cpu")
+    weights: str = option("--weights", WEIGHTS_HELP, "auto")  # eyas methods' target forward
+    draft_weights: str = option("--draft-weights", DRAFT_WEIGHTS_HELP, "auto")
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     # the eyas methods' knobs as given; unset ones are the device's defaults, as for generate and serve
-    # (eyas.engine.load.bench_spec). --lookup: tree-lookup's merged candidates and method lookup's chain alike
+    # (eyas.bench.load.bench_spec). --lookup: tree-lookup's merged candidates and method lookup's chain alike
     tree: TreeSettings = field(default_factory=TreeSettings)
-    lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
-    ngram: str = "auto"  # the n-gram table of lookup and tree-lookup (eyas.engine.ngram.resolve_ngram)
-    threads: int | None = None
-    out: str | None = None
-    resume: bool = False
-    sweep: bool = False
-    sweep_limit: int = 3
+    lookup_tokens: int = option("--lookup-tokens", "HF prompt_lookup_num_tokens", 10)
+    ngram: str = option("--ngram", NGRAM_HELP, "auto")  # the table of lookup and tree-lookup
+    threads: int | None = None  # --threads: torch threads (None = torch's default)
+    out: str | None = option("--out", "results folder (default runs/bench-<time>/)")
+    resume: bool = option("--resume", "continue an interrupted run in --out", False)
+    sweep: bool = option("--sweep", "try the grid below and report the fastest setting", False)
+    sweep_limit: int = option("--sweep-limit", "prompts used by --sweep", 3)
     grid: SweepGrid = field(default_factory=SweepGrid)
-    chat_template: str | None = None  # --chat-template FILE|NAME (None: the tokenizer's own)
-    raw: bool = False  # prompts as plain text, no template (base models; single-turn prompts)
-    vllm_python: str | None = None  # methods vllm, vllm-eagle3: vLLM's own python (eyas.vllm.env.vllm_python)
-    vllm_k: int | None = None  # vllm-eagle3: num_speculative_tokens (None: --steps, the chain's)
+    chat_template: str | None = option("--chat-template", CHAT_TEMPLATE_HELP)
+    raw: bool = option("--raw", "send each prompt's text as is, without a chat template (base models; single-turn "
+                       "prompts only)", False)
+    vllm_python: str | None = option("--vllm-python", "methods vllm, vllm-eagle3: the python of a vLLM environment "
+                                     "(default $EYAS_VLLM_PYTHON, then ./.venv-vllm from `make vllm`)")
+    vllm_k: int | None = option("--vllm-k", "vllm-eagle3: num_speculative_tokens (default --steps); compared with "
+                                "eyas chain of the same steps on the fp32 weights")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

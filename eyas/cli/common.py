@@ -14,27 +14,30 @@ import typer
 
 from ..errors import EyasError
 from ..files import write_fault
+from ..option import (
+    CHAT_TEMPLATE_HELP,
+    DEVICE_HELP,
+    DRAFT_WEIGHTS_HELP,
+    DTYPE_HELP,
+    NGRAM_HELP,
+    TARGET_HELP,
+    WEIGHTS_HELP,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C")
 
-TargetOpt = typer.Option("smollm2-135m", "--target", help="smollm2-135m, a HF model folder, or a .gguf file")
-DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16")
-DeviceOpt = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
-DraftWeightsOpt = typer.Option("auto", "--draft-weights", help="draft matrices: q8 (8-bit blocks, CPU) | fp32 | "
-                               "auto (q8 with native target weights)")
-WeightsOpt = typer.Option("auto", "--weights", help="target forward: native (a GGUF's own quantized weights, "
-                          "8-bit activations, CPU) | native-bf16 (the same weights, bf16 activations) | "
-                          "fp32 (the dequantized copy in --dtype) | auto (native where possible)")
-ChatTemplateOpt = typer.Option(None, "--chat-template", help="render chats with this template: a Jinja FILE or a "
-                               "built-in NAME (chatml | gemma | llama3); default: the tokenizer's own")
+TargetOpt = typer.Option("smollm2-135m", "--target", help=TARGET_HELP)
+DtypeOpt = typer.Option("fp32", "--dtype", help=DTYPE_HELP)
+DeviceOpt = typer.Option("cpu", "--device", help=DEVICE_HELP)
+DraftWeightsOpt = typer.Option("auto", "--draft-weights", help=DRAFT_WEIGHTS_HELP)
+WeightsOpt = typer.Option("auto", "--weights", help=WEIGHTS_HELP)
+ChatTemplateOpt = typer.Option(None, "--chat-template", help=CHAT_TEMPLATE_HELP)
 MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
               "before; --lookup tokens) | plain (no draft). Default: tree, plain with --draft none")
 DraftHelp = ("eyas draft folder, 'default' (bundled; the default with method tree and chain), 'random' (untrained: "
              "the plumbing, not the speed) or 'none'")
-NgramOpt = typer.Option("auto", "--ngram", help="n-gram table (eyas ngram) proposing where context lookup finds "
-                        "nothing, with method lookup or --lookup > 0: auto (the bundled one when counted for this "
-                        "target) | default | none | PATH")
+NgramOpt = typer.Option("auto", "--ngram", help=NGRAM_HELP)
 
 
 def config_options(*configs: type) -> Callable[[F], F]:

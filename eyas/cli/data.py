@@ -3,78 +3,34 @@ replies into a lookup table."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
-from .common import ChatTemplateOpt, DeviceOpt, TargetOpt, user_errors
+from ..data.datagen_config import DatagenConfig
+from .common import config_from, config_options, user_errors
 
 
+@config_options(DatagenConfig)
 def datagen(
-    data: str = typer.Option("sharegpt", "--data", help="sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL, "
-                             "or self (the target writes the user turns too; needs --num or --end-row)"),
     out: str = typer.Option(..., "--out", help="shard folder (created; rerun the same command to resume)"),
-    target: str = TargetOpt,
-    num: int = typer.Option(None, "--num", help="first N usable conversations (default: all); more extends a run"),
-    start_row: int = typer.Option(0, "--start-row", help="skip the source's rows before this one (new conversations "
-                                  "for a second folder; fixed for the folder)"),
-    end_row: int = typer.Option(None, "--end-row", help="never read the source's rows from this one on (another "
-                                "folder starts there)"),
-    max_len: int = typer.Option(2048, "--max-len", help="tokens per sample (longer ones are truncated)"),
-    regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate", help="target writes the replies"),
-    temperature: float = typer.Option(0.0, "--temperature", help="regeneration: 0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p", help="regeneration: nucleus sampling when --temperature > 0"),
-    seed: int = typer.Option(0, "--seed", help="regeneration sampling seed"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="regeneration: tokens per reply"),
-    max_turns: int = typer.Option(None, "--max-turns", help="keep at most N assistant replies per conversation"),
-    repetition_limit: int = typer.Option(32, "--repetition-limit",
-                                         help="stop a regenerated reply once it repeats an N-token loop (0 = off)"),
-    dtype: str = typer.Option("bf16", "--dtype", help="stored feature dtype: bf16 | fp16 | fp32"),
-    target_dtype: str = typer.Option("fp32", "--target-dtype", help="dtype the target runs in"),
-    device: str = DeviceOpt,
     aux_indices: str = typer.Option(None, "--aux-indices", help="stream indices, e.g. 2,15,27 (default EAGLE-3)"),
-    shard_samples: int = typer.Option(64, "--shard-samples", help="conversations per chunk/shard"),
-    shard_tokens: int = typer.Option(65536, "--shard-tokens", help="max tokens per shard"),
-    gen_batch: int = typer.Option(64, "--gen-batch", help="regeneration: prompts decoding at once"),
-    regen_weights: str = typer.Option("auto", "--regen-weights", help="regeneration: the engine's weights, as "
-                                      "--weights (auto: native for a GGUF on the CPU, the numerics eyas serves "
-                                      "with) | fp32 (the HF weights in --target-dtype)"),
-    capture_tokens: int = typer.Option(8192, "--capture-tokens", help="padded tokens per capture forward"),
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = default; 1 on a busy machine)"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
-    chat_template: str = ChatTemplateOpt,
-    raw: bool = typer.Option(False, "--raw", help="base models: rows as plain text without a template ({'text'} "
-                             "documents, or a conversation's texts joined); loss on every token, or with "
-                             "regeneration on the target's continuation"),
-    engine: str = typer.Option("eyas", "--engine", help="who runs the target: eyas | vllm (vLLM writes the replies "
-                               "and, through extract_hidden_states, the stream states; eyas loads no weights)"),
-    vllm_python: str = typer.Option(None, "--vllm-python", help="--engine vllm: the python of a vLLM environment "
-                                    "(default $EYAS_VLLM_PYTHON, then .venv-vllm from `make vllm`)"),
-    vllm_tp: int = typer.Option(1, "--vllm-tp", help="--engine vllm: tensor_parallel_size"),
-    vllm_pp: int = typer.Option(1, "--vllm-pp", help="--engine vllm: pipeline_parallel_size"),
     vllm_arg: list[str] = typer.Option(None, "--vllm-arg", help="--engine vllm: a vllm.LLM engine argument "
                                        "KEY=VALUE, VALUE as JSON (repeatable), e.g. gpu_memory_utilization=0.85"),
-    vllm_generator: str = typer.Option("auto", "--vllm-generator", help="--engine vllm: the replies on the capture "
-                                       "engine (shared: one copy of the weights) or a second plain one (separate: "
-                                       "faster decoding); auto = separate on the CPU, shared on CUDA"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    **given: Any,
 ) -> None:
     """Capture the target's hidden states on conversations (optionally regenerated by the target) into
     resumable safetensors shards with the layout recorded."""
     import sys
 
-    from ..data.datagen import DatagenConfig, run_datagen
+    from ..data.datagen import run_datagen
     from ..data.manifest import summary
     from ..text import parse_int_list
 
     with user_errors():
         aux = parse_int_list(aux_indices, "--aux-indices")
-    cfg = DatagenConfig(out=out, target=target, data=data, num=num, start_row=start_row, end_row=end_row,
-                        max_len=max_len, regenerate=regenerate,
-                        temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-                        max_turns=max_turns, repetition_limit=repetition_limit, dtype=dtype, target_dtype=target_dtype,
-                        device=device, aux_indices=aux, shard_samples=shard_samples, shard_tokens=shard_tokens,
-                        gen_batch=gen_batch, regen_weights=regen_weights, capture_tokens=capture_tokens,
-                        threads=threads, chat_template=chat_template, raw=raw, engine=engine,
-                        vllm_python=vllm_python, vllm_tp=vllm_tp, vllm_pp=vllm_pp, vllm_args=list(vllm_arg or []),
-                        vllm_generator=vllm_generator)
+    cfg = config_from(DatagenConfig, given, out=out, aux_indices=aux, vllm_args=list(vllm_arg or []))
     with user_errors():
         m = run_datagen(cfg, command=" ".join(["eyas", *sys.argv[1:]]), log=typer.echo, progress=not quiet)
     for line in summary(m):

@@ -3,8 +3,11 @@ they share the tree options."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
+from ..bench.config import BenchConfig
 from ..engine.params import TreeSettings
 from .common import (
     ChatTemplateOpt,
@@ -139,46 +142,24 @@ def serve(
     srv.run(app_, host, port, log_level=log_level)
 
 
-@config_options(TreeSettings)
+@config_options(BenchConfig, TreeSettings)
 def bench(
-    bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
     limit: int = typer.Option(10, "--limit", help="prompts (deterministic subset; 0 = all)"),
-    turn: int = typer.Option(1, "--turn", help="MT-bench turn (2 = the target's greedy first answer in context)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    target: str = TargetOpt,
-    draft: str = typer.Option("default", "--draft", help="eyas draft folder, 'default' (bundled) or 'random'"),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
     methods: str = typer.Option("hf-greedy,plain,chain,tree,hf-lookup", "--methods", help="comma-separated subset; "
                                 "also llama-cpp, llama-cpp-c (llama.cpp via llama-cpp-python, `make llama-cpp`) and "
                                 "vllm, vllm-eagle3 (vLLM's own environment, `make vllm`)"),
-    lookup_tokens: int = typer.Option(10, "--lookup-tokens", help="HF prompt_lookup_num_tokens"),
-    ngram: str = NgramOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)"),
-    out: str = typer.Option(None, "--out", help="results folder (default runs/bench-<time>/)"),
-    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
-    sweep: bool = typer.Option(False, "--sweep", help="try the grid below and report the fastest setting"),
-    sweep_limit: int = typer.Option(3, "--sweep-limit", help="prompts used by --sweep"),
     sweep_steps: str = typer.Option("1-6", "--sweep-steps"),
     sweep_depth: str = typer.Option("2-6", "--sweep-depth"),
     sweep_topk: str = typer.Option("1,2,4,8", "--sweep-topk"),
     sweep_tokens: str = typer.Option("4,8,16,32", "--sweep-tokens"),
     sweep_lookup: str = typer.Option("0", "--sweep-lookup", help="lookup candidates tried with each tree setting"),
-    weights: str = WeightsOpt,
-    draft_weights: str = DraftWeightsOpt,
     quiet: bool = typer.Option(False, "--quiet", help="no progress (per prompt and method, on stderr)"),
-    chat_template: str = ChatTemplateOpt,
-    raw: bool = typer.Option(False, "--raw", help="send each prompt's text as is, without a chat template (base "
-                             "models; single-turn prompts only)"),
-    vllm_python: str = typer.Option(None, "--vllm-python", help="methods vllm, vllm-eagle3: the python of a vLLM "
-                                    "environment (default $EYAS_VLLM_PYTHON, then ./.venv-vllm from `make vllm`)"),
-    vllm_k: int = typer.Option(None, "--vllm-k", help="vllm-eagle3: num_speculative_tokens (default --steps); "
-                               "compared with eyas chain of the same steps on the fp32 weights"),
-    **tree: int | float | None,
+    **given: Any,
 ) -> None:
     """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
     draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
-    from ..bench.config import BenchConfig, SweepGrid, parse_int_list, parse_methods
+    from ..bench.config import SweepGrid, parse_int_list, parse_methods
     from ..bench.run import run_bench
     from ..bench.sweep import run_sweep
 
@@ -186,11 +167,7 @@ def bench(
         grid = SweepGrid(parse_int_list(sweep_steps, "--sweep-steps"), parse_int_list(sweep_depth, "--sweep-depth"),
                          parse_int_list(sweep_topk, "--sweep-topk"), parse_int_list(sweep_tokens, "--sweep-tokens"),
                          parse_int_list(sweep_lookup, "--sweep-lookup", minimum=0))
-        cfg = BenchConfig(bench=bench_set, limit=limit or None, turn=turn, max_new_tokens=max_new_tokens,
-                          target=target, draft=draft, dtype=dtype, device=device, weights=weights,
-                          draft_weights=draft_weights, methods=parse_methods(methods),
-                          tree=config_from(TreeSettings, tree), lookup_tokens=lookup_tokens, ngram=ngram,
-                          threads=threads or None, out=out, resume=resume, sweep=sweep, sweep_limit=sweep_limit,
-                          grid=grid, chat_template=chat_template, raw=raw, vllm_python=vllm_python, vllm_k=vllm_k)
-        (run_sweep if sweep else run_bench)(cfg, progress=not quiet)
+        cfg = config_from(BenchConfig, given, limit=limit or None, methods=parse_methods(methods),
+                          tree=config_from(TreeSettings, given), threads=threads or None, grid=grid)
+        (run_sweep if cfg.sweep else run_bench)(cfg, progress=not quiet)
 

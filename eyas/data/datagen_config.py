@@ -8,6 +8,7 @@ from typing import Any
 
 from ..engine.weights import WEIGHTS
 from ..errors import EyasError
+from ..option import CHAT_TEMPLATE_HELP, DEVICE_HELP, TARGET_HELP, option
 from ..target.device import parse_dtype
 from ..target.template import ChatTemplate, resolve_template
 from .conversations import SELF_SOURCE
@@ -55,39 +56,56 @@ class DatagenError(EyasError):
 
 @dataclass
 class DatagenConfig:
-    out: str
-    target: str = "smollm2-135m"
-    data: str = "sharegpt"
-    num: int | None = None  # first N usable conversations from start_row (None = the rest of the source)
-    start_row: int = 0  # source rows before this one are never read (a second run on unseen conversations)
-    end_row: int | None = None  # source rows from this one on are never read (another folder starts there)
-    max_len: int = 2048
-    regenerate: bool = True
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-    max_new_tokens: int = 512
-    max_turns: int | None = None  # keep at most this many assistant replies per conversation
-    repetition_limit: int = 32  # stop a regenerated reply once its last n tokens repeat an earlier stretch; 0 = off
-    dtype: str = "bf16"  # stored feature dtype
-    target_dtype: str = "fp32"  # dtype the target runs in
-    device: str = "cpu"
-    aux_indices: list[int] | None = None  # None = the target's EAGLE-3 default
-    shard_samples: int = 64  # conversations per chunk (and at most per shard)
-    shard_tokens: int = 65536  # a chunk's samples are split into shards of at most this many tokens
-    gen_batch: int = 64  # prompts decoding at once
-    regen_weights: str = "auto"  # engine weights for regeneration (eyas.model.WEIGHTS; auto: native for a GGUF)
+    """The options of `eyas datagen`: each field declared with `option` is its flag, help and default."""
+
+    out: str  # shard folder (created; rerunning the same command resumes)
+    target: str = option("--target", TARGET_HELP, "smollm2-135m")
+    data: str = option("--data", "sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL, or self (the target "
+                       "writes the user turns too; needs --num or --end-row)", "sharegpt")
+    num: int | None = option("--num", "first N usable conversations from --start-row (default: all); more extends a "
+                             "run")
+    start_row: int = option("--start-row", "skip the source's rows before this one (new conversations for a second "
+                            "folder; fixed for the folder)", 0)
+    end_row: int | None = option("--end-row", "never read the source's rows from this one on (another folder starts "
+                                 "there)")
+    max_len: int = option("--max-len", "tokens per sample (longer ones are truncated)", 2048)
+    regenerate: bool = option("--regenerate/--no-regenerate", "the target writes the replies", True)
+    temperature: float = option("--temperature", "regeneration: 0 = greedy", 0.0)
+    top_p: float = option("--top-p", "regeneration: nucleus sampling when --temperature > 0", 1.0)
+    seed: int = option("--seed", "regeneration sampling seed", 0)
+    max_new_tokens: int = option("--max-new-tokens", "regeneration: tokens per reply", 512)
+    max_turns: int | None = option("--max-turns", "keep at most N assistant replies per conversation")
+    # a regenerated reply stops once its last n tokens repeat an earlier stretch
+    repetition_limit: int = option("--repetition-limit", "stop a regenerated reply once it repeats an N-token loop "
+                                   "(0 = off)", 32)
+    dtype: str = option("--dtype", "stored feature dtype: bf16 | fp16 | fp32", "bf16")
+    target_dtype: str = option("--target-dtype", "dtype the target runs in", "fp32")
+    device: str = option("--device", DEVICE_HELP, "cpu")
+    aux_indices: list[int] | None = None  # --aux-indices 2,15,27; None = the target's EAGLE-3 default
+    shard_samples: int = option("--shard-samples", "conversations per chunk (and at most per shard)", 64)
+    shard_tokens: int = option("--shard-tokens", "max tokens per shard (a chunk's samples are split)", 65536)
+    gen_batch: int = option("--gen-batch", "regeneration: prompts decoding at once", 64)
+    regen_weights: str = option("--regen-weights", "regeneration: the engine's weights, as --weights (auto: native "
+                                "for a GGUF on the CPU, the numerics eyas serves with) | fp32 (the HF weights in "
+                                "--target-dtype)", "auto")
     gen_tokens: int = 65536  # KV-cache slots for generation (rows x longest prompt + new tokens): bounds memory
-    capture_tokens: int = 8192  # padded tokens per capture forward: bounds activation memory
-    threads: int = 0  # torch CPU threads (0 = torch's default); 1 is far faster on an oversubscribed machine
-    chat_template: str | None = None  # --chat-template FILE|NAME (None: the tokenizer's own; eyas.template)
-    raw: bool = False  # base models: rows as plain text, no template (see raw_items for the loss mask)
-    engine: str = "eyas"  # eyas | vllm: who runs the target (vllm: eyas.vllm.capture_worker, see _vllm_request)
-    vllm_python: str | None = None  # --vllm-python (else $EYAS_VLLM_PYTHON, else .venv-vllm)
-    vllm_tp: int = 1  # vLLM tensor_parallel_size
-    vllm_pp: int = 1  # vLLM pipeline_parallel_size
-    vllm_args: list[str] = field(default_factory=list)  # more vLLM engine args, KEY=VALUE (VALUE read as JSON)
-    vllm_generator: str = "auto"  # shared | separate engine for the replies (auto: separate on CPU, shared on CUDA)
+    capture_tokens: int = option("--capture-tokens", "padded tokens per capture forward (bounds activation memory)",
+                                 8192)
+    threads: int = option("--threads", "torch CPU threads (0 = default; 1 on a busy machine)", 0)
+    chat_template: str | None = option("--chat-template", CHAT_TEMPLATE_HELP)
+    raw: bool = option("--raw", "base models: rows as plain text without a template ({'text'} documents, or a "
+                       "conversation's texts joined); loss on every token, or with regeneration on the target's "
+                       "continuation", False)
+    engine: str = option("--engine", "who runs the target: eyas | vllm (vLLM writes the replies and, through "
+                         "extract_hidden_states, the stream states; eyas loads no weights)", "eyas")
+    vllm_python: str | None = option("--vllm-python", "--engine vllm: the python of a vLLM environment (default "
+                                     "$EYAS_VLLM_PYTHON, then .venv-vllm from `make vllm`)")
+    vllm_tp: int = option("--vllm-tp", "--engine vllm: tensor_parallel_size", 1)
+    vllm_pp: int = option("--vllm-pp", "--engine vllm: pipeline_parallel_size", 1)
+    vllm_args: list[str] = field(default_factory=list)  # --vllm-arg KEY=VALUE (VALUE read as JSON), repeatable
+    vllm_generator: str = option("--vllm-generator", "--engine vllm: the replies on the capture engine (shared: one "
+                                 "copy of the weights) or a second plain one (separate: faster decoding); auto = "
+                                 "separate on the CPU, shared on CUDA", "auto")
     vllm_session: Any = field(default=None, repr=False, compare=False)  # the running worker (run_datagen sets it)
 
     def template(self) -> ChatTemplate:
