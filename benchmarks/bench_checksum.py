@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from eyas.bench.report import cpu_name
+from eyas.bench.environment import cpu_name
 from eyas.data.shards import KIND, MANIFEST, Sample, ShardSet, read_fields, write_shard
 from eyas.files import atomic_write_json, file_digest, recorded_digest
 from eyas.layout import Layout, TargetIdentity

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from eyas.bench.config import BenchConfig
-from eyas.engine.params import TreeSettings
 from eyas.bench.run import run_bench
 from eyas.data.shards import ShardSet
 from eyas.draft import load_draft
+from eyas.engine.params import TreeSettings
 from eyas.files import atomic_write_json
 from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
@@ -129,7 +129,8 @@ def main() -> None:
         m = evaluate(ckpt.model, held, held.heldout, target, cfg, Dist(), torch.device("cpu"))
         bc = BenchConfig(bench="mt-bench", limit=args.bench_limit, max_new_tokens=args.max_new_tokens,
                          draft=str(arm / "draft"), methods=["plain", "tree"],
-                         tree=TreeSettings(depth=args.depth, topk=args.topk, tokens=args.tokens), threads=args.threads, out=str(arm / "bench"))
+                         tree=TreeSettings(depth=args.depth, topk=args.topk, tokens=args.tokens),
+                         threads=args.threads, out=str(arm / "bench"))
         tree = run_bench(bc, target=target, progress=False, show=False)["summary"]["methods"]["tree"]
         used = ShardSource(folders, HELDOUT_PCT, 64, args.max_len, caps).kept_tokens  # tokens per folder
         prices = [c_orig if f == args.orig else c_regen for f in folders]

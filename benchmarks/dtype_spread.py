@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     a = ap.parse_args()
 
+    from eyas.bench.environment import cpu_name
     from eyas.bench.prompts import load_prompts
-    from eyas.bench.report import cpu_name
     from eyas.doctor.serving import send_rows
     from eyas.engine.prompt import chat_input_ids
     from eyas.interop.export import export_draft

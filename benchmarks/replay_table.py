@@ -84,8 +84,8 @@ def main() -> None:
 
     import torch
 
+    from eyas.bench.environment import cpu_name
     from eyas.bench.prompts import load_prompts
-    from eyas.bench.report import cpu_name
     from eyas.draft import load_draft
     from eyas.engine.decode import Engine
     from eyas.engine.params import SamplingParams

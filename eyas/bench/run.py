@@ -35,11 +35,12 @@ from ..engine.ngram import describe_ngram
 from ..files import atomic_write_json
 from ..target.load import Target
 from .config import BENCH_USE, ENGINE_METHODS, WARMUP_TOKENS, BenchConfig, BenchError, check_threads
+from .environment import draft_summary, environment
 from .load import bench_parts, bench_spec, prompt_ids
 from .methods import Output, build_runners, greedy_answer, stop_ids
 from .outdir import default_out, prepare_out
 from .prompts import BenchPrompt, load_prompts
-from .report import draft_summary, environment, plot, render
+from .render import plot, render
 from .rows import make_row, mark_lossless, summarize
 from .vllm_peer import VLLM_METHODS, check_vllm, finish_vllm, reference_specs, run_vllm_phase
 

@@ -17,11 +17,12 @@ from ..engine.params import EngineError, SpecParams, TreeSettings
 from ..files import atomic_write, atomic_write_json
 from ..target.load import Target
 from .config import HF_ONLY, SKIP_SPEC, WARMUP_TOKENS, BenchConfig, SweepGrid, check_threads
+from .environment import draft_summary, environment
 from .load import bench_parts, prompt_ids
 from .methods import Output, engine_runner, greedy_answer, stop_ids
 from .outdir import SWEEP_RESUME_KEYS, default_out, prepare_out
 from .prompts import load_prompts
-from .report import draft_summary, environment, fmt, wide_console
+from .render import fmt, wide_console
 from .rows import summarize
 from .run import interleave, say, template_warning
 

@@ -3,7 +3,7 @@ they share the tree options."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -25,6 +25,10 @@ from .common import (
     user_errors,
     warn,
 )
+
+if TYPE_CHECKING:
+    from ..engine.decode import Engine
+    from ..engine.stats import GenResult
 
 
 @config_options(TreeSettings)
@@ -56,7 +60,7 @@ def generate(
 
     from ..engine.load import EngineOptions, EngineUse, load_engine
     from ..engine.params import SamplingParams
-    from ..engine.report import input_ids, read_messages, summary_lines
+    from ..engine.prompt import input_ids, read_messages
     from ..text import TextStream
 
     if (prompt is None) == (messages is None):
@@ -171,3 +175,26 @@ def bench(
                           tree=config_from(TreeSettings, given), threads=threads or None, grid=grid)
         (run_sweep if cfg.sweep else run_bench)(cfg, progress=not quiet)
 
+
+def summary_lines(engine: Engine, res: GenResult) -> list[str]:
+    """generate's report after the text: speed, the weights that ran, and for speculative methods tau,
+    acceptance per depth, the draft/verify split and what lookup contributed."""
+    st, spec = res.stats, engine.spec
+    lines = [f"[{spec.method}] {st.new_tokens} tokens ({res.finish_reason}) in {st.total_s:.2f}s: {st.tok_s:.1f} "
+             f"tok/s ({st.decode_tok_s:.1f} after the {st.prefill_s * 1e3:.0f} ms prefill of {st.prompt_tokens} "
+             "tokens)",
+             f"weights: target {engine.weights}" + (f", draft {engine.draft_weights}" if engine.draft_weights else "")
+             + (f" (--weights auto: {engine.weights_note})" if engine.weights_note else "")]
+    if spec.method == "plain":
+        return lines
+    rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
+    per = max(st.rounds, 1)
+    lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
+    lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
+                 f"(draft share {st.draft_share:.0%})")
+    if spec.lookup:
+        table = f"n-gram table {engine.ngram.path} ({len(engine.ngram)} contexts)" if engine.ngram else \
+            "no n-gram table"
+        lines.append(f"lookup: {st.lookup_accepted} of {st.lookup_proposed} proposed accepted; {table}"
+                     + (f": {st.ngram_accepted} of {st.ngram_proposed} accepted" if engine.ngram else ""))
+    return lines

@@ -39,7 +39,7 @@ from .checkpoint import (
 )
 from .config import OPT_FILE, RNG_FILE, TrainConfig, TrainError, init_dist
 from .prepare import build_draft, check_options, make_optimizer, open_data
-from .report import Report, print_done, write_curves
+from .progress import Report, print_done, write_curves
 from .sources import Item, plan_epoch
 from .step import StepStats, Window, lr_at, train_step
 from .step import evaluate as heldout_metrics
