@@ -68,11 +68,9 @@ def main() -> None:
 def bench_rows(target, a) -> list[dict]:
     from eyas.bench.load import prompt_ids
     from eyas.bench.prompts import load_prompts
-    from eyas.doctor.samples import as_samples
-    from eyas.doctor.scoring import _score
-    from eyas.doctor.streams import Serving, _fresh, _prepare
     from eyas.engine.decode import Engine
     from eyas.engine.params import SamplingParams, SpecParams
+    from eyas.probe import Serving, as_samples, capture_streams, prepare_draft, score_draft
 
     prompts = load_prompts(a.bench, a.limit)
     eng = Engine(target, None, SpecParams(method="plain"))
@@ -86,11 +84,11 @@ def bench_rows(target, a) -> list[dict]:
     evs, serving, rows = as_samples(samples), Serving(target), []
     for spec in a.draft:
         d = load_draft(spec)
-        draft = _prepare(d.model, target)
+        draft = prepare_draft(d.model, target)
         idx = list(d.layout.aux_indices)
-        fresh = _fresh(serving, draft, target, evs, set(idx))
-        r = _score(draft, target, [torch.cat([f.streams[k] for k in idx], -1) for f in fresh],
-                   [f.final for f in fresh], evs, a.ttt_steps, [f.labels for f in fresh])
+        fresh = capture_streams(serving, draft, target, evs, set(idx))
+        r = score_draft(draft, target, [torch.cat([f.streams[k] for k in idx], -1) for f in fresh],
+                        [f.final for f in fresh], evs, a.ttt_steps, [f.labels for f in fresh])
         name = f"{a.bench} x{len(evs)} own replies"
         rows.append({"draft": spec, "data": name, "heldout_acc": r["acc"], "heldout_rows": r["count"],
                      "serving_path": serving.path})
@@ -102,7 +100,7 @@ def bench_rows(target, a) -> list[dict]:
 
 
 def category_rows(spec: str, prompts, r: dict) -> list[dict]:
-    """Per-category step accuracy from _score's per-sample counts (samples are in prompt order)."""
+    """Per-category step accuracy from score_draft's per-sample counts (samples are in prompt order)."""
     correct, count = torch.as_tensor(r["sample_correct"]), torch.as_tensor(r["sample_count"])  # [samples, steps]
     rows = []
     for cat in sorted({p.category for p in prompts}):

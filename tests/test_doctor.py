@@ -18,11 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from eyas.data.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
 from eyas.doctor.checks import run_doctor
-from eyas.doctor.inference import infer_layout, layout_candidates
-from eyas.doctor.ranking import LayoutRanking
 from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
 from eyas.engine.forward import TargetModel
 from eyas.layout import Layout
+from eyas.probe import LayoutRanking, infer_layout, layout_candidates
 from eyas.target.convert import tensor_fingerprint
 from eyas.target.load import Target, identity_of
 from eyas.train.ttt import ttt_forward
@@ -273,7 +272,7 @@ def test_unpaired_accuracy_uses_the_spread_between_conversations():
 
 
 def test_ties_go_to_the_simplest_explanation():
-    from eyas.doctor.ranking import LayoutScore
+    from eyas.probe import LayoutScore
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(2000, generator=g) * 5
@@ -569,8 +568,7 @@ def test_real_target_random_head_is_named(smollm2, real_random):
 @pytest.mark.integration
 def test_self_source_samples_are_the_targets_own_prompts_on_held_out_rows(smollm2):
     from eyas.data.regen import user_turn_opening
-    from eyas.doctor.report import DoctorError
-    from eyas.doctor.samples import conversation_samples
+    from eyas.probe import SampleError, conversation_samples
 
     tok = smollm2.tokenizer
     evs = conversation_samples(tok, "self", 2, 96, 5.0, regen=(smollm2, {"seed": 0, "max_new_tokens": 16}, 2))
@@ -579,7 +577,7 @@ def test_self_source_samples_are_the_targets_own_prompts_on_held_out_rows(smollm
     for s in evs:
         text = tok.decode(s.input_ids.tolist())
         assert text.startswith(opening) and "<|im_start|>assistant\n" in text and int(s.loss_mask.sum()) > 0
-    with pytest.raises(DoctorError, match="source 'self'.*scored only for a draft trained on it"):
+    with pytest.raises(SampleError, match="source 'self'.*scored only for a draft trained on it"):
         conversation_samples(tok, "self", 2, 96, None)
 
 

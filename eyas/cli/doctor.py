@@ -74,8 +74,8 @@ def doctor_flags(
                                         "or a --speculative-config JSON"),
 ) -> None:
     """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
+    from ..doctor.checklist import jsonable
     from ..doctor.flags import lint_serve_command, render_lint
-    from ..doctor.report import jsonable
 
     with user_errors():
         lint = lint_serve_command(list(command or []), draft, num_layers)
@@ -104,7 +104,7 @@ def doctor_trace(
     from ..doctor.trace import render_trace, trace
     from ..engine.load import EngineOptions, EngineUse, check_options, load_parts
     from ..engine.params import SpecParams
-    from ..engine.report import input_ids
+    from ..engine.prompt import input_ids
 
     if method not in ("tree", "chain"):
         fail(f"--method {method}: the trace follows a draft's rounds; use --method tree or chain")
@@ -149,7 +149,7 @@ def doctor_serving(
     same prompts and chain length; a failure names the cause. Exit 0 on pass, 1 on fail."""
     import sys
 
-    from ..doctor.report import jsonable
+    from ..doctor.checklist import jsonable
     from ..doctor.server import ServerClient
     from ..doctor.serving import check_server, render_serving
     from ..replay.rows import load_rows

@@ -1,1 +1,2 @@
-"""Doctor stage: wiring checks, layout inference, the serve-flag lint and the trace."""
+"""Doctor stage: the wiring checks (measured with eyas.probe's layout inference), the serve-flag lint, the serving
+check and the trace."""

@@ -20,9 +20,10 @@ docs/CONTRACTS.md); the serving path captures with `eyas.engine.forward.TargetMo
 hooks for a family it does not cover; the report names which ran).
 All stream indices a sample needs are captured in ONE target forward per sample.
 
-Layout inference lives in eyas/doctor/inference.py (`eyas import` uses it too), the identity and config.json
-checks in eyas/doctor/identity.py, the norms and data_layout checks in eyas/doctor/features.py, the head check in
-eyas/doctor/head.py, the trace in eyas/doctor/trace.py, the serve-flag lint in eyas/doctor/flags.py.
+Layout inference, the samples, the streams and the draft's scores live in eyas/probe (`eyas import` uses them
+too), the identity and config.json checks in eyas/doctor/identity.py, the norms and data_layout checks in
+eyas/doctor/features.py, the head check in eyas/doctor/head.py, the trace in eyas/doctor/trace.py, the serve-flag
+lint in eyas/doctor/flags.py.
 """
 
 from __future__ import annotations
@@ -38,15 +39,25 @@ import torch
 from ..conventions import default_aux_indices, engine_views, to_engine_ids
 from ..draft import DraftCheckpoint
 from ..errors import LayoutError
-from .features import _check_data_layout, _check_norms
-from .head import BASELINE_MARGIN_POINTS, _check_head
-from .identity import _read_config, check_identity
-from .inference import _rank, layout_candidates
-from .ranking import LayoutRanking, LayoutScore
-from .report import Check, jsonable, pct, render_checks, render_fixes
-from .samples import EvalSample, as_samples, conversation_samples, shard_samples
-from .scoring import _score
-from .streams import Serving, _fresh, _prepare, capture_path_streams
+from ..probe import (
+    EvalSample,
+    LayoutRanking,
+    LayoutScore,
+    Serving,
+    as_samples,
+    capture_path_streams,
+    capture_streams,
+    conversation_samples,
+    layout_candidates,
+    prepare_draft,
+    rank_layouts,
+    score_draft,
+    shard_samples,
+)
+from .checklist import Check, jsonable, pct, render_checks, render_fixes
+from .features import check_data_layout, check_norms
+from .head import BASELINE_MARGIN_POINTS, check_head
+from .identity import check_identity, read_config
 
 # ---- thresholds (why each value) ------------------------------------------------------------------
 SKEW_POINTS = 2.0  # the issue's bar: a training/serving accuracy gap above 2 points is skew
@@ -259,7 +270,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
         return DoctorReport(checks, meta=meta)
     pct = float(heldout_pct if heldout_pct is not None else training.get("heldout_pct", 5.0))
     K = int(steps or training.get("ttt_steps") or 3)
-    draft = _prepare(ckpt.model, target)
+    draft = prepare_draft(ckpt.model, target)
     L, recorded = target.num_layers, list(ckpt.layout.aux_indices)
     evs, shard_set = _eval_samples(target, man, data, samples, source, num_samples, max_len, pct, meta)
     configured = _configured_layouts(ckpt, L, recorded)
@@ -267,27 +278,27 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     serving = Serving(target, weights)
     meta["serving_path"] = serving.path
     need = {k for idx, _ in cands for k in idx} | set(recorded)
-    fresh = _fresh(serving, draft, target, evs, need)  # ONE per sample
+    fresh = capture_streams(serving, draft, target, evs, need)  # ONE per sample
 
-    serve = _score(draft, target, [torch.cat([f.streams[k] for k in recorded], -1) for f in fresh],
-                   [f.final for f in fresh], evs, K, [f.labels for f in fresh], want_logits=True)
+    serve = score_draft(draft, target, [torch.cat([f.streams[k] for k in recorded], -1) for f in fresh],
+                        [f.final for f in fresh], evs, K, [f.labels for f in fresh], want_logits=True)
     train = None
     if all(s.stored_aux is not None for s in evs):
-        train = _score(draft, target, [s.stored_aux for s in evs], [s.stored_final for s in evs], evs, K)
+        train = score_draft(draft, target, [s.stored_aux for s in evs], [s.stored_final for s in evs], evs, K)
     metric = (man.get("metrics") or {}).get("heldout_acc")
     rows = (man.get("metrics") or {}).get("heldout_rows")
     checks.append(_check_accuracy(serve, train, metric[:K] if metric else None, rows, serving.path,
                                   paired=train is not None))
-    rank = _rank(draft, target, evs, fresh, cands, keep=[recorded, *configured.values()])
+    rank = rank_layouts(draft, target, evs, fresh, cands, keep=[recorded, *configured.values()])
     dflt = default_aux_indices(L)
     bases = [*configured.values(), *([dflt] if len(dflt) == len(recorded) else [])]
     rank = rank.simplest_among_ties(recorded, bases)
     checks.append(_check_layout(rank, recorded, L, configured))
-    checks.append(_check_norms(ckpt.layout.norms, fresh, evs, recorded, L, _recorded_length(man, shard_set)))
+    checks.append(check_norms(ckpt.layout.norms, fresh, evs, recorded, L, _recorded_length(man, shard_set)))
     if shard_set is not None:
         captured = capture_path_streams(target, evs[0].input_ids)
-        checks.append(_check_data_layout(shard_set.layout, ckpt, evs[0], captured, L))
-    checks.append(_check_head(draft, serve, rank))
+        checks.append(check_data_layout(shard_set.layout, ckpt, evs[0], captured, L))
+    checks.append(check_head(draft, serve, rank))
     acc = {"steps": K, "serving": serve, "training": train, "training_time_metric": metric,
            "serving_path": serving.short}
     return DoctorReport(_ordered(checks), layout=rank, accuracy=acc, meta=meta)
@@ -329,7 +340,7 @@ def _configured_layouts(ckpt: DraftCheckpoint, L: int, recorded: list[int]) -> d
     """The layouts engines would configure from the draft's config.json (other than the recorded one), as extra
     bases for the candidates."""
     configured: dict[str, list[int]] = {}
-    cfg = _read_config(ckpt)
+    cfg = read_config(ckpt)
     if cfg is not None:
         for eng in ("sglang", "vllm"):
             for v in engine_views(cfg, eng, L):

@@ -13,7 +13,7 @@ from typing import Any
 from ..conventions import has_aux_ids
 from ..errors import EyasError
 from ..files import check_file, read_json
-from .report import Check
+from .checklist import Check
 
 
 @dataclass

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..draft import DraftCheckpoint
-from .report import Check
-from .samples import EvalSample
-from .streams import _Fresh
+from ..probe import EvalSample, FreshStreams
+from .checklist import Check
 
 # relative drift of a mean stream norm from what this target gives (position 0 modelled separately: SmolLM2's
 # stream 15 averages 353 over 128-token samples, 223 over 384, 179 over 1024, all explained by ~25000 at
@@ -37,8 +36,8 @@ def _expected_norm(m0: float, m_rest: float, length: float) -> float:
     return (m0 + (length - 1) * m_rest) / length
 
 
-def _check_norms(recorded: dict[str, float], fresh: list[_Fresh], samples: list[EvalSample], aux: list[int],
-                 L: int, recorded_len: float | None) -> Check:
+def check_norms(recorded: dict[str, float], fresh: list[FreshStreams], samples: list[EvalSample], aux: list[int],
+                L: int, recorded_len: float | None) -> Check:
     """Recorded mean norms vs this target's. Position 0 carries a massive activation (SmolLM2 stream 15: ~25000
     at position 0, ~150 elsewhere), so a mean depends on sample length; the comparison models it: the expected
     recorded mean is (m0 + (len-1) m_rest) / len, with len the recorded data's mean sample length when known,
@@ -83,8 +82,8 @@ def _check_norms(recorded: dict[str, float], fresh: list[_Fresh], samples: list[
         f"{name[k]} {rec[k]:.1f} vs {exp_txt[k]}" for k in keys), numbers=nums, details=lines)
 
 
-def _check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, streams: dict[int, torch.Tensor],
-                       L: int) -> Check:
+def check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, streams: dict[int, torch.Tensor],
+                      L: int) -> Check:
     """Which stream each stored slice of `sample` holds: relative error against every fresh stream 0..L,
     captured the way datagen captured the shards (capture_path_streams)."""
     from ..layout import LayoutError, check_layouts

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..conventions import SEMANTICS_KEY, config_fix, default_aux_indices, engine_views, off_by_one_note
 from ..errors import EyasError
+from .checklist import Check, render_checks, render_fixes
 from .draft_dir import DraftInfo, read_draft_dir, sglang_loadable
-from .report import Check, render_checks, render_fixes
 
 
 class FlagsError(EyasError):

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..draft import Eagle3Draft
-from .ranking import LayoutRanking
-from .report import Check, pct
+from ..probe import LayoutRanking
+from .checklist import Check, pct
 
 BASELINE_MARGIN_POINTS = 2.0  # "predicts nothing": accuracy within this of always guessing the top token
 UNIFORM_ENTROPY = 0.97  # draft logits whose entropy is >= 97% of log(Vd) carry no prediction ...
@@ -52,7 +52,9 @@ def _looks_init(w: torch.Tensor) -> str | None:
     return None
 
 
-def _check_head(draft: Eagle3Draft, serve: dict[str, Any], rank: LayoutRanking | None) -> Check:
+def check_head(draft: Eagle3Draft, serve: dict[str, Any], rank: LayoutRanking | None) -> Check:
+    """The head check from the draft's weights, its serving-path scores (score_draft with want_logits) and the layout
+    ranking (its best accuracy and baseline; None or empty: the serving step-0 accuracy, no baseline)."""
     sig = {name: _looks_init(getattr(draft, name).weight) for name in ("lm_head", "fc")}
     ent = serve.get("entropy_ratio", float("nan"))
     ent_t = serve.get("target_entropy_ratio", float("nan"))

@@ -11,8 +11,8 @@ import torch
 from ..conventions import config_fix, engine_views
 from ..draft import DraftCheckpoint
 from ..layout import layout_diff
-from .ranking import FINAL_ONLY
-from .report import Check
+from ..probe import FINAL_ONLY
+from .checklist import Check
 
 # ---- 1. identity: no compute ----------------------------------------------------------------------
 
@@ -123,7 +123,8 @@ def _check_vocab(target, ckpt: DraftCheckpoint) -> Check:
                  "them" + ("; same vocabulary as at training (hash)" if rec else ""), numbers=nums)
 
 
-def _read_config(ckpt: DraftCheckpoint) -> dict[str, Any] | None:
+def read_config(ckpt: DraftCheckpoint) -> dict[str, Any] | None:
+    """The draft folder's config.json (what SGLang and vLLM read); None when the draft has no folder or no config."""
     import json
 
     if ckpt.path is None or not (Path(ckpt.path) / "config.json").is_file():
@@ -132,7 +133,7 @@ def _read_config(ckpt: DraftCheckpoint) -> dict[str, Any] | None:
 
 
 def _check_engine_config(target, ckpt: DraftCheckpoint) -> list[Check]:
-    cfg = _read_config(ckpt)
+    cfg = read_config(ckpt)
     if cfg is None:
         why = "the draft has no folder" if ckpt.path is None else f"{ckpt.path} has no config.json"
         return [Check("config_hidden", "skip", f"{why}: nothing for SGLang/vLLM to read"),

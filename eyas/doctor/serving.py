@@ -26,7 +26,7 @@ import torch
 from ..errors import EyasError
 from ..replay.plants import FAULTS
 from ..replay.rows import ReplayRows
-from .report import Check
+from .checklist import Check
 from .server import PER_POS, ServerClient, ServingError, SpecCounters
 
 # Verdict thresholds. Same numerics (vLLM CPU, fp32): counts are equal. Other numerics (a GPU, bf16) change a

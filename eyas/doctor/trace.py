@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..draft import DraftCheckpoint
-from .report import jsonable
+from .checklist import jsonable
 
 # ---- 7. trace: one prompt through the real serving path ---------------------------------------------
 #

@@ -2,8 +2,8 @@
 
 Import translates the checkpoint's ids into stream indices (what each format's ids mean:
 eyas/conventions.py), checks every shape against the target, and writes an eyas draft whose manifest records
-how the layout was decided. When the ids are missing or ambiguous it runs the doctor's layout inference
-(eyas.doctor.inference.infer_layout), and otherwise refuses, naming the readings and the flags that pick one.
+how the layout was decided. When the ids are missing or ambiguous it runs the layout inference the doctor runs
+too (eyas.probe.infer_layout), and otherwise refuses, naming the readings and the flags that pick one.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from .. import __version__
 from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
-from ..doctor.inference import infer_layout, layout_candidates
 from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
 from ..files import check_file, portable_command, read_json
 from ..layout import Layout, LayoutError
+from ..probe import infer_layout, layout_candidates
 from .export import ExportError, check_out, sha256_of
 from .formats import check_vocab_map, detect_format, draft_config_from, explain_unexpected, to_eyas_names
 
@@ -90,8 +90,8 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
 
 def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]] | None, recorded: list[int] | None,
                   samples: list | None = None) -> dict[str, Any] | None:
-    """The doctor's layout inference (eyas.doctor.inference.infer_layout: step-0 held-out loss and accuracy of the
-    draft on features the target produces under each candidate layout). `candidates` None lets the doctor search
+    """The layout inference `eyas doctor` runs too (eyas.probe.infer_layout: step-0 held-out loss and accuracy of
+    the draft on features the target produces under each candidate layout). `candidates` None lets it search
     around `recorded` (shifts, the embedding, permutations). `samples`: token-id tensors to measure on; None = a
     few chat conversations through the target's tokenizer.
     Adds `confident`: whether the best candidate beats the runner-up clearly enough to decide on."""
@@ -112,7 +112,7 @@ def run_inference(target, model: Eagle3Draft, candidates: dict[str, list[int]] |
     out = {**d, "chosen": best["label"], "aux_indices": best["indices"], "accuracy": best["accuracy"], **none}
     if len(table) == 1:
         return {**out, "confident": bool(best["indices"])}
-    # the doctor's rule: the runner-up's held-out loss is worse beyond noise (eyas.doctor.LayoutRanking.worse)
+    # the doctor's rule: the runner-up's held-out loss is worse beyond noise (eyas.probe.LayoutRanking.worse)
     worse, diff, se = ranking.worse(table[1]["indices"], best["indices"])
     a, b = best["accuracy"], table[1]["accuracy"]
     out.update(margin_points=round(100.0 * (a - b), 2))
@@ -266,7 +266,7 @@ def _refuse_undecided(why: str, found: IdsFound, readings: Readings, inference: 
                      f"nats, paired standard error {inference['se_loss']} on {inference.get('tokens')} tokens):")
         lines += [f"  accuracy {r['accuracy']}  loss {r['loss']}  {r['label']}" for r in inference["table"][:6]]
     else:
-        lines.append("Layout inference (eyas.doctor.inference.infer_layout) " + (
+        lines.append("Layout inference (eyas.probe.infer_layout) " + (
             "had no reading with the draft's number of aux states to rank" if infer
             else "is disabled (--no-infer)") + ".")
     lines.append("Pick the layout explicitly: --format sglang|vllm|eagle if you know where the draft was trained, "

@@ -1,6 +1,6 @@
-"""The doctor's evaluation samples: token ids and the loss mask of each, from token-id tensors, shard folders (the
-held-out split) or a conversation source through the chat template, optionally with replies the target regenerates
-(a draft trained on its own replies)."""
+"""The evaluation samples a draft is scored on: token ids and the loss mask of each, from token-id tensors, shard
+folders (the held-out split) or a conversation source through the chat template, optionally with replies the target
+regenerates (a draft trained on its own replies)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from .report import DoctorError
+from ..errors import EyasError
+
+
+class SampleError(EyasError):
+    """Samples that cannot be scored (too short, no held-out rows, no usable conversations); the message says what
+    to pass."""
 
 
 @dataclass
@@ -40,9 +45,9 @@ def as_samples(samples: Sequence[Any]) -> list[EvalSample]:
             out.append(EvalSample(i, ids, torch.ones_like(ids, dtype=torch.bool)))
     for s in out:
         if s.input_ids.numel() < 3:
-            raise DoctorError(f"sample {s.row_id} has {s.input_ids.numel()} tokens; the draft needs at least 3")
+            raise SampleError(f"sample {s.row_id} has {s.input_ids.numel()} tokens; the draft needs at least 3")
         if s.loss_mask.shape != s.input_ids.shape:
-            raise DoctorError(f"sample {s.row_id}: loss_mask {tuple(s.loss_mask.shape)} != input_ids "
+            raise SampleError(f"sample {s.row_id}: loss_mask {tuple(s.loss_mask.shape)} != input_ids "
                               f"{tuple(s.input_ids.shape)}")
     return out
 
@@ -60,7 +65,7 @@ def shard_samples(folders: Sequence[str | Path], num: int, heldout_pct: float,
         if len(out) >= num:
             break
     if not out:
-        raise DoctorError(f"{list(folders)} hold no held-out samples at --heldout-pct {heldout_pct}: the doctor "
+        raise SampleError(f"{list(folders)} hold no held-out samples at --heldout-pct {heldout_pct}: the doctor "
                           "measures on rows the draft never trained on; pass the training run's --heldout-pct")
     return out, ss
 
@@ -75,14 +80,14 @@ def conversation_samples(tokenizer, source: str, num: int, max_len: int, heldout
     from ..data.conversations import SELF_SOURCE, tokenize_conversation
 
     if tokenizer is None:
-        raise DoctorError("the target has no tokenizer: pass token-id samples (samples=...) instead of a source")
+        raise SampleError("the target has no tokenizer: pass token-id samples (samples=...) instead of a source")
     if source == SELF_SOURCE:  # rows the target writes: nothing to read, and every reply is its own
         if regen is None:
-            raise DoctorError("source 'self' (user turns the target writes) is scored only for a draft trained on "
+            raise SampleError("source 'self' (user turns the target writes) is scored only for a draft trained on "
                               "it; pass --data-source sharegpt or a conversation file")
         convs = _self_prompted(regen[0], regen[1], num, max_len, heldout_pct)
         if not convs:
-            raise DoctorError(f"no usable self-prompted rows: each of the target's {2 * num} own user turns was "
+            raise SampleError(f"no usable self-prompted rows: each of the target's {2 * num} own user turns was "
                               "empty, looping, repeated or unfinished; --data-source self needs a chat-tuned target")
     else:
         convs = _read(tokenizer, source, num, max_len, heldout_pct, scan)
@@ -122,7 +127,7 @@ def _read(tokenizer, source: str, num: int, max_len: int, heldout_pct: float | N
         if len(convs) >= num:
             break
     if not convs:
-        raise DoctorError(f"no usable conversations in {source!r} (scanned {seen} rows"
+        raise SampleError(f"no usable conversations in {source!r} (scanned {seen} rows"
                           + (f", held-out rows at {heldout_pct}%" if heldout_pct is not None else "") + ")")
     return convs
 

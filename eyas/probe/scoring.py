@@ -1,6 +1,7 @@
-"""The draft's step-0 accuracy and loss through ttt_forward (the training objective) on given features, in
-right-padded length batches; the final-state-only view of a draft (EAGLE instead of EAGLE3) and the
-most-frequent-token baseline."""
+"""The draft's scores: its per-step accuracy and step-0 loss through ttt_forward (the training objective) on given
+features, in right-padded length batches (score_draft), and on one candidate layout's captured streams
+(score_layout); the draft readied for it (prepare_draft), its final-state-only view (EAGLE instead of EAGLE3) and
+the most-frequent-token baseline."""
 
 from __future__ import annotations
 
@@ -15,9 +16,22 @@ from torch import nn
 from ..draft import Eagle3Draft
 from ..train.ttt import step_valid, ttt_forward
 from .samples import EvalSample
+from .streams import FreshStreams
 
 
-def _final_only_view(draft: Eagle3Draft) -> Eagle3Draft | None:
+def prepare_draft(draft: Eagle3Draft, target) -> Eagle3Draft:
+    """The draft ready to score on the target: the target's embeddings when it carries none, on its device, in eval
+    mode (in place; returned for chaining)."""
+    if draft.embed_weight.numel() == 0:
+        draft.set_embeddings(target.embed_tokens().weight)
+    dev = target.device
+    if draft.fc.weight.device != dev:
+        draft.to(dev)
+    draft.eval()
+    return draft
+
+
+def final_only_view(draft: Eagle3Draft) -> Eagle3Draft | None:
     """The draft as an engine running EAGLE (not EAGLE3) uses it: the 1xH final state skips fc. None when the
     draft's hidden differs from the target's (the engine would then apply a 3xH fc to a 1xH input: a crash)."""
     c = draft.config
@@ -64,9 +78,9 @@ def _entropy(p: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[torch.Tensor],
-           samples: list[EvalSample], steps: int, labels: list[Any] | None = None,
-           want_logits: bool = False, want_rows: bool = False) -> dict[str, Any]:
+def score_draft(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[torch.Tensor],
+                samples: list[EvalSample], steps: int, labels: list[Any] | None = None,
+                want_logits: bool = False, want_rows: bool = False) -> dict[str, Any]:
     """Per-step correct/count of ttt_forward over samples (right-padded batches), also per sample
     ("sample_correct"/"sample_count" [samples][steps], for a standard error over conversations); with
     want_logits also the step-0 entropy of the draft's and the target's distributions over the draft
@@ -116,7 +130,26 @@ def _score(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: list[t
     return out
 
 
-def _baseline(samples: list[EvalSample], labels: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+@torch.no_grad()
+def score_layout(draft: Eagle3Draft, target, samples: list[EvalSample], fresh: list[FreshStreams],
+                 indices: list[int], subset: list[int]) -> dict[str, Any] | None:
+    """score_draft at step 0, with the per-position losses ("rows", "loss"), of the draft fed one candidate layout
+    on the samples in `subset`: the streams `indices` concatenated, or for [] the post-norm final state through
+    the draft's final-only view; None when an engine would crash on that (final_only_view)."""
+    if not indices:
+        model = final_only_view(draft)
+        if model is None:
+            return None
+        # the post-norm final state, as an engine running EAGLE passes it (what the target's head sees)
+        feats = [target.final_norm()(fresh[i].final.float()) for i in subset]
+    else:
+        feats = [torch.cat([fresh[i].streams[k] for k in indices], dim=-1) for i in subset]
+        model = draft
+    return score_draft(model, target, feats, [fresh[i].final for i in subset], [samples[i] for i in subset], 1,
+                       [fresh[i].labels for i in subset], want_rows=True)
+
+
+def baseline_accuracy(samples: list[EvalSample], labels: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Step-0 accuracy of always proposing the most frequent target token (over the scored positions)."""
     tops = []
     for s, (_, top) in zip(samples, labels, strict=True):

@@ -6,18 +6,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import EyasError
-
 STATUSES = ("pass", "warn", "fail", "skip")
 
 
 def pct(x: float | None) -> str:
     """A share in [0, 1] as a percentage with one decimal; n/a for a missing or NaN measurement."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
-
-
-class DoctorError(EyasError):
-    """Bad input to the doctor (unreadable data, no samples); the message says what to pass."""
 
 
 @dataclass

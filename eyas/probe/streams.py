@@ -1,5 +1,5 @@
-"""The target's streams for the doctor: the serving-path forward (Serving: the engine's forward when the family has
-one), the datagen capture path, and the fresh streams and step-0 labels of each sample."""
+"""The target's streams a draft is scored on: the serving-path forward (Serving: the engine's forward when the family
+has one), the datagen capture path, and the fresh streams and step-0 labels of each sample (capture_streams)."""
 
 from __future__ import annotations
 
@@ -70,29 +70,21 @@ def capture_path_streams(target, input_ids: torch.Tensor) -> dict[int, torch.Ten
 
 
 @dataclass
-class _Fresh:
+class FreshStreams:
+    """One sample's streams captured now (not read from shards), with the step-0 labels the final state gives."""
+
     streams: dict[int, torch.Tensor]  # k -> [S, H]
     final: torch.Tensor  # [S, H] pre-norm
     labels: tuple[torch.Tensor, torch.Tensor]  # (probs [1,S,Vd], argmax [1,S]) from the fresh final
 
 
-def _prepare(draft: Eagle3Draft, target) -> Eagle3Draft:
-    if draft.embed_weight.numel() == 0:
-        draft.set_embeddings(target.embed_tokens().weight)
-    dev = target.device
-    if draft.fc.weight.device != dev:
-        draft.to(dev)
-    draft.eval()
-    return draft
-
-
-def _fresh(serving: Serving, draft: Eagle3Draft, target, samples: list[EvalSample],
-           indices: set[int]) -> list[_Fresh]:
+def capture_streams(serving: Serving, draft: Eagle3Draft, target, samples: list[EvalSample],
+                    indices: set[int]) -> list[FreshStreams]:
     """One serving-path forward per sample capturing `indices`."""
     out = []
     ids_map = draft.target_token_ids()
     for s in samples:
         streams, final = serving.streams(s.input_ids, sorted(indices))
         labels = target_labels(final[None].float(), target.final_norm(), target.lm_head(), ids_map)
-        out.append(_Fresh(streams, final, labels))
+        out.append(FreshStreams(streams, final, labels))
     return out
