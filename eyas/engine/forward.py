@@ -122,7 +122,7 @@ def _dense(l: nn.Module) -> dict[str, Matmul]:
         ("d", m.down_proj))}
 
 
-def _check_family(model: nn.Module):
+def check_family(model: nn.Module):
     cfg = getattr(model.config, "text_config", None) or model.config
     mt = getattr(cfg, "model_type", "?")
     if not engine_covers(mt):
@@ -137,7 +137,7 @@ class TargetModel:
     weights and attention runs through eyas's row-invariant kernel; everything else is shared."""
 
     def __init__(self, model: nn.Module, native: NativeWeights | None = None, kernel_attention: bool = False):
-        cfg = _check_family(model)
+        cfg = check_family(model)
         self.hf = model
         self.native = native
         self.fallback: str | None = None  # why --weights auto ran fp32 instead of native (set by engine_model)

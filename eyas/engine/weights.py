@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..native.quant import NativeWeights
 from ..target.capture import decoder_parts
 from ..target.family import ModelError
-from .forward import TargetModel, _check_family
+from .forward import TargetModel, check_family
 from .params import WEIGHTS  # re-exported: stated in params, which the CLI imports without torch
 
 NATIVE_ACT = {"native": "q8", "native-bf16": "bf16"}  # weights mode -> 4-bit matrices' activations
@@ -70,7 +70,7 @@ def native_weights(target: Target, act: str = "q8") -> NativeWeights:
 
     cached = target.native_cache if target.native_cache is not None and target.native_cache.act == act else None
     if cached is None:
-        _check_family(target.model)
+        check_family(target.model)
         cfg = getattr(target.model.config, "text_config", None) or target.model.config
         heads = int(cfg.num_attention_heads)
         kv = int(getattr(cfg, "num_key_value_heads", None) or heads)

@@ -54,7 +54,7 @@ _GGUF_FAMILIES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": 
                   "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
-def _gguf_of(spec: str) -> Path | None:
+def gguf_of(spec: str) -> Path | None:
     """The .gguf file a bundled name or a .gguf path names; None for any other spec (a HF folder)."""
     if spec not in BUNDLED and not spec.endswith(".gguf"):
         return None
@@ -64,7 +64,7 @@ def _gguf_of(spec: str) -> Path | None:
     return gguf
 
 
-def _hf_folder(spec: str) -> Path:
+def hf_folder(spec: str) -> Path:
     folder = Path(spec)
     if not folder.is_dir() or not (folder / "config.json").exists():
         raise TargetError(
@@ -95,7 +95,7 @@ def target_family(spec: str) -> tuple[str | None, str]:
     """(family, where it was read) of a target spec from its config.json or its GGUF metadata alone, without
     loading any weights: what a command checks before it loads a target it cannot run. The family is
     transformers' model_type (None when the file does not say); bad specs and files raise TargetError."""
-    gguf = _gguf_of(spec)
+    gguf = gguf_of(spec)
     if gguf is not None:
         from ..native.gguf_file import read_gguf_metadata
 
@@ -103,7 +103,7 @@ def target_family(spec: str) -> tuple[str | None, str]:
         if not isinstance(arch, str):
             return None, f"{gguf.name}'s metadata"
         return _GGUF_FAMILIES.get(arch, arch), f"general.architecture {arch!r} in {gguf.name}"
-    folder = _hf_folder(spec)
+    folder = hf_folder(spec)
     return config_family(read_config(folder)), f"{folder / 'config.json'}"
 
 

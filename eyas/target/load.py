@@ -17,7 +17,7 @@ from ..layout import Layout, TargetIdentity
 from .capture import decoder_parts
 from .convert import convert_gguf, file_fingerprint
 from .device import parse_dtype, resolve_device
-from .family import BUNDLED, DEFAULT_TARGET, TargetError, _gguf_of, _hf_folder, read_config
+from .family import BUNDLED, DEFAULT_TARGET, TargetError, gguf_of, hf_folder, read_config
 from .gguf_config import gguf_overrides, overrides_hold
 from .offline import hub_offline
 
@@ -202,7 +202,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
     t0 = time.perf_counter()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     dev = resolve_device(device)
-    gguf = _gguf_of(spec)
+    gguf = gguf_of(spec)
     if gguf is not None:
         fp = file_fingerprint([gguf])
         folder = cache_dir() / "targets" / f"{gguf.stem}-{fp.split(':')[1][:12]}"
@@ -214,7 +214,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         name = spec if spec in BUNDLED else gguf.name
         fix = f"the converted copy of {gguf.name} is damaged: delete {folder} and rerun (eyas converts it again)"
     else:
-        folder = _hf_folder(spec)
+        folder = hf_folder(spec)
         fp = ""
         name = folder.name
         fix = "the model folder is damaged: copy or save it again"
