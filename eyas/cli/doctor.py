@@ -39,20 +39,16 @@ def doctor(
         return
     from ..doctor.checks import render, run_doctor
     from ..draft import load_draft
-    from ..target.load import load_target
+    from ..target.open import TargetChoice
+    from ..target.template import draft_template_warning
 
     if draft is None:
         fail("--draft is required: the eyas draft folder to check (or 'default'); see `eyas doctor --help`")
     with user_errors():
-        from ..target.template import TemplateError, draft_template_warning, resolve_template, use_template
-
-        choice = resolve_template(chat_template)  # a bad flag fails before the target loads
-        tgt = load_target(target, dtype=dtype, device=device)
+        # the serving-path samples render with the template; a target without one still opens: the checks that
+        # render chats report it themselves
+        tgt = TargetChoice(target, dtype, device, chat_template, template_required=False).open()
         ck = load_draft(draft, device=device)
-        try:  # the serving-path samples render with it
-            use_template(tgt, choice)
-        except TemplateError:
-            pass  # no template at all: the checks that render chats report it themselves
         mismatch = draft_template_warning(ck.manifest, tgt.chat_template)
         if mismatch:
             warn(mismatch)
@@ -103,7 +99,7 @@ def doctor_trace(
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
     from ..doctor.trace import render_trace, trace
     from ..engine.load import EngineOptions, EngineUse, check_options, load_parts
-    from ..engine.params import SpecParams
+    from ..engine.params import TreeSettings
     from ..engine.prompt import input_ids
 
     if method not in ("tree", "chain"):
@@ -112,7 +108,7 @@ def doctor_trace(
                          chat_template=chat_template, raw=raw)
     use = EngineUse("eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) measures the draft on "
                     "this target through HF hooks")
-    spec = SpecParams(method=method)  # the engine's own tree, not the device's default
+    spec = TreeSettings().spec(method, None)  # the engine's full tree, not the device's pruned default
     with user_errors():
         parts = load_parts(opts, use, check_options(opts, use, [spec]), [spec])
         if parts.template_warning:

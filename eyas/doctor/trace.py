@@ -67,9 +67,9 @@ def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_n
     the tokens accepted."""
     from ..conventions import engine_ids_table
     from ..engine.load import EngineParts, make_engine
-    from ..engine.params import SamplingParams, SpecParams
+    from ..engine.params import SamplingParams, TreeSettings
 
-    eng = make_engine(EngineParts(target, ckpt, None), spec or SpecParams())
+    eng = make_engine(EngineParts(target, ckpt, None), spec or TreeSettings().spec("tree", None))
     d, tm, tok = eng.draft, eng.model, target.tokenizer
     idx = list(ckpt.layout.aux_indices)
     H = target.hidden_size
