@@ -165,7 +165,7 @@ class InProcess:
     def __init__(self, a: argparse.Namespace):
         from eyas.engine.load import EngineOptions
         from eyas.engine.params import TreeSettings
-        from eyas.serve.app import build_engine
+        from eyas.serve.launch import build_engine
 
         self.a = a
         tree = TreeSettings(steps=a.steps, depth=a.depth, topk=a.topk, tokens=a.tokens)

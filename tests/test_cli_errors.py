@@ -205,12 +205,13 @@ def test_serve_prefill_chunk_reaches_the_engine(files, monkeypatch):
     import typer
 
     import eyas.serve.app as srv
+    import eyas.serve.launch as launch
 
     opt = next(o for o in typer.main.get_command(app).commands["serve"].params if "--prefill-chunk" in o.opts)
     assert opt.default == srv.PREFILL_CHUNK and ">= 16" in opt.help and "waits about one chunk" in opt.help
     assert "--prefill-chunk" in CliRunner().invoke(app, ["serve", "--help"]).output
     served = []
-    monkeypatch.setattr(srv, "run", lambda app_, host, port, log_level="info": served.append(app_))
+    monkeypatch.setattr(launch, "run", lambda app_, host, port, log_level="info": served.append(app_))
     for argv, want in (([], srv.PREFILL_CHUNK), (["--prefill-chunk", "64"], 64), (["--prefill-chunk", "0"], 0)):
         r = CliRunner().invoke(app, ["serve", "--target", str(files / "llama"), "--draft", "none", *argv])
         assert r.exit_code == 0, r.output

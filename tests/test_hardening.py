@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from eyas.serve import bounds
-from eyas.serve.app import ServeConfig, create_app, make_server
+from eyas.serve.app import ServeConfig, create_app
+from eyas.serve.launch import make_server
 
 MODEL, KEY = "stub", "sekrit"
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"

@@ -24,7 +24,8 @@ from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
 from eyas.engine.prompt import chat_input_ids
-from eyas.serve.app import ServeConfig, create_app, exposure_warning
+from eyas.serve.app import ServeConfig, create_app
+from eyas.serve.launch import exposure_warning
 from eyas.serve.metrics import Metrics
 from eyas.serve.openai_schema import APIError
 from eyas.target.load import load_target
@@ -528,7 +529,7 @@ class EndlessEngine:
 
 class EndlessServer:
     def __init__(self, tokenizer):
-        from eyas.serve.app import make_server
+        from eyas.serve.launch import make_server
 
         token = tokenizer("hello", add_special_tokens=False)["input_ids"][0]
         self.app = create_app(EndlessEngine(token), tokenizer, ServeConfig(model_name=MODEL, max_prompt_tokens=50))

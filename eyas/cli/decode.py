@@ -121,9 +121,10 @@ def serve(
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
     from ..engine.load import EngineOptions
     from ..serve import app as srv
+    from ..serve import launch
 
-    key = srv.resolve_api_key(api_key)
-    warning = srv.exposure_warning(host, key)
+    key = launch.resolve_api_key(api_key)
+    warning = launch.exposure_warning(host, key)
     if warning:
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
     with user_errors():
@@ -133,17 +134,17 @@ def serve(
         opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree),
                              ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
                              chat_template=chat_template).resolved()
-        engine, tgt = srv.build_engine(opts)
-        for w in srv.template_warnings(engine, tgt):
+        engine, tgt = launch.build_engine(opts)
+        for w in launch.template_warnings(engine, tgt):
             warn(w)
         cfg.model_name = model_name or tgt.identity.name or target
-        cfg.context_length = srv.context_length_of(tgt)
+        cfg.context_length = launch.context_length_of(tgt)
         app_ = srv.create_app(engine, tgt.tokenizer, cfg)
     desc = f"{opts.method}, draft {opts.draft}" if engine.drafts else f"{opts.method}, no draft"
     if engine.ngram is not None:
         desc += f", n-gram table ({len(engine.ngram)} contexts)"
-    typer.echo(srv.startup_line(cfg, host, port, desc), err=True)
-    srv.run(app_, host, port, log_level=log_level)
+    typer.echo(launch.startup_line(cfg, host, port, desc), err=True)
+    launch.run(app_, host, port, log_level=log_level)
 
 
 @config_options(BenchConfig, TreeSettings)

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server on the speculative engine (`eyas serve`).
 
 One engine, one worker thread (eyas.serve.worker); the request checks (auth, model name, tokenization and
-limits) are plain functions here, and `create_app` wires them into FastAPI routes.
+limits) are plain functions here, and `create_app` wires them into FastAPI routes. Starting it (the engine, the
+exposure and template warnings, uvicorn with the worker drained first) is eyas.serve.launch.
 """
 
 from __future__ import annotations
@@ -10,34 +11,27 @@ import asyncio
 import copy
 import hmac
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.decode import Engine
-from ..engine.load import EngineOptions, EngineUse, load_engine
 from ..engine.params import EngineError, SamplingParams
 from ..engine.prompt import chat_input_ids
 from ..errors import EyasError
-from ..target.load import Target
-from ..target.template import draft_template_warning, raw_ids
+from ..target.template import raw_ids
 from . import openai_schema as oai
-from .bounds import read_body, server_limits
+from .bounds import read_body
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
 from .worker import Job, Worker
-
-if TYPE_CHECKING:
-    import uvicorn
 
 log = logging.getLogger("eyas.server")
 API_KEY_ENV = "EYAS_API_KEY"
@@ -401,82 +395,3 @@ async def stream_events(metrics: Metrics, job: Job, req: GenRequest, rid: str, c
         # reached on completion, and on disconnect (Starlette cancels this generator's task)
         if not job.done:
             job.cancelled.set()
-
-
-# ---- running it ----------------------------------------------------------------------------------
-
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-
-
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    if is_loopback(host) or api_key:
-        return None
-    return (f"binding to {host} without an API key: anyone who can reach this machine can use the model. "
-            f"Pass --api-key KEY (or set ${API_KEY_ENV}), or bind to 127.0.0.1.")
-
-
-SERVE_USE = EngineUse("eyas serve", "`eyas export --format sglang|vllm` writes a draft trained on it for an engine "
-                      "that serves this family", draft_instead="--draft none for plain decoding",
-                      template_required=False)
-
-
-def build_engine(opts: EngineOptions) -> tuple[Engine, Target]:
-    """Load the target, the draft and the n-gram table (eyas.engine.load; the method rule is EngineOptions') ->
-    (engine, target). Without a chat template (none given and the tokenizer has none) the server still starts:
-    completions need no template (template_warnings)."""
-    engine, parts = load_engine(opts, SERVE_USE)
-    return engine, parts.target
-
-
-def template_warnings(engine: Any, target: Any) -> list[str]:
-    """Startup warnings: no chat template (chat requests will be refused), or a draft trained under another
-    template than the one chat requests render with."""
-    if target.chat_template is None:
-        return ["the target has no chat template, so /v1/chat/completions requests will get a 400 (/v1/completions "
-                "works on raw text); restart with --chat-template chatml (or gemma, llama3, a Jinja file) to serve "
-                "chats"]
-    manifest = getattr(engine, "draft_manifest", None)
-    w = draft_template_warning(manifest, target.chat_template) if manifest is not None else None
-    return [w] if w else []
-
-
-def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
-    """A uvicorn.Server for the app (config: uvicorn.Config's arguments) that drains the engine worker as
-    soon as shutdown begins (SIGTERM, Ctrl-C). Uvicorn's own order — wait for open requests, then run the
-    lifespan shutdown — would let queued requests wait out the grace period and then be cancelled into
-    plain-text 500s, and cut an open stream off mid-answer; draining first answers queued requests with a
-    JSON 503 and ends a running stream with an error event and [DONE] within one decoding round.
-    The connection limits of eyas.serve.bounds (request-head deadline and size) apply unless config overrides them."""
-    import uvicorn
-
-    worker: Worker = app.state.worker
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
-            worker.drain()
-            await super().shutdown(sockets=sockets)
-
-    return Server(uvicorn.Config(app, **{**server_limits(), **config}))
-
-
-def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    make_server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5).run()
-
-
-def context_length_of(target: Any) -> int | None:
-    cfg = getattr(target.model.config, "text_config", None) or target.model.config
-    n = getattr(cfg, "max_position_embeddings", None)
-    return int(n) if n else None
-
-
-def resolve_api_key(flag: str | None) -> str | None:
-    return flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)
-
-
-def startup_line(cfg: ServeConfig, host: str, port: int, engine_desc: str) -> str:
-    auth = "API key required" if cfg.api_key else "no API key"
-    return (f"eyas serve: {cfg.model_name} ({engine_desc}) on http://{host}:{port}/v1 — {auth}; "
-            f"max prompt {cfg.max_prompt_tokens} tokens, max new {cfg.max_new_tokens}")
-
-
