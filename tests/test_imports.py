@@ -9,7 +9,8 @@ import each other):
   vllm     eyas/vllm (same rank as native): finds vLLM's own python and runs worker scripts under it
   target   eyas/target: family policy, device, conversion, load, capture
   draft    eyas/draft.py and eyas/inspect.py: the EAGLE-3 module over a target; inspect over a target
-  engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, stats, prompt, decode, load, report
+  engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, stats, prompt, sequence, tree, verify,
+           decode, load
   data     eyas/data: conversations, regen, shards, datagen_config, capture, chunks, manifest, datagen_vllm,
            datagen, ngrams (needs the target to capture)
   replay   eyas/replay (same rank as data): rows, the recorded target, the replay on the engine, planted faults
