@@ -169,7 +169,8 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
         assert m[name]["compared"] == 2 and 0 <= m[name]["identical"] <= 2
     assert m["plain"]["tau"] == 1.0 and m["hf-greedy"]["tau"] == 1.0
     sp = saved["specs"]  # the knobs each eyas method ran with, the given ones kept
-    assert (sp["tree"]["depth"], sp["tree"]["lookup"], sp["tree-lookup"]["lookup"], sp["chain"]["steps"]) == (3, 0, 3, 3)
+    tree, chain = sp["tree"], sp["chain"]
+    assert (tree["depth"], tree["lookup"], sp["tree-lookup"]["lookup"], chain["steps"]) == (3, 0, 3, 3)
     assert (sp["lookup"]["lookup"], sp["lookup"]["min_prob"], sp["plain"]["lookup"]) == (3, 0.0, 0)
     assert all(s["tok_s"] > 0 and s["new_tokens"] > 0 for s in m.values())
     assert m["hf-greedy"]["speedup_vs_hf"] == 1.0

@@ -19,6 +19,9 @@ from eyas.replay.rows import ReplayError, capture_rows_eyas, load_rows, plant_st
 from eyas.replay.run import chain, replay, sglang, tree
 from tests.test_engine import PROMPTS, make_target, prompts_for_training, train_draft
 
+CPU = TREE_DEFAULTS["cpu"]
+CPU_TREE = (CPU["depth"], CPU["topk"], CPU["tokens"])  # the default tree on the CPU
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -54,7 +57,7 @@ def engine_counts(target, ck, spec: SpecParams, prompts, m: int):
 
 
 SPECS = [chain(1), chain(2), chain(3), chain(5), tree(3, 3, 8), tree(4, 2, 10), tree(2, 4, 21),
-         tree(**TREE_DEFAULTS["cpu"]), tree(3, 2, 6, lookup=3), sglang(3, 1, 99)]
+         tree(*CPU_TREE, lookup=CPU["lookup"], min_prob=CPU["min_prob"]), tree(3, 2, 6, lookup=3), sglang(3, 1, 99)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-{s.steps}-{s.depth}-{s.topk}-{s.tokens}-"
@@ -178,7 +181,7 @@ def test_replay_equals_the_engine_on_the_bundled_target(smollm2):
     ck = load_draft("default")
     ids = [chat_input_ids(smollm2.tokenizer, r.messages) for r in load_prompts("mt-bench", limit=3)]
     rows = cached_rows_eyas(smollm2, ids, 48, plant_streams(ck.layout.aux_indices, smollm2.num_layers))
-    for spec in [chain(k) for k in range(1, 6)] + [tree(**TREE_DEFAULTS["cpu"])]:
+    for spec in [chain(k) for k in range(1, 6)] + [tree(*CPU_TREE, lookup=CPU["lookup"], min_prob=CPU["min_prob"])]:
         res = replay(rows, smollm2, ck, spec)
         per, prop, rounds, toks = engine_counts(smollm2, ck, spec, ids, 48)
         assert toks == [rows.reply(i) for i in range(len(rows))]

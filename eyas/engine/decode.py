@@ -40,7 +40,7 @@ from ..target.device import sync_device as _sync
 from ..target.load import Target, end_token_ids
 from .forward import TargetModel
 from .ngram import NgramTable, check_ngram_for_target
-from .params import DRAFT_METHODS, EngineError, SamplingParams, SpecParams
+from .params import DRAFT_METHODS, EngineError, SamplingParams, SpecParams, TreeSettings
 from .sequence import DraftCache, Sequence
 from .stats import GenResult, GenStats
 from .tree import Tree, TreeDrafter, merge_lookup
@@ -54,7 +54,7 @@ class Engine:
         """`model`: the forward to run instead of engine_model(target, spec.weights), with TargetModel's interface
         (eyas.replay.recorded.RecordedModel answers from a recording, so `target` may hold no weights)."""
         self.target = target
-        self.spec = spec or SpecParams()
+        self.spec = spec or TreeSettings().spec("tree", None)  # the engine's full tree
         if ngram is not None:
             check_ngram_for_target(ngram, target)
         # proposes where context lookup finds nothing, so only methods with lookup candidates consult it
