@@ -149,7 +149,7 @@ def doctor_serving(
     from ..doctor.server import ServerClient
     from ..doctor.serving import check_server, render_serving
     from ..replay.rows import load_rows
-    from ..target.load import load_target
+    from ..target.open import TargetChoice
 
     with user_errors():
         probe = ServerClient(url, api_key, timeout)  # a bad or unreachable URL fails before anything loads
@@ -164,7 +164,7 @@ def doctor_serving(
         if rows_dir is not None:
             rows = load_rows(rows_dir)
             rows.head(prompts)
-            tgt = load_target(target, dtype="fp32", device=device, load_weights=False)
+            tgt = TargetChoice(target, "fp32", device, template_required=False).open(load_weights=False)
             m = min(max_new_tokens, rows.max_new_tokens)
         else:
             rows, tgt = _fresh_rows(target, draft, bench_set, prompts, max_new_tokens, device, say)
@@ -186,13 +186,13 @@ def _fresh_rows(target: str, draft: str, bench_set: str, prompts: int, max_new_t
     from ..engine.prompt import chat_input_ids
     from ..replay.rows import cached_rows_eyas, plant_streams
     from ..target.family import check_engine_family
-    from ..target.load import load_target
+    from ..target.open import TargetChoice
 
     check_engine_family(target, "eyas doctor serving without --rows",
                         "capture rows where the target runs (`eyas replay capture --engine vllm --out DIR`) and "
                         "pass --rows DIR")
     items = load_prompts(bench_set, limit=prompts)
-    tgt = load_target(target, dtype="fp32", device=device)
+    tgt = TargetChoice(target, "fp32", device).open()  # the prompts render with its template
     aux = list(load_draft(draft, device="cpu").layout.aux_indices)
     ids = [chat_input_ids(tgt.tokenizer, r.messages) for r in items]
     rows = cached_rows_eyas(tgt, ids, max_new_tokens, plant_streams(aux, tgt.num_layers),

@@ -79,14 +79,15 @@ def import_(
     import sys
 
     from ..interop.importer import check_import_options, import_draft
-    from ..target.load import load_target
+    from ..target.open import TargetChoice
     from ..text import parse_int_list
 
     with user_errors():
         idx = parse_int_list(aux_indices, "--aux-indices")
         ids = parse_int_list(aux_ids, "--aux-ids")
         check_import_options(fmt, idx, ids, ids_convention)  # before the target loads
-        tgt = load_target(target, dtype=dtype, device=device)
+        # layout inference renders chats with its template; a target without one is told by the inference
+        tgt = TargetChoice(target, dtype, device, template_required=False).open()
         res = import_draft(src, tgt, out, fmt=fmt, allow_pickle=allow_pickle, aux_indices=idx, aux_ids=ids,
                            ids_convention=ids_convention, infer=infer, command="eyas " + " ".join(sys.argv[1:]))
     if json_out:

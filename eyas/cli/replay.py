@@ -37,7 +37,7 @@ def capture(
     from ..bench.prompts import load_prompts
     from ..engine.prompt import chat_input_ids
     from ..replay.rows import capture_rows_eyas, capture_rows_vllm, plant_streams, rows_summary, save_rows
-    from ..target.load import load_target
+    from ..target.open import TargetChoice
     from ..text import parse_int_list
 
     if engine not in ("eyas", "vllm"):
@@ -52,7 +52,7 @@ def capture(
 
             py = find_vllm(vllm_python, "replay capture --engine vllm")
         rows_in = load_prompts(bench_set, limit=prompts)
-        tgt = load_target(target, dtype="fp32", device=device, load_weights=py is None)
+        tgt = TargetChoice(target, "fp32", device).open(load_weights=py is None)  # prompts render with its template
         if aux is None and draft is not None:
             from ..draft import load_draft
 
