@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EyasError
+from ..option import DEVICE_HELP, option
 
 STATE_FILE = "trainer_state.json"
 OPT_FILE = "optimizer.safetensors"
@@ -22,44 +23,52 @@ class TrainError(EyasError):
 
 @dataclass
 class TrainConfig:
-    data: list[str]
-    out: str
-    target: str | None = None  # default: the shards manifest's target_source
-    online: bool = False
-    num_samples: int | None = None  # online: conversations to read
-    data_tokens: list[int] | None = None  # shards: per --data folder, at most this many training tokens (0 = all)
-    aux_indices: list[int] | None = None  # online: stream indices (default EAGLE-3)
-    draft_vocab: int = 8192
-    ttt_steps: int = 7
-    epochs: float = 1.0
-    max_steps: int | None = None
-    lr: float = 1e-4
-    warmup_ratio: float = 0.05
+    """The options of `eyas train`: each field declared with `option` is its flag, help and default."""
+
+    data: list[str]  # --data: shard folder(s); with --online a conversation source
+    out: str  # --out: OUT/draft, OUT/checkpoint, metrics, curves
+    target: str | None = None  # --target; default: the shards manifest's target_source (online: smollm2-135m)
+    online: bool = option("--online", "capture features on the fly from conversations", False)
+    num_samples: int | None = option("--num-samples", "online: conversations to read")
+    data_tokens: list[int] | None = None  # --data-tokens: per --data folder, at most this many training tokens
+    aux_indices: list[int] | None = None  # --aux-indices, online: stream indices (default EAGLE-3)
+    draft_vocab: int = option("--draft-vocab", "draft vocabulary size (clamped to the target's)", 8192)
+    ttt_steps: int = option("--ttt-steps", "training-time-test steps (the draft's own tokens fed back)", 7)
+    epochs: float = option("--epochs", "passes over the training samples", 1.0)
+    max_steps: int | None = option("--max-steps", "optimizer steps (overrides --epochs)")
+    lr: float = option("--lr", "peak learning rate", 1e-4)
+    warmup_ratio: float = option("--warmup-ratio", "share of the steps warming the learning rate up", 0.05)
     min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    batch_tokens: int = 4096
-    max_len: int = 2048
-    bf16: bool = False
-    seed: int = 0
-    eval_every: int = 200
-    save_every: int = 500
-    heldout_pct: float = 5.0
-    eval_samples: int = 256
-    replay_k: int = 3  # each eval also replays a served chain of k on held-out replies (0 = off): eyas.replay.heldout
-    replay_samples: int = 16  # held-out samples that replay uses
-    intermediate_size: int | None = None
-    fc_init: str = "scaled"  # scaled | default (see init_draft)
-    init_from: str | None = None  # warm start from this eyas draft (its weights and its draft vocabulary)
-    refresh_vocab: bool = False  # with init_from: re-choose the draft vocab from this data (shared rows kept)
-    device: str = "cpu"
-    target_dtype: str = "fp32"  # online capture dtype
-    resume: bool = False
+    weight_decay: float = option("--weight-decay", "AdamW weight decay", 0.0)
+    grad_clip: float = option("--grad-clip", "gradient norm clip", 0.5)
+    batch_tokens: int = option("--batch-tokens", "padded tokens per global batch", 4096)
+    max_len: int = option("--max-len", "samples are cut to this many tokens", 2048)
+    bf16: bool = option("--bf16", "bf16 autocast for the draft (CPU and CUDA)", False)
+    seed: int = option("--seed", "data order and initialisation seed", 0)
+    eval_every: int = option("--eval-every", "steps between held-out evaluations", 200)
+    save_every: int = option("--save-every", "steps between checkpoints", 500)
+    heldout_pct: float = option("--heldout-pct", "held-out share of the samples, by row id", 5.0)
+    eval_samples: int = option("--eval-samples", "held-out samples per eval (0 = all)", 256)
+    # each eval also replays a served chain of k on held-out replies (0 = off): eyas.replay.heldout
+    replay_k: int = option("--replay-k", "each eval replays a served chain of k (vLLM's num_speculative_tokens) on "
+                           "held-out replies and logs its τ (0 = off)", 3)
+    replay_samples: int = option("--replay-samples", "held-out samples the replay uses", 16)
+    intermediate_size: int | None = option("--intermediate-size", "draft MLP width (default: the target's)")
+    fc_init: str = option("--fc-init", "scaled (by the layout's stream norms) | default", "scaled")
+    init_from: str | None = option("--init-from", "warm start from an eyas draft (keeps its vocabulary): continue a "
+                                   "shipped draft on more data")
+    refresh_vocab: bool = option("--refresh-vocab", "with --init-from: re-choose the draft vocabulary from this data "
+                                 "(rows of kept tokens carried over)", False)
+    device: str = option("--device", DEVICE_HELP, "cpu")
+    target_dtype: str = option("--dtype", "online: target dtype for capture", "fp32")
+    resume: bool = option("--resume", "continue from OUT/checkpoint", False)
     buffer_mb: int = 2048  # shard bytes held in memory at once (shuffling window)
-    quiet: bool = False
-    threads: int = 0  # torch CPU threads (0 = torch's default); on a busy CPU 1 can be several times faster
-    chat_template: str | None = None  # online: --chat-template FILE|NAME (shards record their own)
-    raw: bool = False  # online: rows as plain text, no template (base models; shards record their own)
+    quiet: bool = option("--quiet", "no progress bar or tables", False)
+    threads: int = option("--threads", "CPU threads (0 = torch default; 1 is faster on a busy CPU)", 0)
+    chat_template: str | None = option("--chat-template", "--online: Jinja FILE or built-in NAME (chatml | gemma | "
+                                       "llama3); shards record the template they were rendered with")
+    raw: bool = option("--raw", "--online: rows as plain text, no chat template (base models; every token but a BOS "
+                       "is a loss token, like `datagen --raw --no-regenerate`)", False)
 
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
