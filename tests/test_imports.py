@@ -8,7 +8,7 @@ list to the files.
            builds on (atomic writes, stream indices, each engine's aux-id convention)
   native   eyas/native: gguf_file, quant, kernels, build, boundary, auto -- the GGUF reader, quantized weights,
            C kernels
-  vllm     eyas/vllm: env, session, capture_worker, generate_worker -- same rank as native: finds vLLM's own
+  vllm     eyas/vllm: env, vllm.session, capture_worker, generate_worker -- same rank as native: finds vLLM's own
            python and runs worker scripts under it
   target   eyas/target: offline, family, device, gguf_config, convert, capture, load, template, open -- what a
            spec names, loading it, its chat template, capture of its streams
@@ -177,7 +177,8 @@ def stated_stages() -> dict[str, tuple[str, set[str]]]:
     for entry in entries:
         name, rest = entry.split(maxsplit=1)
         folder, names = rest.split(" -- ")[0].split(": ")
-        out[name] = (folder, {n.strip() for n in names.split(",")})
+        # a module may be named with its package ("vllm.session": a bare "session" reads as project history)
+        out[name] = (folder, {n.strip().rsplit(".", 1)[-1] for n in names.split(",")})
     return out
 
 
