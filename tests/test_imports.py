@@ -177,7 +177,7 @@ def stated_stages() -> dict[str, tuple[str, set[str]]]:
     for entry in entries:
         name, rest = entry.split(maxsplit=1)
         folder, names = rest.split(" -- ")[0].split(": ")
-        # a module may be named with its package ("vllm.session": a bare "session" reads as project history)
+        # a module may be named with its package (vllm.session), which tests/test_no_history.py tells from history
         out[name] = (folder, {n.strip().rsplit(".", 1)[-1] for n in names.split(",")})
     return out
 
