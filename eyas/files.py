@@ -286,7 +286,7 @@ def portable_command(argv: list[str] | None = None) -> str:
     environment it ran from (`/home/me/.venv/bin/eyas`)."""
     args = list(sys.argv if argv is None else argv)
     if args:
-        args[0] = Path(args[0]).name
+        args[0] = "eyas" if Path(args[0]).name == "__main__.py" else Path(args[0]).name  # python -m eyas
     return " ".join(args)
 
 

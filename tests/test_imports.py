@@ -4,7 +4,7 @@ included) has no cycle, and no module imports from a stage above its own.
 Stages, lowest first (a module may import its own stage and any lower one; stages of equal rank may not
 import each other). Each line names its modules, every one of them: test_stages_named_as_they_are holds this
 list to the files.
-  core     eyas/: errors, files, option, text, layout, rope, vocab, conventions -- the contracts every stage
+  core     eyas/: errors, files, option, interrupt, text, layout, rope, vocab, conventions -- the contracts every stage
            builds on (atomic writes, stream indices, each engine's aux-id convention)
   native   eyas/native: gguf_file, quant, kernels, build, boundary, auto -- the GGUF reader, quantized weights,
            C kernels
@@ -13,8 +13,9 @@ list to the files.
   target   eyas/target: offline, family, device, gguf_config, convert, capture, load, template, open -- what a
            spec names, loading it, its chat template, capture of its streams
   draft    eyas/: draft, inspect -- the EAGLE-3 module over a target; inspect over a target
-  engine   eyas/engine: params, forward, weights, sampling, lookup, ngram, stats, prompt, sequence, tree, verify,
-           decode, load -- decoding settings, the target forward, the decode round, the one engine assembly
+  engine   eyas/engine: params, forward, moe, mla, sinks, weights, sampling, lookup, ngram, stats, prompt,
+           sequence, tree, verify, decode, load -- decoding settings, the target forward, the decode round, the one
+           engine assembly
   data     eyas/data: conversations, regen, shards, datagen_config, capture, chunks, manifest, datagen_vllm,
            datagen, ngrams -- needs the target to capture
   replay   eyas/replay: rows, recorded, run, plants, heldout -- same rank as data: captured rows, the recorded

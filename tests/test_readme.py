@@ -29,12 +29,13 @@ README_PORT = "8000"
 SERVE_WAIT_S = 900  # loading the target and building the kernels on a loaded 2-core machine
 
 # Tiny sizes for the train chain: (flag, value or None for a bare flag). A flag the README gives is replaced,
-# one it does not give is added. 4 conversations of <= 256 tokens, 4 optimizer steps.
+# one it does not give is added. 4 conversations of <= 256 tokens, 4 optimizer steps; the held-out split is the
+# README's default (5%: one of the 4 conversations).
 TRAIN_OVERRIDES: dict[str, list[tuple[str, str | None]]] = {
     "datagen": [("--num", "4"), ("--max-len", "256"), ("--max-new-tokens", "32"), ("--threads", "1"),
                 ("--quiet", None)],
     "train": [("--max-steps", "4"), ("--ttt-steps", "2"), ("--batch-tokens", "512"), ("--max-len", "256"),
-              ("--heldout-pct", "25"), ("--eval-every", "2"), ("--threads", "1"), ("--quiet", None)],
+              ("--eval-every", "2"), ("--threads", "1"), ("--quiet", None)],
     "doctor": [("--samples", "2"), ("--max-len", "128"), ("--json", None)],
     "export": [],
 }
@@ -209,8 +210,11 @@ def test_readme_train_your_own_draft(tmp_path):
 
     train_out = Path(tmp_path, results["train"][0][results["train"][0].index("--out") + 1])
     assert (train_out / "draft" / "model.safetensors").is_file()
-    steps = [json.loads(line)["step"] for line in (train_out / "metrics.jsonl").read_text().splitlines()]
-    assert steps and steps[-1] == 4
+    metrics = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and metrics[-1]["step"] == 4
+    data_record = json.loads((train_out / "draft" / "eyas_manifest.json").read_text())["data"]
+    assert (data_record["train_samples"], data_record["heldout_samples"]) == (3, 1), data_record
+    assert "heldout_loss" in metrics[-1], metrics[-1]
 
     report = json.loads(results["doctor"][1].stdout)
     failed = {c["name"] for c in report["checks"] if c["status"] == "fail"}

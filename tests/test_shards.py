@@ -57,3 +57,20 @@ def test_shardset_split_and_layout_check(tmp_path):
     (tmp_path / "c" / MANIFEST).write_text(json.dumps({"kind": "something-else"}))
     with pytest.raises(ShardError, match="kind"):
         ShardSet([tmp_path / "c"])
+
+
+def test_heldout_split_of_small_data_is_never_empty_nor_larger_than_asked():
+    from eyas.data.shards import SMALL_SPLIT, heldout_rows, is_heldout
+
+    assert heldout_rows(range(4), 0.0) == set() and heldout_rows([7], 50.0) == set()
+    for n, pct, want in ((4, 5.0, 1), (4, 25.0, 1), (4, 50.0, 2), (2, 90.0, 1), (10, 30.0, 3), (40, 5.0, 2)):
+        held = heldout_rows(range(n), pct)
+        assert len(held) == want and held < set(range(n)), (n, pct, held)
+        assert heldout_rows(reversed(range(n)), pct) == held  # the rows decide, not their order
+    # enough rows asked for: is_heldout's rule, stable as data grows (row r is held out in every run)
+    n = 1000
+    assert n * 5 / 100 >= SMALL_SPLIT
+    assert heldout_rows(range(n), 5.0) == {r for r in range(n) if is_heldout(r, 5.0)}
+    # a small split takes the rows the rule ranks first: where the rule holds out exactly what was asked, the same
+    small = [r for r in range(200) if is_heldout(r, 5.0)][:1] + [r for r in range(200) if not is_heldout(r, 5.0)][:9]
+    assert heldout_rows(small, 10.0) == {small[0]}

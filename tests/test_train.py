@@ -412,6 +412,59 @@ def test_resume_after_sigkill_gives_the_same_run(world):
     assert evals == [5, 10]
 
 
+# train() in a process that sends itself `signal` right after step argv[2] (as Ctrl-C or a scheduler's SIGTERM
+# would): the run stops there, checkpointed, with the line the CLI prints
+_SIGNALLED_RUN = """
+import json, os, signal, sys
+from eyas.interrupt import Interrupted
+from eyas.train.config import TrainConfig
+from eyas.train.loop import train
+
+def stop(step):
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), getattr(signal, sys.argv[3]))
+
+try:
+    train(TrainConfig(**json.loads(sys.argv[1])), on_step=stop)
+except Interrupted as e:
+    print(e, file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_checkpoints_the_step_it_stops_at_and_resume_says_where(world, signal_name):
+    root, _ = world
+    args = ("--max-steps", "8", "--save-every", "4", "--eval-every", "4")
+    straight = root / f"straight-{signal_name}"
+    assert _cli(root, straight.name, *args).returncode == 0
+    out = root / f"stopped-{signal_name}"
+    cfg = dict(data=[str(root / "shards")], out=str(out), draft_vocab=64, ttt_steps=3, lr=3e-3, batch_tokens=512,
+               max_len=64, heldout_pct=20, quiet=True, max_steps=8, save_every=4, eval_every=4)
+    r = subprocess.run([sys.executable, "-c", _SIGNALLED_RUN, json.dumps(cfg), "6", signal_name], cwd=REPO,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    said = " ".join(r.stderr.split())
+    assert f"stopped by {signal_name} at step 6/8" in said and "--resume" in said, said
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 6  # not the last scheduled save (4): the step it stopped at
+    r = _cli(root, out.name, *args, "--resume")
+    assert r.returncode == 0 and "continuing" in r.stderr and "at step 6/8" in r.stderr, r.stderr[-2000:]
+    assert _losses(out) == _losses(straight)  # nothing lost, nothing repeated
+
+
+def test_a_rerun_says_what_it_drops(world):
+    """No checkpoint yet but a log (a run killed before its first save): the new run says it drops those steps."""
+    root, _ = world
+    out = root / "log-only"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in (1, 2)))
+    r = _cli(root, out.name, "--max-steps", "1", "--eval-every", "1")
+    assert r.returncode == 0 and "the 2 logged steps of a run stopped before its first checkpoint are dropped" in \
+        " ".join(r.stderr.split()), r.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_two_processes_match_one(world):
     root, _ = world

@@ -14,6 +14,8 @@ import typer
 
 from ..errors import EyasError
 from ..files import write_fault
+from ..interrupt import EXIT_CODE as INTERRUPTED_EXIT
+from ..interrupt import Interrupted
 from ..option import (
     CHAT_TEMPLATE_HELP,
     DEVICE_HELP,
@@ -83,6 +85,9 @@ def user_errors() -> Iterator[None]:
     its traceback."""
     try:
         yield
+    except Interrupted as e:  # a long job stopped by Ctrl-C or SIGTERM after saving its work: how to resume
+        typer.secho(str(e), fg="yellow", err=True)
+        raise typer.Exit(INTERRUPTED_EXIT) from None
     except EyasError as e:
         fail(str(e))
     except OSError as e:

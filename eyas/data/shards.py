@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,10 +117,34 @@ def manifest_hash(m: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def _row_hash(row_id: int) -> int:
+    return int(hashlib.sha256(str(row_id).encode()).hexdigest()[:8], 16)
+
+
 def is_heldout(row_id: int, heldout_pct: float) -> bool:
-    """Deterministic split by source row: the same row is held out in every run and every process."""
-    h = int(hashlib.sha256(str(row_id).encode()).hexdigest()[:8], 16)
-    return (h % 10000) < heldout_pct * 100
+    """Deterministic split by source row: the same row is held out in every run and every process, however much
+    data there is (heldout_rows decides for a known set of rows, small ones included)."""
+    return (_row_hash(row_id) % 10000) < heldout_pct * 100
+
+
+# below this many held-out rows asked for, the hash rule's count is too noisy (4 rows at 5% hold out none, at 25%
+# often two): the split takes exactly the rows the rule ranks first
+SMALL_SPLIT = 20
+
+
+def heldout_rows(row_ids: Iterable[int], heldout_pct: float) -> set[int]:
+    """The held-out rows of a known set of source rows. With at least SMALL_SPLIT rows asked for, is_heldout's
+    (stable as data grows); below that, exactly max(1, floor(n * pct / 100)) of them, never all (training needs
+    one), in is_heldout's order, so a small split is never empty nor larger than asked (beyond the one row a
+    split needs). heldout_pct 0, or fewer than 2 rows: none."""
+    rows = sorted(set(int(r) for r in row_ids))
+    asked = len(rows) * heldout_pct / 100
+    if heldout_pct <= 0 or len(rows) < 2:
+        return set()
+    if asked >= SMALL_SPLIT:
+        return {r for r in rows if is_heldout(r, heldout_pct)}
+    k = min(max(1, int(asked)), len(rows) - 1)
+    return set(sorted(rows, key=lambda r: (_row_hash(r) % 10000, _row_hash(r), r))[:k])
 
 
 class ShardSet:
@@ -166,11 +190,20 @@ class ShardSet:
     def shard_paths(self) -> list[Path]:
         return [f / s["file"] for f, m in zip(self.folders, self.manifests, strict=True) for s in m["shards"]]
 
+    def row_ids(self) -> list[int]:
+        """Every sample's source row id, in shard order (reads no tensor but the ids)."""
+        return [int(r) for p in self.shard_paths() for r in read_fields(p, ("row_ids",))["row_ids"].tolist()]
+
+    def heldout_rows(self, heldout_pct: float) -> set[int]:
+        """The held-out split of these folders' rows (heldout_rows): training's, and the doctor's."""
+        return heldout_rows(self.row_ids(), heldout_pct)
+
     def samples(self, split: str = "all", heldout_pct: float = 5.0) -> Iterator[Sample]:
-        """split: 'all' | 'train' | 'heldout' (by source row id, see is_heldout)."""
+        """split: 'all' | 'train' | 'heldout' (by source row id, see heldout_rows)."""
+        held = self.heldout_rows(heldout_pct) if split != "all" else set()
         for p in self.shard_paths():
             for s in read_shard(p):
-                if split == "all" or (split == "heldout") == is_heldout(s.row_id, heldout_pct):
+                if split == "all" or (split == "heldout") == (int(s.row_id) in held):
                     yield s
 
     def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -190,6 +190,11 @@ def check_cursor(path: Path, state: Any) -> None:
         raise TrainError(f"{path} lacks the optimizer's 'param_groups'; {FIX_CHECKPOINT}")
 
 
+def count_lines(path: Path) -> int:
+    """Non-empty lines of a log (0 when it does not exist): what a new run in the same folder would drop."""
+    return sum(1 for ln in path.read_text().splitlines() if ln.strip()) if path.exists() else 0
+
+
 def truncate_jsonl(path: Path, step: int) -> None:
     """Drop lines logged after `step` (they belong to the killed tail of the run)."""
     if not path.exists():

@@ -26,11 +26,13 @@ from .. import __version__
 from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import Eagle3Draft, save_draft
 from ..files import portable_command
+from ..interrupt import Interrupted, stop_on_signals
 from ..replay.heldout import heldout_replay, simulated_length
 from ..vocab import DraftVocab
 from .checkpoint import (
     check_resume,
     checkpoint_dir,
+    count_lines,
     load_optimizer,
     read_tensors,
     save_checkpoint,
@@ -124,8 +126,11 @@ class Trainer:
             raise TrainError(f"{out} already holds a training checkpoint ({ck}); pass --resume to continue it or "
                              "choose another --out")
         if ck is None:
-            if cfg.resume and main and not cfg.quiet:
-                print(f"--resume: no checkpoint in {out}; starting a new run")
+            logged = count_lines(out / "train_log.jsonl")
+            if main and (cfg.resume or logged):
+                print(f"{'--resume: ' if cfg.resume else ''}no checkpoint in {out}; starting a new run"
+                      + (f" (the {logged} logged steps of a run stopped before its first checkpoint are dropped)"
+                         if logged else ""), file=sys.stderr)
         else:
             state = check_resume(ck, cfg, self.data.layout, self.vocab, self.data.hash)
             sd = read_tensors(ck / "model.safetensors")
@@ -134,6 +139,9 @@ class Trainer:
             set_rng(read_tensors(ck / RNG_FILE))
             self.at = Cursor(**{f.name: state[f.name] for f in fields(Cursor)})
             self.last_eval = json.loads((ck / DRAFT_MANIFEST).read_text()).get("metrics")
+            if main:
+                print(f"--resume: continuing {ck} at step {self.at.step}/{self.total} (epoch {self.at.epoch}, batch "
+                      f"{self.at.batch_in_epoch}, {self.at.tokens_seen} tokens seen)", file=sys.stderr)
         if main:
             truncate_jsonl(out / "train_log.jsonl", self.at.step)
             truncate_jsonl(out / "metrics.jsonl", self.at.step)
@@ -154,26 +162,41 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg = self.cfg
         report = Report(self.dd.main and not cfg.quiet, self.total, self.at.step)
+        say = (lambda m: print(m, file=sys.stderr, flush=True)) if self.dd.main else None
         try:
-            report.print(self.header())
-            if self.at.step == 0 and cfg.init_from:  # where the warm-started draft stands before training
-                report.table(self.evaluate(), f"step 0 (--init-from {cfg.init_from})")
-            self.draft.train()
-            for refs in self.batches():
-                lr = lr_at(self.at.step, self.total, cfg)
-                stats = self.step(refs, lr)
-                self.log(stats, lr, report)
-                if self.due(cfg.eval_every) and (m := self.evaluate()) is not None:
-                    self.last_eval = m
-                    report.table(m, f"step {self.at.step}/{self.total}  epoch {self.at.epoch}  train loss "
-                                    f"{m['train_loss']:.4f}  {m['tokens_per_s']:.0f} tok/s")
-                if self.due(cfg.save_every):
-                    self.save()
-                if self.on_step is not None:
-                    self.on_step(self.at.step)
+            with stop_on_signals("eyas train", say) as stop:
+                report.print(self.header())
+                if self.at.step == 0 and cfg.init_from:  # where the warm-started draft stands before training
+                    report.table(self.evaluate(), f"step 0 (--init-from {cfg.init_from})")
+                self.draft.train()
+                for refs in self.batches():
+                    lr = lr_at(self.at.step, self.total, cfg)
+                    stats = self.step(refs, lr)
+                    self.log(stats, lr, report)
+                    if self.due(cfg.eval_every) and (m := self.evaluate()) is not None:
+                        self.last_eval = m
+                        report.table(m, f"step {self.at.step}/{self.total}  epoch {self.at.epoch}  train loss "
+                                        f"{m['train_loss']:.4f}  {m['tokens_per_s']:.0f} tok/s")
+                    saved = self.due(cfg.save_every)
+                    if saved:
+                        self.save()
+                    if self.on_step is not None:
+                        self.on_step(self.at.step)
+                    if stop.requested:
+                        self.stopped(saved, stop.signal_name)
         finally:
             report.stop()
         return self.finish()
+
+    def stopped(self, saved: bool, signal_name: str) -> None:
+        """A signal asked the run to stop: the step just finished is checkpointed (unless it was) and the run ends
+        with one line saying where it stands and the command that resumes it."""
+        if not saved:
+            self.save()
+        resume = portable_command() + ("" if self.cfg.resume else " --resume")
+        raise Interrupted(f"eyas train: stopped by {signal_name} at step {self.at.step}/{self.total}; checkpoint "
+                          f"saved in {self.out / 'checkpoint'} (the draft so far in {self.out / 'draft'}). Resume "
+                          f"with: {resume}")
 
     def batches(self) -> Iterator[list[Item]]:
         """The global batches left to train on, epoch after epoch, moving the cursor past each one handed out."""

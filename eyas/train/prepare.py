@@ -57,8 +57,9 @@ def open_data(cfg: TrainConfig, target=None) -> Data:
         raise _no_samples(cfg, source)
     heldout = source.heldout[:cfg.eval_samples] if cfg.eval_samples > 0 else source.heldout
     if not heldout and cfg.heldout_pct > 0:
-        raise TrainError(f"the {cfg.heldout_pct}% held-out split of {len(source.train)} samples is empty; raise "
-                         "--heldout-pct or add data (or pass --heldout-pct 0 to train without evaluation)")
+        raise TrainError(f"the {cfg.heldout_pct}% held-out split is empty: it holds out whole source rows and "
+                         f"keeps one for training, and these {len(source.train)} samples come from one row; add data "
+                         "(or pass --heldout-pct 0 to train without evaluation)")
     return Data(source, target, template, heldout, source.hash())
 
 

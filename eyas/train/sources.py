@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..data.shards import ShardSet, is_heldout, read_fields
+from ..data.shards import ShardSet, heldout_rows, read_fields
 from .config import TrainError
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -67,6 +67,7 @@ class ShardSource:
         self.train: list[Item] = []
         self.heldout: list[Item] = []
         self.skipped: dict[str, int] = {}
+        held = self.set.heldout_rows(heldout_pct)  # over every row, as the doctor splits these folders
         for si, p in enumerate(self.paths):
             t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"))  # a damaged file is named
             off, rows = t["offsets"].tolist(), t["row_ids"].tolist()
@@ -78,7 +79,7 @@ class ShardSource:
                     continue
                 self.tokens[(si, i)] = (ids[a:b], mask[a:b])
                 it = Item(key=(si, i), length=b - a, row_id=int(row))
-                (self.heldout if is_heldout(int(row), heldout_pct) else self.train).append(it)
+                (self.heldout if int(row) in held else self.train).append(it)
         self.kept_tokens: list[int] | None = None
         if data_tokens is not None:
             self._cap(data_tokens)
@@ -176,6 +177,7 @@ class OnlineSource:
         import hashlib
 
         h = hashlib.sha256()
+        held = heldout_rows([c.row_id for c in convs], heldout_pct)
         for i, conv in enumerate(convs):
             if raw:  # base models: the row's plain text, every token a loss token (like datagen --raw)
                 ids, mask, _ = tokenize_raw(target.tokenizer, conv, max_len)
@@ -190,7 +192,7 @@ class OnlineSource:
             self.tokens[(-1, i)] = (ids.long(), mask.bool())
             h.update(ids.to(torch.int64).numpy().tobytes() + mask.to(torch.uint8).numpy().tobytes())
             it = Item(key=(-1, i), length=ids.numel(), row_id=int(conv.row_id))
-            (self.heldout if is_heldout(int(conv.row_id), heldout_pct) else self.train).append(it)
+            (self.heldout if int(conv.row_id) in held else self.train).append(it)
         self._hash = "sha256:" + h.hexdigest()[:24]
         self.source = source
         layout = target.default_layout(aux_indices)
