@@ -26,10 +26,11 @@ class StopRequest:
 
 
 @contextmanager
-def stop_on_signals(what: str, say=None) -> Iterator[StopRequest]:
+def stop_on_signals(what: str, say=None, at_once: bool = False) -> Iterator[StopRequest]:
     """SIGINT and SIGTERM set request.requested for the job to check at its safe points; `say` (a print-like
-    callable) is told once that the job is stopping. Outside the main thread (signal handlers cannot be set there)
-    the request never fires and the default handling stays."""
+    callable) is told once that the job is stopping. at_once: the first signal raises KeyboardInterrupt (a job whose
+    safe points are minutes apart, whose commits are atomic: datagen's chunks). Outside the main thread (signal
+    handlers cannot be set there) the request never fires and the default handling stays."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
@@ -39,6 +40,8 @@ def stop_on_signals(what: str, say=None) -> Iterator[StopRequest]:
         if request.requested:  # the second signal: stop now
             raise KeyboardInterrupt
         request.requested, request.signal_name = True, signal.Signals(signum).name
+        if at_once:
+            raise KeyboardInterrupt
         if say is not None:
             say(f"{request.signal_name}: {what} stops after the current step and saves its work "
                 "(send it again to stop at once)")

@@ -227,6 +227,46 @@ def loop_end_len(reply):
     return loop_end(reply, 4)
 
 
+def test_first_chunks_are_small_so_a_new_run_commits_early(conv_file, tiny_dir):
+    from eyas.data.chunks import FIRST_CHUNK, chunk_size, iter_chunks
+
+    cfg = _cfg("unused", tiny_dir, conv_file, shard_samples=64)
+    assert [chunk_size(cfg, k) for k in range(5)] == [FIRST_CHUNK, 2 * FIRST_CHUNK, 4 * FIRST_CHUNK, 64, 64]
+    sizes = [len(c) for c, *_ in iter_chunks(cfg, -1, 30, chunks_done=0)]
+    assert sizes[:2] == [8, 16] and sum(sizes) == 30
+    # a resumed folder continues the schedule from its committed chunks, so its chunks are an uninterrupted run's
+    assert [len(c) for c, *_ in iter_chunks(cfg, -1, 30, chunks_done=2)][0] == 30  # 32 asked, 30 left
+
+
+@pytest.mark.slow
+def test_sigterm_says_what_is_committed_and_the_rerun_completes_it(tmp_path, tiny_dir, tiny_target, conv_file):
+    cfg = _cfg(tmp_path / "stopped", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,
+               max_len=96, num=30)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "eyas", *_args(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if load_manifest(tmp_path / "stopped")["shards"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass  # not written yet, or being replaced right now
+        time.sleep(0.01)
+    assert proc.poll() is None, f"datagen ended before it could be stopped: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1].decode()
+    stopped = load_manifest(tmp_path / "stopped")
+    said = " ".join(err.split())
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert (f"stopped by SIGTERM; {stopped['counts']['conversations']} conversations in {len(stopped['shards'])} "
+            f"shards are committed in {tmp_path / 'stopped'}") in said and "Resume with: eyas datagen" in said, said
+    res = runner.invoke(app, _args(cfg))  # the command it names
+    assert res.exit_code == 0, res.output
+    done = load_manifest(tmp_path / "stopped")
+    assert done["complete"] and done["counts"]["conversations"] == 30
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path, tiny_dir, tiny_target, conv_file):
     cfg = _cfg(tmp_path / "killed", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,

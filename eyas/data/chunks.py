@@ -30,10 +30,21 @@ from .datagen_config import DatagenConfig
 from .regen import engine_for, generate_replies, regenerate, sample_user_turns, stop_token_ids
 from .shards import Sample, write_shard
 
+# the folder's first chunk holds this many conversations and each next one twice as many, up to --shard-samples: a
+# new run commits its first shard within minutes on a CPU (a whole 64-conversation chunk of replies can take ten)
+FIRST_CHUNK = 8
 
-def iter_chunks(cfg: DatagenConfig, watermark: int, remaining: int | None) -> Iterator[tuple[list[Conversation],
-                                                                                        Counter, int, bool]]:
-    """(conversations, skipped reasons, last row id covered, source exhausted) per chunk, after the watermark."""
+
+def chunk_size(cfg: DatagenConfig, chunks_done: int) -> int:
+    """Conversations in the folder's next chunk, after `chunks_done` committed ones (the folder's, not this run's:
+    a resumed run cuts the same chunks as an uninterrupted one, so their shards are the same bytes)."""
+    return min(cfg.shard_samples, FIRST_CHUNK << min(chunks_done, 16))
+
+
+def iter_chunks(cfg: DatagenConfig, watermark: int, remaining: int | None,
+                chunks_done: int = 1 << 16) -> Iterator[tuple[list[Conversation], Counter, int, bool]]:
+    """(conversations, skipped reasons, last row id covered, source exhausted) per chunk, after the watermark;
+    chunk sizes grow from FIRST_CHUNK (chunk_size)."""
     convs: list[Conversation] = []
     skips: Counter[str] = Counter()
     last = watermark
@@ -51,9 +62,10 @@ def iter_chunks(cfg: DatagenConfig, watermark: int, remaining: int | None) -> It
         convs.append(item)
         if remaining is not None:
             remaining -= 1
-        if len(convs) >= cfg.shard_samples or remaining == 0:
+        if len(convs) >= chunk_size(cfg, chunks_done) or remaining == 0:
             yield convs, skips, last, False
             convs, skips = [], Counter()
+            chunks_done += 1
             if remaining == 0:
                 return
     yield convs, skips, last, True

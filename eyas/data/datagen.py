@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..files import atomic_write_json, portable_command
+from ..interrupt import Interrupted, stop_on_signals
 from ..layout import Layout, LayoutError
 from ..target.device import parse_dtype
 from ..target.load import Target
@@ -82,7 +83,15 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
                 return session
             cfg.vllm_session = LazySession(start)
         try:
-            _run_chunks(cfg, target, layout, m, out, log, progress)
+            with stop_on_signals("eyas datagen", at_once=True) as stop:
+                _run_chunks(cfg, target, layout, m, out, log, progress)
+        except KeyboardInterrupt:
+            if not stop.requested:
+                raise
+            c = m["counts"]  # the manifest as last committed
+            raise Interrupted(f"eyas datagen: stopped by {stop.signal_name}; {c.get('conversations', 0)} "
+                              f"conversations in {len(m['shards'])} shards are committed in {out} (the chunk in "
+                              f"progress is redone). Resume with: {command or portable_command()}") from None
         finally:
             if cfg.vllm_session is not None:
                 cfg.vllm_session.close()
@@ -124,7 +133,8 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
 
     # the bar is closed (its line ended) on every exit, so an error message starts on a line of its own
     try:
-        for convs, skips, last_row, exhausted in iter_chunks(cfg, int(m["watermark"]), remaining):
+        chunks_done = len(m["commits"]) - 1  # the first commit record is the empty folder's
+        for convs, skips, last_row, exhausted in iter_chunks(cfg, int(m["watermark"]), remaining, chunks_done):
             t0 = time.perf_counter()
             stats: Counter[str] = Counter()
             loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
