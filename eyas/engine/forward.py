@@ -1,5 +1,6 @@
-"""eyas's own forward for the families in SUPPORTED (llama, mistral, qwen2, qwen3, gemma3_text) over the HF
-weights in place.
+"""eyas's own forward for the families in ENGINE_FAMILIES (llama, mistral, qwen2, qwen3, gemma3_text; the MoE
+families qwen3_moe, gpt_oss, deepseek_v3: experts in moe.py, gpt-oss's sinks in sinks.py, DeepSeek's MLA in
+mla.py) over the HF weights in place.
 
 Why not HF's forward: speculative decoding needs explicit positions, an arbitrary boolean mask over
 cache + new tokens (tree verification), a KV cache whose accepted entries can be compacted, and the
@@ -25,11 +26,15 @@ from ..target.capture import Capture, decoder_parts
 if TYPE_CHECKING:
     from ..native.quant import NativeWeights
 from ..target.family import ModelError, engine_covers, family_refusal
+from .mla import MLA, mla_attention, mla_of
+from .moe import MoE, moe_mlp
+from .sinks import sink_attention
 
 
 @dataclass
 class KVCache:
-    """Preallocated keys/values; slots [0, length) are the committed sequence (slot index == position)."""
+    """Preallocated keys/values; slots [0, length) are the committed sequence (slot index == position). MLA
+    targets keep the latent in k [layers, B, 1, max_len, kv_lora_rank], the rope key in v [.., qk_rope_head_dim]."""
     k: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
     v: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
     length: int = 0
@@ -113,13 +118,16 @@ class _Layer:
     act: nn.Module | None  # None = silu (fast path)
     ln_post_attn: torch.Tensor | None = None  # gemma's sandwich norms (then ln2 is the pre-MLP norm)
     ln_post_ff: torch.Tensor | None = None
+    moe: MoE | None = None  # a routed MLP (then gu/d are absent)
+    sinks: torch.Tensor | None = None  # gpt-oss: one softmax sink logit per head
+    mla: MLA | None = None  # DeepSeek's latent attention (then q/k/v/o are absent)
 
 
 def _dense(l: nn.Module) -> dict[str, Matmul]:
-    a, m = l.self_attn, l.mlp
-    return {n: DenseLinear(lin.weight, lin.bias) for n, lin in (
-        ("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("g", m.gate_proj), ("u", m.up_proj),
-        ("d", m.down_proj))}
+    a, m = l.self_attn, l.mlp  # MLA attention and routed MLPs have their own modules: their names are absent
+    return {n: DenseLinear(getattr(o, a_).weight, getattr(o, a_).bias) for n, o, a_ in (
+        ("q", a, "q_proj"), ("k", a, "k_proj"), ("v", a, "v_proj"), ("o", a, "o_proj"), ("g", m, "gate_proj"),
+        ("u", m, "up_proj"), ("d", m, "down_proj")) if getattr(o, a_, None) is not None}
 
 
 def check_family(model: nn.Module):
@@ -179,6 +187,7 @@ class TargetModel:
         self.softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
         # gemma: local (sliding) and global layers have their own RoPE base; HF's rotary takes the layer type
         self.rope_keys = list(cfg.layer_types) if gemma else [None] * len(layers)
+        self.half_rope = cfg.model_type == "gpt_oss"  # its rotary returns cos/sin for one half of the head dim
         self.layers: list[_Layer] = []
         for i, l in enumerate(layers):
             a = l.self_attn
@@ -191,7 +200,9 @@ class TargetModel:
                 mats=native.layers[i] if native is not None else _dense(l),
                 qn=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 kn=a.k_norm.weight if hasattr(a, "k_norm") else None,
-                act=None if act_name == "silu" else l.mlp.act_fn,
+                act=None if act_name == "silu" else getattr(l.mlp, "act_fn", None),
+                moe=moe_mlp(cfg, i, l), sinks=getattr(a, "sinks", None),
+                mla=mla_of(cfg, a) if hasattr(a, "kv_a_proj_with_mqa") else None,
             ))
         qn = getattr(layers[0].self_attn, "q_norm", None)
         self.qk_eps = float(getattr(qn, "variance_epsilon", None) or qn.eps) if qn is not None \
@@ -225,8 +236,11 @@ class TargetModel:
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         shape = (self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim)
-        return KVCache(torch.empty(shape, dtype=self.dtype, device=self.device),
-                       torch.empty(shape, dtype=self.dtype, device=self.device))
+        mla = self.layers[0].mla
+        k_shape, v_shape = (shape, shape) if mla is None else ((*shape[:2], 1, max_len, mla.rank),
+                                                                (*shape[:2], 1, max_len, mla.rope))
+        return KVCache(torch.empty(k_shape, dtype=self.dtype, device=self.device),
+                       torch.empty(v_shape, dtype=self.dtype, device=self.device))
 
     def _mask(self, cache: KVCache, S: int, T: int, tree_mask, attn_mask):
         """-> bool [B|1, 1, S, T] (True = may attend) or None (every query sees all T keys)."""
@@ -288,6 +302,8 @@ class TargetModel:
         rope = {}  # per rope kind (gemma: one per layer type) -> cos, sin [B, 1, S, hd]
         for key in dict.fromkeys(self.rope_keys):
             cos, sin = self.rotary(x, position_ids) if key is None else self.rotary(x, position_ids, key)
+            if self.half_rope:
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             rope[key] = cos[:, None], sin[:, None]
         window_masks = self._window_masks(mask, position_ids, start, T, rows is not None)
         masks = [window_masks.get(w, mask) for w in self.windows]
@@ -319,6 +335,8 @@ class TargetModel:
         B, S, _ = h.shape
         T = start + S
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if L.mla is not None:
+            return mla_attention(L.mla, h, rope, cache.k[i], cache.v[i], start, m, rows, slots)
         w = L.mats
         if "qkv" in w:
             q, k, v = w["qkv"](h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -336,7 +354,10 @@ class TargetModel:
         else:
             cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
             cache.v[i][rows, :, slots] = v[:, 0]
-        if kernel:
+        if L.sinks is not None:  # no sink term in SDPA or eyas's kernel
+            o = sink_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], m, self.scale, L.sinks)
+            o = o.transpose(1, 2).reshape(B, S, nh * hd)
+        elif kernel:
             o = kernels.attention(q.transpose(1, 2), cache.k[i], cache.v[i], start, m, self.scale)
             o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
         else:
@@ -348,6 +369,8 @@ class TargetModel:
     @staticmethod
     def _mlp(L: _Layer, h: torch.Tensor) -> torch.Tensor:
         """Gated MLP: normed h [B, S, H] -> [B, S, H]."""
+        if L.moe is not None:
+            return L.moe(h)
         w = L.mats
         g, u = w["gu"](h).chunk(2, dim=-1) if "gu" in w else (w["g"](h), w["u"](h))
         g = F.silu(g) if L.act is None else L.act(g)

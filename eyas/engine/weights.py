@@ -15,7 +15,7 @@ from ..target.load import Target
 if TYPE_CHECKING:
     from ..native.quant import NativeWeights
 from ..target.capture import decoder_parts
-from ..target.family import ModelError
+from ..target.family import SUPPORTED_MOE, ModelError
 from .forward import TargetModel, check_family
 from .params import WEIGHTS  # re-exported: stated in params, which the CLI imports without torch
 
@@ -43,6 +43,9 @@ def engine_model(target: Target, weights: str = "auto") -> TargetModel:
     elif model.dtype != torch.float32 or model.device.type != "cpu":
         why = f"native GGUF weights run on the CPU with fp32 activations; this target is {model.dtype} on " \
               f"{model.device}"
+    elif check_family(model).model_type in SUPPORTED_MOE:
+        why = f"the native kernels cover dense layers; this {check_family(model).model_type} target's experts " \
+              f"and attention run through the fp32 forward"
     act = NATIVE_ACT.get(weights, "q8")
     if why is None and weights == "auto":
         try:

@@ -1,0 +1,142 @@
+"""Mixture-of-experts MLPs for the engine forward: Qwen3-MoE, gpt-oss and DeepSeek-V3 (Kimi-K2) layers, over
+the HF module's own expert tensors (no copies).
+
+Each token is routed on its own: its experts and weights are a function of its hidden state only (no capacity
+limits, no batch-wide choice), so a verified row's output does not depend on the other rows of the batch — the
+property lossless speculation needs. The rules follow transformers' modeling files for each family:
+
+- qwen3_moe: softmax over all experts, top-k, optionally renormalised over the k (`norm_topk_prob`); sparse
+  layers are every `decoder_sparse_step`-th one not in `mlp_only_layers`.
+- gpt_oss: router with a bias; top-k on the logits, softmax over the k selected; experts with biases and a
+  clamped SwiGLU (gate * sigmoid(alpha * gate) * (up + 1)); every layer is sparse.
+- deepseek_v3: sigmoid scores; the choice adds `e_score_correction_bias` (noaux_tc) and keeps only the
+  `topk_group` best of `n_group` groups (a group's score: the sum of its two best); the weights are the
+  uncorrected scores of the chosen, optionally renormalised, times `routed_scaling_factor`; shared experts added;
+  the first `first_k_dense_replace` layers are dense."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..target.family import ModelError
+
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [N, H] -> experts [N, k], weights [N, k]
+Expert = Callable[[int, torch.Tensor], torch.Tensor]  # (expert e, x [n, H]) -> [n, H]
+
+
+@dataclass
+class MoE:
+    """A routed MLP: h [B, S, H] -> [B, S, H], plus the shared experts' output where the family has them."""
+    route: Router
+    expert: Expert
+    shared: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        B, S, H = h.shape
+        x = h.reshape(B * S, H)
+        idx, wts = self.route(x)  # [N, k] each, per row
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():  # only the experts some row chose run
+            tok, slot = torch.where(idx == e)  # rows that chose e, and at which of their k places
+            y = self.expert(e, x[tok]) * wts[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        out = out.view(B, S, H)
+        return out if self.shared is None else out + self.shared(h)
+
+
+def sparse_layer(cfg, i: int) -> bool:
+    """Whether layer i's MLP is routed, by the config's own rule for its family."""
+    mt = cfg.model_type
+    if mt == "qwen3_moe":
+        return (i not in (cfg.mlp_only_layers or [])) and cfg.num_experts > 0 \
+            and (i + 1) % cfg.decoder_sparse_step == 0
+    if mt == "deepseek_v3":
+        return i >= cfg.first_k_dense_replace
+    return mt == "gpt_oss"
+
+
+def _softmax_topk(w: torch.Tensor, k: int, renorm: bool) -> Router:
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = F.softmax(F.linear(x, w), dim=-1, dtype=torch.float32)  # [N, E]
+        top, idx = torch.topk(p, k, dim=-1)
+        if renorm:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return idx, top
+    return route
+
+
+def _topk_softmax(w: torch.Tensor, b: torch.Tensor, k: int) -> Router:
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, idx = torch.topk(F.linear(x, w, b), k, dim=-1)  # [N, k] logits of the chosen
+        return idx, F.softmax(top, dim=-1)
+    return route
+
+
+def _grouped_sigmoid(w: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep_groups: int, renorm: bool,
+                     scale: float) -> Router:
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), w.float()).sigmoid()  # [N, E]
+        choice = scores + bias  # the correction bias steers the choice only, never the weights
+        N, E = choice.shape
+        # a group's score is the sum of its two best experts; only the keep_groups best groups stay eligible
+        g = choice.view(N, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, groups]
+        gsel = torch.topk(g, keep_groups, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(g, dtype=torch.bool).scatter_(1, gsel, True)  # [N, groups]
+        allowed = allowed[:, :, None].expand(N, groups, E // groups).reshape(N, E)
+        idx = torch.topk(choice.masked_fill(~allowed, float("-inf")), k, dim=-1, sorted=False)[1]  # [N, k]
+        top = scores.gather(1, idx)
+        if renorm:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, top * scale
+    return route
+
+
+def _glu_experts(gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> Expert:
+    """Experts stored as gate_up [E, 2I, H] (gate rows first) and down [E, H, I]."""
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(act(g) * u, down[e])
+    return expert
+
+
+def _clamped_swiglu_experts(ex: nn.Module) -> Expert:
+    """gpt-oss: gate_up [E, H, 2I] with gate and up interleaved by column, down [E, I, H], both biased."""
+    alpha, limit = float(ex.alpha), float(ex.limit)
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        gu = x @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [n, 2I]
+        gate = gu[..., ::2].clamp(max=limit)
+        up = gu[..., 1::2].clamp(-limit, limit)
+        return ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ ex.down_proj[e] + ex.down_proj_bias[e]
+    return expert
+
+
+def _dense_mlp(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda h: F.linear(m.act_fn(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight),
+                              m.down_proj.weight)
+
+
+def moe_mlp(cfg, i: int, layer: nn.Module) -> MoE | None:
+    """Layer i's routed MLP over its HF weights, or None for a dense layer (the engine's gated MLP runs it)."""
+    if not sparse_layer(cfg, i):
+        return None
+    m = layer.mlp
+    ex = getattr(m, "experts", None)
+    if ex is None or not isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor):
+        raise ModelError(f"{cfg.model_type} layer {i}: expected HF's fused expert tensors (experts.gate_up_proj), "
+                         f"found {type(ex).__name__}; this transformers version lays the experts out differently")
+    k = int(cfg.num_experts_per_tok)
+    if cfg.model_type == "qwen3_moe":
+        return MoE(_softmax_topk(m.gate.weight, k, bool(cfg.norm_topk_prob)),
+                   _glu_experts(ex.gate_up_proj, ex.down_proj, ex.act_fn))
+    if cfg.model_type == "gpt_oss":
+        return MoE(_topk_softmax(m.router.weight, m.router.bias, k), _clamped_swiglu_experts(ex))
+    gate = m.gate
+    return MoE(_grouped_sigmoid(gate.weight, gate.e_score_correction_bias, k, int(cfg.n_group), int(cfg.topk_group),
+                                bool(cfg.norm_topk_prob), float(cfg.routed_scaling_factor)),
+               _glu_experts(ex.gate_up_proj, ex.down_proj, ex.act_fn), _dense_mlp(m.shared_experts))

@@ -1,0 +1,152 @@
+"""eyas's engine forward on the MoE and MLA families (Qwen3-MoE, gpt-oss, DeepSeek-V3) against Hugging Face, and
+lossless speculation over them.
+
+Tiny random models from tests/moe.py (vocab cut to the word tokenizer's 128), with the router weights, the q/k
+projections, gpt-oss's sinks and DeepSeek's correction bias scaled up so routing and attention are far from
+uniform: each control drops one family rule and must then miss HF by far more than the tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.draft import random_draft
+from eyas.engine.forward import TargetModel
+from eyas.engine.load import EngineParts, make_engine
+from eyas.engine.params import SamplingParams, TreeSettings
+from eyas.engine.weights import engine_model
+from eyas.target.convert import tensor_fingerprint
+from eyas.target.load import Target, identity_of
+from tests.moe import moe_config
+from tests.test_engine import PROMPTS, VOCAB, word_tokenizer
+
+FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
+ATOL = 1e-4
+SHARP = 6.0  # router and q/k scale: peaked routing and attention
+HEAD = 30.0  # peaked next-token distributions, like an LM's
+SCALED = ("mlp.gate.weight", "router.weight", "q_proj", "k_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def build(family: str, seed: int = 0):
+    cfg, cls = moe_config(family)
+    cfg.vocab_size = VOCAB
+    torch.manual_seed(seed)
+    m = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if any(s in name for s in SCALED):
+                p.mul_(SHARP)
+            if name.endswith("sinks"):
+                p.normal_(0.0, 2.0)
+        for layer in m.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:  # large enough to change which experts win
+                bias.normal_(0.0, 0.5)
+        m.get_output_embeddings().weight.mul_(HEAD)
+        m.get_output_embeddings().weight[2] = 0.0  # EOS's logit stays 0, below the best: replies run their length
+    m.config.eos_token_id = 2
+    m.generation_config.eos_token_id = 2
+    return m
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return build(request.param)
+
+
+def run_against_hf(m, tm: TargetModel) -> list[float]:
+    """Max |logit diff| vs HF: a 2-row prefill of 20 tokens, a 3-token causal chunk, then 3 single-token steps
+    through the cache (each compared with HF's full forward over the whole sequence)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 20), generator=g)
+    cache = tm.new_cache(2, 32)
+    out = tm.forward(ids, torch.arange(20).expand(2, 20), cache, logits="all")
+    cache.length = 20
+    diffs = [(out.logits - m(ids).logits).abs().max().item()]
+    for n in (3, 1, 1, 1):
+        new = torch.randint(3, VOCAB, (2, n), generator=g)
+        pos = torch.arange(cache.length, cache.length + n).expand(2, n)
+        out = tm.forward(new, pos, cache, logits="all")
+        cache.length += n
+        ids = torch.cat([ids, new], dim=1)
+        diffs.append((out.logits - m(ids).logits[:, -n:]).abs().max().item())
+    return diffs
+
+
+def test_logits_match_hf_prefill_and_decode(model):
+    tm = TargetModel(model)
+    diffs = run_against_hf(model, tm)
+    assert max(diffs) < ATOL, diffs
+    if model.config.model_type == "deepseek_v3":  # the cache holds MLA's latent and rope key, not per-head k/v
+        cache = tm.new_cache(1, 8)
+        assert cache.k.shape[2:] == (1, 8, model.config.kv_lora_rank)
+        assert cache.v.shape[2:] == (1, 8, model.config.qk_rope_head_dim)
+
+
+def broken(m) -> TargetModel:
+    """The engine forward with one family rule removed."""
+    cfg = m.config
+    if cfg.model_type == "qwen3_moe":  # no renormalisation over the top-k
+        cfg.norm_topk_prob = False
+        try:
+            return TargetModel(m)
+        finally:
+            cfg.norm_topk_prob = True
+    tm = TargetModel(m)
+    if cfg.model_type == "gpt_oss":  # no attention sinks
+        for L in tm.layers:
+            L.sinks = None
+        return tm
+    gates = [layer.mlp.gate for layer in m.model.layers if hasattr(layer.mlp, "gate")]
+    saved = [g.e_score_correction_bias for g in gates]
+    for g in gates:  # the expert choice ignores the correction bias
+        g.e_score_correction_bias = torch.zeros_like(g.e_score_correction_bias)
+    try:
+        return TargetModel(m)
+    finally:
+        for g, b in zip(gates, saved, strict=True):
+            g.e_score_correction_bias = b
+
+
+def test_control_a_missing_rule_misses_hf(model):
+    diffs = run_against_hf(model, broken(model))
+    assert max(diffs) > 100 * ATOL, diffs
+
+
+def test_rows_are_routed_independently(model):
+    """A row's logits are the same alone or batched with other rows (no batch-dependent expert choice)."""
+    tm = TargetModel(model)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(12).expand(3, 12)
+    both = tm.forward(ids, pos, tm.new_cache(3, 12), logits="all").logits
+    for b in range(3):
+        one = tm.forward(ids[b:b + 1], pos[b:b + 1], tm.new_cache(1, 12), logits="all").logits
+        torch.testing.assert_close(one[0], both[b], atol=1e-5, rtol=0)
+
+
+def test_auto_weights_fall_back_to_fp32_with_a_reason(model):
+    t = target_of(model)
+    tm = engine_model(t, "auto")
+    assert tm.native is None and tm.fallback
+
+
+def target_of(m) -> Target:
+    return Target(model=m, tokenizer=word_tokenizer(), identity=identity_of(m, tensor_fingerprint(m), "tiny"),
+                  source="tiny", path=None)
+
+
+def test_speculation_is_lossless(model):
+    t = target_of(model)
+    parts = EngineParts(t, random_draft(t, draft_vocab=VOCAB, seed=2), None)
+    plain = make_engine(parts, TreeSettings().spec("plain", None))
+    specs = {"chain": TreeSettings(steps=3, lookup=0, min_prob=0.0).spec("chain", None),
+             "tree": TreeSettings(depth=3, topk=3, tokens=9, lookup=0, min_prob=0.0).spec("tree", None),
+             "tree-lookup": TreeSettings(depth=2, topk=2, tokens=6, lookup=4, min_prob=0.0).spec("tree", None),
+             "lookup": TreeSettings(lookup=4).spec("lookup", None)}
+    params = SamplingParams(max_new_tokens=24)
+    for prompt in (PROMPTS[2], [5, 6, 7, 8] * 3):
+        ref = plain.generate(prompt, params).token_ids
+        assert len(ref) > 4
+        for name, spec in specs.items():
+            got = make_engine(parts, spec).generate(prompt, params).token_ids
+            assert got == ref, f"{name} on {prompt}"
