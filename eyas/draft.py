@@ -21,7 +21,7 @@ from torch import nn
 from .conventions import sglang_config_ids, vllm_config_ids
 from .errors import EyasError
 from .files import atomic_folder, check_file, file_record, read_json, save_safetensors
-from .layout import Layout, LayoutError, check_layouts
+from .layout import Layout, LayoutError, TargetIdentity, layout_diff
 from .rope import apply_rope, rope_cos_sin
 from .target.load import Target
 
@@ -335,20 +335,51 @@ def load_draft(path: str | Path, device: str | torch.device = "cpu",
     return DraftCheckpoint(model=model, layout=layout, manifest=manifest, path=p)
 
 
-def check_draft_for_target(ckpt: DraftCheckpoint, target: Target) -> None:
-    """Refuse a draft made for another target: layout identity, hidden size, vocab; named mismatches."""
-    check_layouts(ckpt.layout, target.default_layout(ckpt.layout.aux_indices), "the draft", "the target")
-    c = ckpt.model.config
+def _describe_identity(t: TargetIdentity | None, fallback: str) -> str:
+    if t is None:
+        return fallback
+    return (f"{t.name or t.model_type} ({t.model_type}, {t.num_layers} layers, hidden {t.hidden_size}, "
+            f"vocab {t.vocab_size})")
+
+
+def draft_misfit(ckpt: DraftCheckpoint, target: Target) -> list[str]:
+    """How a draft does not fit a target, field by field (empty when it fits): the recorded layout's target
+    identity (fingerprint included), its stream indices within the target's layers, and the shapes it was built
+    for. Needs the target's config only (a target loaded without weights will do)."""
     problems = []
+    try:
+        here = target.default_layout(ckpt.layout.aux_indices)
+    except LayoutError:  # indices beyond this target's layers: a deeper model's draft
+        here = None
+        problems.append(f"aux stream indices {list(ckpt.layout.aux_indices)} beyond the target's "
+                        f"{target.num_layers} layers")
+    if here is not None:
+        problems += [f"{name} {a!r} vs {b!r}" for name, a, b in layout_diff(ckpt.layout, here)]
+    c = ckpt.model.config
     if c.target_hidden_size != target.hidden_size:
-        problems.append(f"draft target_hidden_size {c.target_hidden_size} vs target hidden {target.hidden_size}")
+        problems.append(f"target_hidden_size {c.target_hidden_size} vs {target.hidden_size}")
     if c.vocab_size != target.identity.vocab_size:
-        problems.append(f"draft vocab_size {c.vocab_size} vs target vocab {target.identity.vocab_size}")
-    emb = target.embed_tokens().weight
-    if emb.shape[1] != c.hidden_size:
-        problems.append(f"draft hidden {c.hidden_size} vs target embedding width {emb.shape[1]}")
-    if problems:
-        raise DraftError("draft does not fit the target: " + "; ".join(problems))
+        problems.append(f"vocab_size {c.vocab_size} vs {target.identity.vocab_size}")
+    width = target.embed_tokens().weight.shape[1]
+    if width != c.hidden_size:
+        problems.append(f"hidden {c.hidden_size} vs the target's embedding width {width}")
+    return problems
+
+
+def check_draft_for_target(ckpt: DraftCheckpoint, target: Target) -> None:
+    """Refuse a draft made for another target in one line naming both targets, what differs (draft's vs
+    target's) and what to run instead."""
+    problems = draft_misfit(ckpt, target)
+    if not problems:
+        return
+    where = "the bundled draft" if ckpt.path is not None and Path(ckpt.path) == bundled_draft_path() else \
+        f"the draft {ckpt.path}" if ckpt.path is not None else "the draft"
+    more = f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""
+    raise DraftError(f"{where} was trained for {_describe_identity(ckpt.layout.target, 'another target')}, not for "
+                     f"{_describe_identity(target.identity, target.source)}: {'; '.join(problems[:4])}{more}. "
+                     "Use it with the target it "
+                     "was trained for, decode this one without a draft (--method lookup or plain), or train a draft "
+                     "for it (eyas datagen, then eyas train)")
 
 
 # ---- which draft a command runs with (--draft) -------------------------------------------------------

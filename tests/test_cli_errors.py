@@ -405,3 +405,18 @@ def test_disk_fault_is_one_error_line_and_leaves_nothing_half_written(files, goo
     assert named in line and phrase in line and ".tmp-" not in line, line
     out = Path(argv[argv.index("--out") + 1])
     assert leftovers(out) == [], f"left for a rerun to trust: {leftovers(out)}"
+
+
+@pytest.mark.asset
+def test_the_bundled_draft_on_another_target_names_both_and_what_to_run(files):
+    """--draft default (the default) on a user's own model: one line saying the draft belongs to smollm2-135m and
+    what to run instead, from generate and from bench alike."""
+    for argv in (["generate", "--target", str(files / "llama"), "--prompt", "hi", "--max-new-tokens", "2"],
+                 ["bench", "--target", str(files / "llama"), "--methods", "tree", "--limit", "1",
+                  "--max-new-tokens", "2", "--out", str(files / "bench-default")]):
+        r = CliRunner().invoke(app, argv)
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 2 and len(lines) == 1, r.output[-3000:]
+        assert "the bundled draft was trained for smollm2-135m (llama, 30 layers" in lines[0], lines[0]
+        assert "not for llama (llama, 4 layers" in lines[0], lines[0]
+        assert "--method lookup" in lines[0] and "eyas train" in lines[0], lines[0]

@@ -729,3 +729,19 @@ def test_import_reads_eagle_aux_layer_semantics():
     assert r.candidates[r.preferred] == [2, 15, 27]
     with pytest.raises(FormatError, match="knows only 'vllm'"):
         read_ids({"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "eagle_aux_layer_semantics": "output-of"})
+
+
+@pytest.mark.integration
+def test_export_refuses_a_target_the_draft_was_not_trained_for(tmp_path, target):
+    """--target names a model the draft does not fit: one line naming both targets and what to do, and no export
+    (nor a launch command for that model) is written. The bundled target is read without its weights."""
+    src = make_draft(tmp_path / "d", target, LAYOUT)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["export", "--draft", str(src), "--format", "vllm", "--out", str(out),
+                                 "--target", "smollm2-135m"])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    line = lines[0]
+    assert f"the draft {src} was trained for tiny (llama, {L} layers" in line and "not for" in line, line
+    assert "30 layers" in line and "train a draft" in line, line
+    assert not out.exists()

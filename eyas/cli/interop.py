@@ -31,10 +31,12 @@ def export(
     import sys
 
     from ..draft import load_draft
-    from ..interop.export import LaunchParams, export_draft, target_embeddings
+    from ..interop.export import LaunchParams, check_export_target, export_draft, target_embeddings
 
     with user_errors():
         ckpt = load_draft(draft)
+        if fmt != "speculators":  # speculators loads the target for its embeddings, and checks it there
+            check_export_target(ckpt, target)
         emb = target_embeddings(ckpt, target) if fmt == "speculators" else None
         if verifier is not None and fmt != "speculators":
             fail(f"--verifier applies to --format speculators only (its config names the verifier); got --format {fmt}")

@@ -272,6 +272,16 @@ def recorded_target(ckpt: DraftCheckpoint) -> str | None:
     return m.get("target_source") or t.get("source") or (name if name in BUNDLED else None)
 
 
+def check_export_target(ckpt: DraftCheckpoint, spec: str | None) -> None:
+    """--target given: the draft must fit it before anything is written (its config and weight files are read,
+    not its weights), so an export never prints a launch command for a target the draft was not trained for."""
+    from ..draft import check_draft_for_target
+    from ..target.load import load_target
+
+    if spec:
+        check_draft_for_target(ckpt, load_target(spec, load_weights=False))
+
+
 def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
     """The token embeddings [V, H] of the draft's target (`spec`, default the draft's recorded target),
     after checking that this target is the one the draft was trained for (fingerprint included)."""
