@@ -412,6 +412,19 @@ def check_default_draft(spec: str, instead: str = "--draft none with --method pl
                          f"plumbing, not the speed) or {instead}")
 
 
+def recorded_template(spec: str | None) -> dict[str, Any] | None:
+    """The chat-template record in the manifest of the draft --draft names (a folder or 'default'), read before
+    anything loads; None for 'none', 'random', or a folder whose manifest cannot be read (loading it says why)."""
+    if spec in (None, "none", "random"):
+        return None
+    path = (bundled_draft_path() if spec == "default" else Path(spec)) / MANIFEST
+    try:
+        record = json.loads(path.read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def resolve_draft(spec: str, target: Target) -> DraftCheckpoint | None:
     """--draft: a folder, 'default' (bundled), 'random' (untrained: plumbing only) or 'none' -> the draft on
     the target's device and dtype (None for 'none')."""

@@ -373,3 +373,29 @@ def test_raw_ids_follow_the_tokenizers_bos_rule(smollm2_tokenizer):
     assert tpl.raw_ids(tok, "hello world") == tok("hello world")["input_ids"]
     assert 2 in tpl.raw_ids(tok, "a <|im_end|>") and 2 not in tpl.raw_ids(tok, "a <|im_end|>", as_text=True)
     assert torch.tensor(tpl.raw_ids(tok, "a")).dim() == 1
+
+
+def test_commands_render_with_the_drafts_recorded_template(base):
+    """A draft trained on chats rendered with --chat-template chatml, on a base model without a template: generate
+    and bench without --chat-template render as the draft was trained (no refusal, no warning); a flag still wins."""
+    root, target, _, chats = base
+    if not (root / "chatml").exists():
+        _datagen(root, target, "chatml", chats, chat_template="chatml")
+    out = root / "t-chatml"
+    train(TrainConfig(data=[str(root / "chatml")], out=str(out), draft_vocab=32, ttt_steps=1, max_steps=1,
+                      batch_tokens=256, max_len=64, heldout_pct=0, eval_every=1000, save_every=1000, quiet=True,
+                      threads=1), target=target)
+    t, d = str(target.path), str(out / "draft")
+    r = runner.invoke(app, ["generate", "--target", t, "--draft", d, "--method", "chain", "--steps", "1",
+                            "--max-new-tokens", "3", "--prompt", "t5 t6"])
+    assert r.exit_code == 0 and "warning:" not in r.output, r.output
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "t5 t6"}) + "\n")
+    r = runner.invoke(app, ["bench", "--target", t, "--draft", d, "--methods", "plain,chain", "--steps", "1",
+                            "--bench", str(prompts), "--limit", "1", "--max-new-tokens", "3", "--quiet",
+                            "--out", str(root / "bench-chatml")])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((root / "bench-chatml" / "results.json").read_text())
+    assert saved["chat_template"]["name"] == "chatml" and saved["template_warning"] is None
+    # without the draft (plain), a base model still needs a template: the refusal says what to pass
+    assert "--chat-template chatml" in _error_line(["generate", "--target", t, "--draft", "none", "--prompt", "t5"])

@@ -50,10 +50,10 @@ def bench_parts(cfg: BenchConfig, prompts: list[BenchPrompt] | None, specs: list
                 ngram: bool | None = None) -> EngineParts:
     """Every engine option checked before anything loads (eyas.engine.load), then the target unless given (with
     the template installed), the draft unless given, and the n-gram table; the template warning is said."""
-    choice = bench_template(cfg, prompts)
+    bench_template(cfg, prompts)  # --raw's refusals
     opts = bench_options(cfg)
-    check_options(opts, use, specs, validate=validate, target_loaded=target is not None,
-                  draft_loaded=draft is not None)
+    choice = check_options(opts, use, specs, validate=validate, target_loaded=target is not None,
+                           draft_loaded=draft is not None)  # the draft's recorded template unless one is given
     return load_parts(opts, use, choice, specs, target=target, draft=draft, ngram=ngram)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..draft import DraftCheckpoint, check_default_draft, resolve_draft
+from ..draft import DraftCheckpoint, check_default_draft, recorded_template, resolve_draft
 from ..target.family import check_engine_family
 from ..target.load import Target
 from ..target.open import TargetChoice
@@ -40,9 +40,11 @@ class EngineOptions:
     chat_template: str | None = None  # --chat-template FILE|NAME; None: the tokenizer's own
     raw: bool = False  # no template at all (base models)
 
-    def target_choice(self, use: EngineUse) -> TargetChoice:
+    def target_choice(self, use: EngineUse, drafted: bool = False) -> TargetChoice:
+        """drafted: a draft runs, so its recorded chat template is the default (eyas.target.open)."""
+        record = recorded_template(self.draft or "default") if drafted else None
         return TargetChoice(self.target, self.dtype, self.device, self.chat_template, self.raw,
-                            use.template_required)
+                            use.template_required, record)
 
     def resolved(self) -> EngineOptions:
         """The method and the draft to load, decided by resolve_method (refusing the contradictions)."""
@@ -100,7 +102,7 @@ def check_options(opts: EngineOptions, use: EngineUse, specs: Sequence[SpecParam
     check_ngram_spec(opts.ngram)
     if not target_loaded and specs:
         check_engine_family(opts.target, use.command, use.family_instead)
-    return opts.target_choice(use).template(check_files=not target_loaded)
+    return opts.target_choice(use, needs_draft(specs)).template(check_files=not target_loaded)
 
 
 def load_parts(opts: EngineOptions, use: EngineUse, choice: ChatTemplate, specs: Sequence[SpecParams], *,

@@ -8,7 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .load import Target, load_target
-from .template import ChatTemplate, TemplateError, require_template, resolve_template, use_template
+from .template import (
+    ChatTemplate,
+    TemplateError,
+    require_template,
+    resolve_template,
+    template_from_record,
+    use_template,
+)
 
 
 @dataclass
@@ -22,11 +29,17 @@ class TargetChoice:
     chat_template: str | None = None
     raw: bool = False
     template_required: bool = True
+    # the chat-template record of the draft the command runs (its manifest): with no --chat-template or --raw,
+    # chats render as the draft's data was rendered when that was a built-in or a file
+    draft_record: dict | None = None
 
     def template(self, check_files: bool = True) -> ChatTemplate:
         """The template choice, every refusal before anything loads; check_files=False for a target passed in
         already loaded (its files may be anywhere)."""
         choice = resolve_template(self.chat_template, self.raw)
+        drafted = template_from_record(self.draft_record) if self.draft_record else None
+        if choice.source == "tokenizer" and drafted is not None and drafted.source in ("builtin", "file"):
+            choice = drafted
         if check_files and self.template_required:
             require_template(self.spec, choice)
         return choice
