@@ -36,7 +36,8 @@ import torch
 
 from . import __version__
 from .errors import EyasError
-from .files import atomic_folder, atomic_write_json, portable_paths, read_json
+from .files import atomic_folder, atomic_write_json, portable_command, portable_paths, read_json
+from .interrupt import Interrupted, stop_on_signals
 
 if TYPE_CHECKING:
     from .data.datagen import DatagenConfig
@@ -311,8 +312,19 @@ def run_recipe(cfg: RecipeConfig, log=print) -> dict[str, Any]:
         if stage not in cfg.stages:
             continue
         t0 = time.perf_counter()
-        result = {"data": stage_data, "ngram": stage_ngram, "train": stage_train, "eval": stage_eval,
-                  "ship": stage_ship}[stage](cfg, log)
+        run = {"data": stage_data, "ngram": stage_ngram, "train": stage_train, "eval": stage_eval,
+               "ship": stage_ship}[stage]
+        try:
+            # data and train stop at their own safe points and say what they saved; the others stop at once
+            with stop_on_signals("eyas recipe", at_once=True) as stop:
+                result = run(cfg, log)
+        except (Interrupted, KeyboardInterrupt) as e:
+            if isinstance(e, KeyboardInterrupt) and not stop.requested:
+                raise
+            # the stage's own line, less its resume command (the recipe's is the one to rerun)
+            inner = f" ({str(e).split(' Resume with:')[0].rstrip('.')})" if isinstance(e, Interrupted) else ""
+            raise Interrupted(f"eyas recipe: stopped in stage {stage}{inner}. Rerun the recipe to resume (the stages "
+                              f"done are kept, {stage} continues from what it saved): {portable_command()}") from None
         done[stage] = {"seconds": round(time.perf_counter() - t0, 1), "result": str(result) if result else None}
         log(f"[recipe] stage {stage} done in {done[stage]['seconds']} s")
     (Path(cfg.work) / "recipe.json").write_text(json.dumps({"config": asdict(cfg), "stages": done}, indent=2))

@@ -7,6 +7,7 @@ The engine tests count a tiny random Llama target's own greedy replies into a ta
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -229,3 +230,32 @@ def test_cli_builds_and_generate_uses_the_table(tiny, table_dir, tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.output and "not an eyas shard folder" in r.output
     r = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--method", "lookup", "--ngram", "nowhere"])
     assert r.exit_code == 2 and "--ngram 'nowhere': expected auto | default | none | PATH" in r.output
+
+
+def test_ctrl_c_while_counting_writes_nothing_and_says_so(tiny, table_dir, tmp_path, monkeypatch):
+    """SIGINT during the count: exit 130, one line saying nothing was written (the existing table untouched) and
+    the command to rerun."""
+    import os
+    import signal
+
+    from typer.testing import CliRunner
+
+    import eyas.data.ngrams as ngrams
+    from eyas.cli import app
+
+    real = ngrams.count_ngrams
+
+    def interrupted(rows, order, min_count):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, in the main thread, as Ctrl-C would be
+        return real(rows, order, min_count)
+
+    monkeypatch.setattr(ngrams, "count_ngrams", interrupted)
+    out = tmp_path / "table"
+    shutil.copytree(table_dir, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    shards = json.loads((table_dir / "eyas_manifest.json").read_text())["sources"][0]["folder"]
+    r = CliRunner().invoke(app, ["ngram", "--data", shards, "--out", str(out)])
+    assert r.exit_code == 130, r.output
+    said = " ".join(r.output.split())
+    assert "eyas ngram: stopped by SIGINT; nothing was written" in said and "Rerun to count again" in said, said
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

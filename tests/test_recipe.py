@@ -136,3 +136,33 @@ def test_recipe_end_to_end_and_resume(smollm2, tmp_path):
     assert shipped["lineage"][0]["draft"] == f"WORK/{init.name}" and str(work) not in json.dumps(shipped)
     assert shipped["total_training_time_s"] == pytest.approx(
         shipped["lineage"][0]["training_time_s"] + shipped["training_time_s"], abs=0.02)
+
+
+@pytest.mark.parametrize("inner", [False, True])
+def test_a_signal_names_the_stage_and_the_recipe_command_that_resumes(tmp_path, monkeypatch, inner):
+    """Ctrl-C in a stage: the recipe stops with one line naming the stage (and, when the stage saved work, what
+    it saved, less the stage's own resume command) and the recipe command to rerun; the stages before stay done."""
+    import os
+    import signal
+
+    import eyas.recipe as recipe
+    from eyas.interrupt import Interrupted
+
+    calls = []
+
+    def ngram(cfg, log):
+        calls.append("ngram")
+        if inner:  # a stage that saved its work and said so (as train and datagen do)
+            raise Interrupted("eyas train: stopped by SIGINT at step 3/9; checkpoint saved in X. Resume with: eyas "
+                              "train --resume")
+        os.kill(os.getpid(), signal.SIGINT)  # a stage without its own handling: stopped at once
+        raise AssertionError("the signal should have stopped the stage")
+
+    monkeypatch.setattr(recipe, "stage_ngram", ngram)
+    with pytest.raises(Interrupted) as e:
+        recipe.run_recipe(RecipeConfig(work=str(tmp_path), stages=("ngram", "train")), log=lambda m: None)
+    said = str(e.value)
+    assert calls == ["ngram"] and "eyas recipe: stopped in stage ngram" in said and "Rerun the recipe" in said
+    if inner:
+        assert "(eyas train: stopped by SIGINT at step 3/9; checkpoint saved in X)" in said, said
+        assert "eyas train --resume" not in said  # the recipe's command is the one to rerun

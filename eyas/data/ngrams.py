@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..engine.ngram import NgramError, count_ngrams, write_ngram
 from ..files import portable_command
+from ..interrupt import Interrupted, stop_on_signals
 from .shards import ShardSet
 
 
@@ -49,14 +50,23 @@ def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
             reply_tokens += int(mask.sum())
             yield ids.tolist(), mask.tolist()
 
-    table = count_ngrams(rows(), cfg.order, cfg.min_count)
-    if not any(table.values()):
-        raise NgramError(f"no context reached --min-count {cfg.min_count} in {reply_tokens} reply tokens of "
-                         f"{', '.join(cfg.data)}: regenerate more replies or lower --min-count")
-    seconds = round(time.perf_counter() - t0, 1)
-    out = write_ngram(cfg.out, table, {
-        "target": ss.layout.target.to_dict(), "config": asdict(cfg), "sources": sources, "data_hash": ss.hash(),
-        "reply_tokens": reply_tokens, "command": portable_command(), "seconds": seconds})
+    try:
+        with stop_on_signals("eyas ngram", at_once=True) as stop:
+            table = count_ngrams(rows(), cfg.order, cfg.min_count)
+            if not any(table.values()):
+                raise NgramError(f"no context reached --min-count {cfg.min_count} in {reply_tokens} reply tokens of "
+                                 f"{', '.join(cfg.data)}: regenerate more replies or lower --min-count")
+            seconds = round(time.perf_counter() - t0, 1)
+            out = write_ngram(cfg.out, table, {
+                "target": ss.layout.target.to_dict(), "config": asdict(cfg), "sources": sources,
+                "data_hash": ss.hash(), "reply_tokens": reply_tokens, "command": portable_command(),
+                "seconds": seconds})
+    except KeyboardInterrupt:
+        if not stop.requested:
+            raise
+        raise Interrupted(f"eyas ngram: stopped by {stop.signal_name}; nothing was written ({cfg.out} is as it was: "
+                          "the table is written whole, at the end). Rerun to count again: "
+                          f"{portable_command()}") from None
     log(f"[ngram] {sum(len(v) for v in table.values())} contexts (order <= {cfg.order}, min count "
         f"{cfg.min_count}) from {reply_tokens} reply tokens -> {out} ({seconds} s)")
     return out
