@@ -15,10 +15,12 @@ from eyas.engine.forward import TargetModel
 from eyas.engine.load import EngineParts, make_engine
 from eyas.engine.params import SamplingParams, TreeSettings
 from eyas.engine.weights import engine_model
-from eyas.target.convert import tensor_fingerprint
+from eyas.target.convert import check_gguf_architecture, convert_gguf, tensor_fingerprint
+from eyas.target.family import TargetError
 from eyas.target.load import Target, identity_of
 from tests.moe import moe_config
 from tests.test_engine import PROMPTS, VOCAB, word_tokenizer
+from tests.tiny import gguf_bytes
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 ATOL = 1e-4
@@ -27,9 +29,11 @@ HEAD = 30.0  # peaked next-token distributions, like an LM's
 SCALED = ("mlp.gate.weight", "router.weight", "q_proj", "k_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, **config):
     cfg, cls = moe_config(family)
     cfg.vocab_size = VOCAB
+    for k, v in config.items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
     m = cls(cfg).eval()
     with torch.no_grad():
@@ -81,6 +85,36 @@ def test_logits_match_hf_prefill_and_decode(model):
         cache = tm.new_cache(1, 8)
         assert cache.k.shape[2:] == (1, 8, model.config.kv_lora_rank)
         assert cache.v.shape[2:] == (1, 8, model.config.qk_rope_head_dim)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def test_deepseek_yarn_mscale_plain_q_and_rotate_half_match_hf():
+    """The other DeepSeek shapes: no q_lora_rank (one q_proj), RoPE not interleaved, YaRN with mscale (the softmax
+    scale grows by mscale^2)."""
+    m = build("deepseek_v3", q_lora_rank=None, rope_interleave=False, rope_parameters=YARN)
+    tm = TargetModel(m)
+    assert tm.layers[0].mla.scale > 1.2 * (16 + 64) ** -0.5
+    diffs = run_against_hf(m, tm)
+    assert max(diffs) < ATOL, diffs
+
+
+def test_per_row_slots_write_where_they_say(model):
+    """datagen's regeneration: one token per row, written at slots[b] under an attn_mask, equals the plain step."""
+    tm = TargetModel(model)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    caches = [tm.new_cache(2, 12), tm.new_cache(2, 12)]
+    for c in caches:
+        tm.forward(ids[:, :9], torch.arange(9).expand(2, 9), c)
+        c.length = 9
+    pos = torch.full((2, 1), 9)
+    plain = tm.forward(ids[:, 9:], pos, caches[0]).logits
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    slotted = tm.forward(ids[:, 9:], pos, caches[1], attn_mask=mask, slots=torch.tensor([9, 9])).logits
+    torch.testing.assert_close(slotted, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches[1].k[:, :, :, :10], caches[0].k[:, :, :, :10], atol=0, rtol=0)
 
 
 def broken(m) -> TargetModel:
@@ -150,3 +184,18 @@ def test_speculation_is_lossless(model):
         for name, spec in specs.items():
             got = make_engine(parts, spec).generate(prompt, params).token_ids
             assert got == ref, f"{name} on {prompt}"
+
+
+def test_gguf_architectures_transformers_cannot_read_are_refused_in_one_line(tmp_path):
+    """deepseek2 (DeepSeek-V3, Kimi-K2) is not in transformers' GGUF loader: refused before any conversion, in one
+    line naming what is missing. qwen3moe and gpt-oss are in it, so their files go on to transformers' reader."""
+    for arch in ("qwen3moe", "gpt-oss"):
+        f = tmp_path / f"{arch}.gguf"
+        f.write_bytes(gguf_bytes(arch))
+        check_gguf_architecture(f)
+    f = tmp_path / "k2.gguf"
+    f.write_bytes(gguf_bytes("deepseek2"))
+    with pytest.raises(TargetError, match=r"'deepseek2' \(DeepSeek-V2/V3 and Kimi-K2, MLA attention\) is missing "
+                                          r"from transformers .*'s GGUF loader") as e:
+        convert_gguf(f, tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..files import atomic_folder, remove_stale_temps
-from .family import TargetError
+from .family import TargetError, gguf_family
 from .gguf_config import gguf_overrides
 from .offline import hub_offline
 
@@ -44,6 +44,32 @@ def tensor_fingerprint(model: nn.Module) -> str:
     return "tensors:" + h.hexdigest()[:32]
 
 
+# llama.cpp architectures worth naming when transformers cannot read them
+_GGUF_NAMES = {"deepseek2": "DeepSeek-V2/V3 and Kimi-K2, MLA attention"}
+
+
+def check_gguf_architecture(gguf: Path) -> None:
+    """Refuse in one line, before trying, a GGUF whose general.architecture the installed transformers' GGUF loader
+    does not read (eyas converts GGUFs through it). A file whose metadata does not parse is left to transformers'
+    own reading, which reports the damage."""
+    from transformers import __version__
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from ..native.gguf_file import read_gguf_metadata
+
+    try:
+        arch = read_gguf_metadata(gguf).get("general.architecture")
+    except Exception:  # noqa: BLE001 - a damaged file: convert_gguf's own error names it
+        return
+    if not isinstance(arch, str):
+        return
+    if {arch, arch.replace("-", "_"), gguf_family(arch)} & set(GGUF_SUPPORTED_ARCHITECTURES):
+        return
+    what = f" ({_GGUF_NAMES[arch]})" if arch in _GGUF_NAMES else ""
+    raise TargetError(f"{gguf.name}: general.architecture {arch!r}{what} is missing from transformers {__version__}'s "
+                      "GGUF loader, which eyas converts GGUFs through; pass the Hugging Face model folder instead")
+
+
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once to a safetensors HF folder, written atomically (tmp dir + rename): a failure or a
     kill leaves no folder at `out`, and the next conversion clears a killed one's temporary folder."""
@@ -51,6 +77,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     remove_stale_temps(out)
+    check_gguf_architecture(gguf)
 
     def unreadable(e: Exception) -> TargetError:
         return TargetError(f"transformers could not read {gguf} ({type(e).__name__}: {e}); the file is damaged or "

@@ -54,6 +54,11 @@ _GGUF_FAMILIES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": 
                   "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
+def gguf_family(arch: str) -> str:
+    """transformers' model_type for a llama.cpp `general.architecture`."""
+    return _GGUF_FAMILIES.get(arch, arch)
+
+
 def gguf_of(spec: str) -> Path | None:
     """The .gguf file a bundled name or a .gguf path names; None for any other spec (a HF folder)."""
     if spec not in BUNDLED and not spec.endswith(".gguf"):
