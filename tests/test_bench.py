@@ -270,3 +270,17 @@ def test_progress_names_prompt_and_method(tmp_path, capsys):
     assert "p0" not in err  # done by an earlier run (--resume)
     interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows2.jsonl", set(), False, "bench")
     assert capsys.readouterr().err == ""
+
+
+def test_report_hides_what_was_never_measured_and_names_the_weights_and_the_noise():
+    from eyas.bench.render import drafted_depths, load_note, summary_row, weights_ran
+
+    assert drafted_depths([0.38, 1.0, None, None]) == [0.38, 1.0] and drafted_depths(None) == []
+    s = {"tok_s": 10.0, "decode_tok_s": None, "speedup_vs_hf": None, "speedup_vs_plain": 1.2, "tau": 1.5,
+         "accept_per_depth": [0.5, None, None], "draft_overhead": 0.1, "identical": 2, "compared": 2}
+    row = summary_row("tree", s, "plain")
+    assert row[6] == "0.50" and row[3] == "n/a" and row[8] == "2/2"
+    env = {"dtype": "float32", "device": "cpu", "loadavg_1m": 3.0, "cpu_count": 2}
+    assert weights_ran({"weights": {"plain": {"target": "native"}}}, env) == "native quantized weights"
+    assert weights_ran({"weights": {"plain": {"target": "fp32"}}}, env) == "float32"
+    assert "busy (load 3.0 on 2 CPUs)" in load_note(env) and load_note({**env, "loadavg_1m": 0.5}) is None

@@ -34,7 +34,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ticks = [f"{m}\n{setting[m]}" if m in setting else m for m in methods]
     toks = [summ[m]["tok_s"] for m in methods]
     base = "speedup_vs_hf" if "hf-greedy" in summ else "speedup_vs_plain"
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # one label per bar, rotated when many: eight methods' two-line labels no longer run into each other
+    fig, (a, b) = plt.subplots(1, 2, figsize=(max(11.0, 1.5 * len(methods)), 4.8))
     bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS + VLLM_METHODS else "#2a6fb0"
                                      for m in methods])
     for bar, m in zip(bars, methods, strict=True):
@@ -50,15 +51,29 @@ def plot(results: dict[str, Any], path: Path) -> None:
                    ha="center", va="bottom", fontsize=9)
     b.set_ylabel("tokens per target forward (tau)")
     b.set_title("tau")
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=8, labelrotation=30 if len(methods) > 5 else 0)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right" if len(methods) > 5 else "center")
     env = results["environment"]
     draft = results.get("draft") or {}
     flag = " — UNTRAINED draft" if draft.get("untrained") else ""
     fig.suptitle(f"{cfg['bench']} x{results['num_prompts']}, {cfg['max_new_tokens']} new tokens, "
-                 f"{results['target']['name']} {env['dtype']} on {env['device']} ({env['threads']} threads){flag}",
-                 fontsize=10)
+                 f"{results['target']['name']} {weights_ran(results, env)} on {env['device']} ({env['threads']} "
+                 f"threads){flag}", fontsize=10)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+
+
+def weights_ran(results: dict[str, Any], env: dict[str, Any]) -> str:
+    """What the eyas methods' target forward ran, as the title names it: 'native 4-bit weights' where --weights
+    auto chose the GGUF's own, not the dtype of the dequantized copy that was loaded beside them."""
+    modes = sorted({v["target"] for v in (results.get("weights") or {}).values()})
+    if not modes or modes == ["fp32"]:
+        return env["dtype"]
+    names = {"native": "native quantized weights", "native-bf16": "native quantized weights, bf16 activations"}
+    return " / ".join(names.get(m, m) for m in modes)
 
 
 def wide_console():
@@ -68,6 +83,23 @@ def wide_console():
     if not con.is_terminal:  # piped or logged: do not squeeze the tables into 80 columns
         con.width = 150
     return con
+
+
+def drafted_depths(rates: list[float | None] | None) -> list[float | None]:
+    """Acceptance per depth up to the deepest depth any round drafted: a depth never attempted (None) after the
+    last attempted one is not a measurement."""
+    rates = list(rates or [])
+    while rates and rates[-1] is None:
+        rates.pop()
+    return rates
+
+
+def summary_row(m: str, s: dict[str, Any], ref: str | None) -> list[str]:
+    acc = " ".join(fmt(a, ".2f") for a in drafted_depths(s["accept_per_depth"])) or "-"
+    same = "ref" if m == ref else (f"{s['identical']}/{s['compared']}" if s["compared"] else "n/a")
+    # decode tok/s: after the prefill, where the method times it (n/a for HF and vLLM)
+    return [m, f"{s['tok_s']:.1f}", fmt(s.get("decode_tok_s"), ".1f"), fmt(s["speedup_vs_hf"], ".2f", "x"),
+            fmt(s["speedup_vs_plain"], ".2f", "x"), fmt(s["tau"]), acc, fmt(s["draft_overhead"], ".0%"), same]
 
 
 def render(results: dict[str, Any]) -> None:
@@ -80,16 +112,16 @@ def render(results: dict[str, Any]) -> None:
     title = f"eyas bench: {results['config']['bench']} x{results['num_prompts']} prompts"
     if draft.get("untrained"):
         title += " [red](UNTRAINED draft: numbers meaningless)[/red]"
+    cols = ("method", "tok/s", "decode tok/s", "vs HF greedy", "vs plain", "tau", "accept per depth",
+            "draft overhead", f"= {ref or 'ref'}")
+    rows = [summary_row(m, s, ref) for m, s in summ.items()]
+    # a column no method fills (vs HF greedy without hf-greedy, ...) says nothing
+    keep = [i for i in range(len(cols)) if i == 0 or any(r[i] not in ("n/a", "-") for r in rows)]
     t = Table(title=title)
-    for col in ("method", "tok/s", "decode tok/s", "vs HF greedy", "vs plain", "tau", "accept per depth",
-                "draft overhead", f"= {ref or 'ref'}"):
-        t.add_column(col, justify="left" if col in ("method", "accept per depth") else "right")
-    for m, s in summ.items():
-        acc = " ".join(fmt(a, ".2f") for a in s["accept_per_depth"]) if s["accept_per_depth"] else "-"
-        same = "ref" if m == ref else (f"{s['identical']}/{s['compared']}" if s["compared"] else "n/a")
-        # decode tok/s: after the prefill, where the method times it (n/a for HF and vLLM)
-        t.add_row(m, f"{s['tok_s']:.1f}", fmt(s.get("decode_tok_s"), ".1f"), fmt(s["speedup_vs_hf"], ".2f", "x"),
-                  fmt(s["speedup_vs_plain"], ".2f", "x"), fmt(s["tau"]), acc, fmt(s["draft_overhead"], ".0%"), same)
+    for i in keep:
+        t.add_column(cols[i], justify="left" if cols[i] in ("method", "accept per depth") else "right")
+    for r in rows:
+        t.add_row(*(r[i] for i in keep))
     con.print(t)
     cats = results["summary"]["categories"]
     if len(cats) > 1:
@@ -125,5 +157,19 @@ def render(results: dict[str, Any]) -> None:
                   + (f" (--weights auto: {w[1]})" if w[1] else ""))
     if results.get("vllm"):
         render_vllm(results["vllm"], con)
+    busy = load_note(results["environment"])
+    if busy:
+        con.print(f"[yellow]{busy}[/yellow]")
     con.print(f"results: {results['out']}")
+
+
+def load_note(env: dict[str, Any]) -> str | None:
+    """A warning when other work shared the CPUs (the 1-minute load when results were written above half the
+    cores): tok/s and speedups then carry that noise (a 0.4x at τ 1.00 is the machine, not the method); τ,
+    acceptance and the lossless checks are counts and do not."""
+    load, cpus = env.get("loadavg_1m"), env.get("cpu_count") or 1
+    if load is None or load <= cpus / 2 or env.get("device", "cpu") != "cpu":
+        return None
+    return (f"warning: the machine was busy (load {load:.1f} on {cpus} CPUs): speeds and speedups carry that noise; "
+            "τ, acceptance and the lossless checks are counts and do not. Compare speeds on a quiet machine")
 

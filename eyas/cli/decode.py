@@ -188,7 +188,9 @@ def summary_lines(engine: Engine, res: GenResult) -> list[str]:
              + (f" (--weights auto: {engine.weights_note})" if engine.weights_note else "")]
     if spec.method == "plain":
         return lines
-    rates = " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(st.accept_rates))
+    # depths some round drafted (a depth-2 tree never attempts depth 3 of the lookup-sized arrays)
+    rates = " ".join(f"d{i + 1}={a:.2f}" for i, (a, p) in enumerate(zip(st.accept_rates, st.proposed_per_depth,
+                                                                          strict=True)) if p)
     per = max(st.rounds, 1)
     lines.append(f"tau {st.tau:.2f} tokens/forward over {st.rounds} rounds; acceptance per depth: {rates}")
     lines.append(f"per round: draft {st.draft_s / per * 1e3:.1f} ms, verify {st.verify_s / per * 1e3:.1f} ms "
