@@ -545,3 +545,12 @@ def test_native_engine_pool_matches_each_prompt_alone(tiny_dir):
             out.append(int(logits.argmax()))
             ids.append(out[-1])
         assert out[:len(got[0])] == got[0]
+
+
+def test_a_rerun_with_a_changed_flag_names_that_flag_only(tmp_path, tiny_dir, conv_file):
+    run_datagen(_cfg(tmp_path / "d", tiny_dir, conv_file, num=2), command="test", progress=False, log=lambda s: None)
+    with pytest.raises(DatagenError) as e:
+        run_datagen(_cfg(tmp_path / "d", tiny_dir, conv_file, num=2, max_len=64), command="test", progress=False,
+                    log=lambda s: None)
+    said = str(e.value)
+    assert "max_len: existing 96, this run 64" in said and "target_source was" not in said, said

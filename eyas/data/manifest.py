@@ -78,9 +78,11 @@ def _refuse_mismatch(out: Path, m: dict[str, Any], layout: Layout, target_source
         problems.append(f"chat template differs: existing {describe_record(m.get('chat_template'))}, this run "
                         f"{describe_record(template)} ({fix_for(m.get('chat_template'))} to resume)")
     if problems:
+        # the target only when it is what changed: the same path twice reads as if it were the difference
+        was = m.get("target_source")
+        target = f" (target_source was {was!r}, now {target_source!r})" if was != target_source else ""
         raise DatagenError(
-            f"refusing to add to {out}: it was made with different settings (target_source was "
-            f"{m.get('target_source')!r}, now {target_source!r}).\n" + "\n".join(problems) +
+            f"refusing to add to {out}: it was made with different settings{target}.\n" + "\n".join(problems) +
             "\nfix: rerun with the original settings to resume, or write to a new --out folder")
 
 
