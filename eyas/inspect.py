@@ -10,6 +10,7 @@ from .conventions import engine_ids_table
 from .errors import EyasError
 from .files import read_json
 from .native.auto import describe as describe_native
+from .native.quant import native_misfit
 from .target.gguf_config import rope_summary
 from .target.open import TargetChoice
 from .target.template import chat_ids, describe_record, raw_ids
@@ -62,7 +63,8 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_tem
         "vllm_ids": engine_ids_table(layout.aux_indices, L)["vllm"],
         "mean_l2_norm": {("embedding (0)" if k == "0" else (f"final pre-norm ({L})" if k == "final" else k)): v
                          for k, v in norms.items()},
-        "native_kernels": describe_native(t.gguf is not None, t.dtype == torch.float32 and t.device.type == "cpu"),
+        "native_kernels": describe_native(t.gguf is not None, t.dtype == torch.float32 and t.device.type == "cpu",
+                                          native_misfit(t.gguf, L) if t.gguf is not None else None),
     }
 
 

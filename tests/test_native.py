@@ -122,10 +122,22 @@ def test_q4_1_blocks_round_trip_find_the_llama_row_order_and_run_the_4bit_kernel
         assert torch.equal(lin(x[:M]), y[:M])
 
 
-def test_unsupported_quant_type_is_refused_with_the_fix():
+def test_unsupported_quant_type_is_refused_with_the_fix(tmp_path):
     t = SimpleNamespace(type_name="Q6_K", data=np.zeros((2, 210), np.uint8))
-    with pytest.raises(NativeError, match="--weights fp32"):
+    with pytest.raises(NativeError, match="blk.0.ffn_down.weight is Q6_K; native weights cover"):
         _quantized(t, "blk.0.ffn_down.weight")
+    # inspect says what --weights auto will run for such a file, from its tensor headers alone, as generate then does
+    from eyas.native.auto import describe
+    from eyas.native.quant import native_misfit
+    from tests.gguf_write import write_gguf
+    from tests.tiny import tiny_model
+
+    gguf = write_gguf(tiny_model("llama", layers=2, hidden=32, vocab=64), tmp_path / "f16.gguf", qtype="F16")
+    why = native_misfit(gguf, 2)
+    assert why is not None and "blk.0." in why and "is F16; native weights cover" in why
+    assert describe(True, True, why)["weights_auto"] == "fp32" and describe(True, True, why)["why"] == why
+    q8 = write_gguf(tiny_model("llama", layers=2, hidden=32, vocab=64), tmp_path / "q8.gguf", qtype="Q8_0")
+    assert native_misfit(q8, 2) is None
 
 
 @pytest.mark.integration

@@ -98,9 +98,10 @@ def auto_native() -> AutoChoice:
     return AutoChoice(ratio > 1, isa, why)
 
 
-def describe(gguf: bool, on_cpu_fp32: bool = True) -> dict[str, str]:
-    """For `eyas inspect`: the kernels' variant, the ones this CPU runs, and what --weights auto picks and why
-    (before the GGUF's matrices are read: a type the kernels do not cover still makes auto run fp32)."""
+def describe(gguf: bool, on_cpu_fp32: bool = True, misfit: str | None = None) -> dict[str, str]:
+    """For `eyas inspect`: the kernels' variant, the ones this CPU runs, and what --weights auto picks and why.
+    misfit: why the file's matrices cannot run native (quant.native_misfit, from its tensor headers), so inspect
+    says what generate will run."""
     try:
         choice = auto_native()
         variants = ", ".join(kernels.supported_isas())
@@ -110,6 +111,8 @@ def describe(gguf: bool, on_cpu_fp32: bool = True) -> dict[str, str]:
         pick, why = "fp32", "not a GGUF target (native weights are read from the .gguf file)"
     elif not on_cpu_fp32:
         pick, why = "fp32", "native weights run on the CPU with fp32 activations (--device cpu --dtype fp32)"
+    elif misfit is not None:
+        pick, why = "fp32", misfit
     else:
         pick, why = ("native" if choice.native else "fp32"), choice.why
     return {"isa": choice.isa, "variants": variants, "weights_auto": pick, "why": why}

@@ -127,8 +127,8 @@ class F32Matrix(QLinear):
 def _blocks(t: GGUFTensor, name: str) -> tuple[str, np.ndarray, int, int]:
     kind = t.type_name
     if kind not in BLOCK_BYTES:
-        raise NativeError(f"GGUF tensor {name} is {kind}; native weights cover {', '.join(NATIVE_TYPES)} "
-                          "(run with --weights fp32 for this file)")
+        # --weights native adds "use --weights fp32"; --weights auto says it ran fp32 for this reason
+        raise NativeError(f"GGUF tensor {name} is {kind}; native weights cover {', '.join(NATIVE_TYPES)}")
     raw = np.asarray(t.data)
     n = raw.shape[0]
     nb = raw.shape[1] // BLOCK_BYTES[kind]
@@ -218,6 +218,22 @@ class NativeWeights:
 
 
 ACTS = ("q8", "bf16")
+
+
+def native_misfit(gguf: Path, num_layers: int) -> str | None:
+    """Why load_native would refuse this file, read from its tensor headers (no matrix is read): a layer matrix
+    missing or of a type the kernels do not cover. None when it would load. `eyas inspect` says what --weights auto
+    runs with it, as generate then does."""
+    tensors = read_gguf_tensors(gguf)
+    for i in range(num_layers):
+        for g in _LAYER_TENSORS:
+            name = f"blk.{i}.{g}.weight"
+            if name not in tensors:
+                return f"{gguf.name} has no tensor {name} (native weights need the llama.cpp layout)"
+            if tensors[name].type_name not in BLOCK_BYTES:
+                return (f"GGUF tensor {name} is {tensors[name].type_name}; native weights cover "
+                        f"{', '.join(NATIVE_TYPES)}")
+    return None
 
 
 def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torch.nn.Module, num_heads: int,
