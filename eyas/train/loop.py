@@ -176,7 +176,8 @@ class Trainer:
                     if self.due(cfg.eval_every) and (m := self.evaluate()) is not None:
                         self.last_eval = m
                         report.table(m, f"step {self.at.step}/{self.total}  epoch {self.at.epoch}  train loss "
-                                        f"{m['train_loss']:.4f}  {m['tokens_per_s']:.0f} tok/s")
+                                        f"{m['train_loss']:.4f} (mean of the last {m.get('train_loss_steps', 1)} "
+                                        f"steps)  {m['tokens_per_s']:.0f} tok/s")
                     saved = self.due(cfg.save_every)
                     if saved:
                         self.save()
@@ -234,7 +235,7 @@ class Trainer:
         with open(self.out / "train_log.jsonl", "a") as f:
             f.write(json.dumps({"step": self.at.step, "loss": stats.loss, "acc0": round(acc0, 5), "lr": lr,
                                 "tokens": stats.tokens}) + "\n")
-        report.advance(self.at.step, f"loss {stats.loss:.3f}  acc0 {acc0:.3f}  {self.win.tokens_per_s:.0f} tok/s")
+        report.advance(self.at.step, f"step loss {stats.loss:.3f}  acc0 {acc0:.3f}  {self.win.tokens_per_s:.0f} tok/s")
 
     def evaluate(self) -> dict[str, Any] | None:
         """Held-out metrics now, with the training statistics since the last evaluation, appended to

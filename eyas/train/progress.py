@@ -22,11 +22,19 @@ def metrics_table(m: dict[str, Any], title: str):
     tr = m.get("train_acc") or []
     for j, (lo, ac) in enumerate(zip(m["heldout_loss"], m["heldout_acc"], strict=True)):
         tab.add_row(str(j), f"{lo:.4f}", f"{ac:.4f}", f"{tr[j]:.4f}" if j < len(tr) else "-")
+    # the measure the train loss, the log and curves.png use: Σ_j 0.8^j × the step-j loss, so the numbers compare
+    tab.caption = ("held-out loss as the train loss weighs it (Σ 0.8^j × step j): "
+                   f"{weighted_loss(m['heldout_loss']):.4f}")
     if "replay_tau" in m:  # what a served chain of k would reach: the number to pick a checkpoint by
-        tab.caption = (f"served chain k={m['replay_k']}: replay τ {m['replay_tau']:.3f} on {m['replay_rows']} held-out "
-                       f"replies (accepted per position {m['replay_per_pos']} over {m['replay_drafts']} drafts); "
-                       f"simulated from accuracy {m.get('simulated_tau', 0):.3f}")
+        tab.caption += "\n" + (f"served chain k={m['replay_k']}: replay τ {m['replay_tau']:.3f} on {m['replay_rows']} "
+                               f"held-out replies (accepted per position {m['replay_per_pos']} over "
+                               f"{m['replay_drafts']} drafts); simulated from accuracy {m.get('simulated_tau', 0):.3f}")
     return tab
+
+
+def weighted_loss(per_step: list[float]) -> float:
+    """The per-TTT-step losses summed with the training objective's weights (0.8^j): what the train loss is."""
+    return sum(STEP_DECAY ** j * x for j, x in enumerate(per_step))
 
 
 def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
@@ -42,12 +50,12 @@ def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
     if log:
         a1.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.6, alpha=0.6, label="train loss")
     if evals:
-        a1.plot([e["step"] for e in evals], [sum(STEP_DECAY ** j * x for j, x in enumerate(e["heldout_loss"]))
-                                             for e in evals], "o-", label="held-out loss")
+        a1.plot([e["step"] for e in evals], [weighted_loss(e["heldout_loss"]) for e in evals], "o-",
+                 label="held-out loss")
         for j in range(len(evals[0]["heldout_acc"])):
             a2.plot([e["step"] for e in evals], [e["heldout_acc"][j] for e in evals], "o-", ms=3, label=f"step {j}")
     a1.set_xlabel("optimizer step")
-    a1.set_title("loss (sum over TTT steps of 0.8^j x soft CE)")
+    a1.set_title("loss per step (sum over TTT steps of 0.8^j x soft CE), as the log and tables print it")
     a1.legend()
     a2.set_xlabel("optimizer step")
     a2.set_title("held-out accuracy per TTT step")

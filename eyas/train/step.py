@@ -112,7 +112,7 @@ class Window:
         return self.tokens / max(self.seconds, 1e-9)
 
     def metrics(self) -> dict[str, Any]:
-        return {"train_loss": round(self.loss_sum / max(self.steps, 1), 5),
+        return {"train_loss": round(self.loss_sum / max(self.steps, 1), 5), "train_loss_steps": self.steps,
                 "train_acc": [round(float(x), 5) for x in self.correct / self.count.clamp_min(1)]}
 
 
