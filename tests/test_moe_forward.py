@@ -187,15 +187,88 @@ def test_speculation_is_lossless(model):
 
 
 def test_gguf_architectures_transformers_cannot_read_are_refused_in_one_line(tmp_path):
-    """deepseek2 (DeepSeek-V3, Kimi-K2) is not in transformers' GGUF loader: refused before any conversion, in one
-    line naming what is missing. qwen3moe and gpt-oss are in it, so their files go on to transformers' reader."""
-    for arch in ("qwen3moe", "gpt-oss"):
-        f = tmp_path / f"{arch}.gguf"
-        f.write_bytes(gguf_bytes(arch))
-        check_gguf_architecture(f)
+    """deepseek2 (DeepSeek-V3, Kimi-K2) is not in transformers' GGUF loader, and it loads gpt-oss without its
+    experts and sinks: both refused before any conversion, in one line naming what is missing. qwen3moe goes on to
+    transformers' reader (converted below)."""
+    f = tmp_path / "qwen3moe.gguf"
+    f.write_bytes(gguf_bytes("qwen3moe"))
+    check_gguf_architecture(f)
+    f = tmp_path / "oss.gguf"
+    f.write_bytes(gguf_bytes("gpt-oss"))
+    with pytest.raises(TargetError, match=r"'gpt-oss': transformers .* does not read it whole \(.*experts and "
+                                          r"attention sinks") as e:
+        convert_gguf(f, tmp_path / "out")
+    assert "\n" not in str(e.value)
     f = tmp_path / "k2.gguf"
     f.write_bytes(gguf_bytes("deepseek2"))
     with pytest.raises(TargetError, match=r"'deepseek2' \(DeepSeek-V2/V3 and Kimi-K2, MLA attention\) is missing "
                                           r"from transformers .*'s GGUF loader") as e:
         convert_gguf(f, tmp_path / "out")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def write_qwen3moe_gguf(m, path):
+    """`m` as llama.cpp's convert_hf_to_gguf.py writes a Qwen3-MoE (F32): its tensor names, the fused gate/up
+    experts split into ffn_gate_exps and ffn_up_exps, the experts' width in expert_feed_forward_length."""
+    import gguf
+
+    cfg, sd = m.config, m.state_dict()
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")  # single characters, no merges: enough for transformers' GGUF tokenizer
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [chr(0x21 + i) for i in range(cfg.vocab_size - 3)])
+    w.add_token_types([3, 3, 3] + [1] * (cfg.vocab_size - 3))
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def add(name, t):
+        w.add_tensor(name, t.detach().float().numpy())
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    add("output.weight", sd["lm_head.weight"])
+    width = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, g in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                      ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+                      ("self_attn.o_proj", "attn_output"), ("self_attn.q_norm", "attn_q_norm"),
+                      ("self_attn.k_norm", "attn_k_norm"), ("mlp.gate", "ffn_gate_inp")):
+            add(f"blk.{i}.{g}.weight", sd[p + hf + ".weight"])
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
+        add(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :width])
+        add(f"blk.{i}.ffn_up_exps.weight", gate_up[:, width:])
+        add(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3moe_gguf_converts_and_runs_as_the_original(tmp_path):
+    """transformers reads qwen3moe GGUFs but leaves moe_intermediate_size at its default: eyas's overrides set it
+    from expert_feed_forward_length, and the converted target's engine logits are the original's."""
+    from transformers import AutoModelForCausalLM
+
+    m = build("qwen3_moe")
+    write_qwen3moe_gguf(m, tmp_path / "t.gguf")
+    convert_gguf(tmp_path / "t.gguf", tmp_path / "hf")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tm = TargetModel(back)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    ours = tm.forward(ids, torch.arange(20)[None], tm.new_cache(1, 20), logits="all").logits
+    torch.testing.assert_close(ours, m(ids).logits, atol=ATOL, rtol=0)

@@ -46,6 +46,9 @@ def tensor_fingerprint(model: nn.Module) -> str:
 
 # llama.cpp architectures worth naming when transformers cannot read them
 _GGUF_NAMES = {"deepseek2": "DeepSeek-V2/V3 and Kimi-K2, MLA attention"}
+# architectures transformers' GGUF loader lists but loads wrong (checked on llama.cpp-named F32 files)
+_GGUF_MISREAD = {"gpt-oss": "its GGUF loader leaves gpt-oss's experts and attention sinks (llama.cpp's ffn_*_exps "
+                            "and attn_sinks tensors) randomly initialised and fails on the rope.scaling (YaRN) keys"}
 
 
 def check_gguf_architecture(gguf: Path) -> None:
@@ -63,6 +66,10 @@ def check_gguf_architecture(gguf: Path) -> None:
         return
     if not isinstance(arch, str):
         return
+    if arch in _GGUF_MISREAD:
+        raise TargetError(f"{gguf.name}: general.architecture {arch!r}: transformers {__version__}'s GGUF reader, "
+                          f"which eyas converts GGUFs through, does not read it whole ({_GGUF_MISREAD[arch]}); pass "
+                          "the Hugging Face model folder instead")
     if {arch, arch.replace("-", "_"), gguf_family(arch)} & set(GGUF_SUPPORTED_ARCHITECTURES):
         return
     what = f" ({_GGUF_NAMES[arch]})" if arch in _GGUF_NAMES else ""

@@ -153,6 +153,12 @@ def gguf_overrides(gguf: Path) -> dict[str, Any]:
 
     meta = read_gguf_metadata(gguf)
     arch = meta.get("general.architecture")
+    if arch == "qwen3moe":  # transformers' GGUF reader leaves the experts' width at Qwen3MoeConfig's default
+        width = meta.get("qwen3moe.expert_feed_forward_length")
+        if not isinstance(width, int) or width <= 0:
+            raise TargetError(f"{gguf.name}: no qwen3moe.expert_feed_forward_length (the experts' width; "
+                              "llama.cpp requires it): convert the model again with llama.cpp's convert_hf_to_gguf.py")
+        return {"moe_intermediate_size": width}
     if arch not in _ARCHS:
         return {}
     tensors = read_gguf_tensors(gguf)
