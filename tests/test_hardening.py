@@ -212,6 +212,11 @@ CASES = [
      {"model": MODEL, "prompt": "x"}, 404, "not_found", "no route"),
     ("declared body too large", "open", "POST", COMPL, {"Content-Length": str(bounds.MAX_BODY + 1)}, None, 413,
      "request_too_large", str(bounds.MAX_BODY)),
+    # both framings on one request (the request-smuggling shape): refused, and the connection closed
+    ("Content-Length and Transfer-Encoding", "open", "POST", COMPL,
+     {"Content-Length": "5", "Transfer-Encoding": "chunked"}, None, 400, "ambiguous_framing", "Transfer-Encoding"),
+    ("two spaces after Bearer", "keyed", "POST", COMPL, {"Authorization": f"Bearer  {KEY}"},
+     {"model": MODEL, "prompt": "x"}, 401, "invalid_api_key", "Incorrect API key"),
 ]
 
 

@@ -81,7 +81,8 @@ CHARS_PER_TOKEN = 16
 
 def _error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    if e.status in (408, 413):  # the body was not read to its end: this connection cannot carry another request
+    if e.status in (408, 413) or e.code == "ambiguous_framing":  # the body was not read to its end (or its
+        # end is ambiguous): this connection cannot carry another request
         headers = {"Connection": "close"}
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
@@ -95,7 +96,8 @@ def check_auth(request: Request, api_key: str | None) -> None:
     if not header:
         raise APIError(401, "Missing API key: send the header 'Authorization: Bearer KEY'.",
                        code="invalid_api_key")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+    # exactly one space after the scheme, as vLLM and OpenAI compare it: "Bearer  KEY" is not the key
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), api_key.encode()):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 

@@ -34,6 +34,10 @@ async def read_body(request: Request) -> bytes | None:
     408 when it stalls for BODY_IDLE_TIMEOUT_S or takes longer than BODY_TOTAL_TIMEOUT_S. None when the client
     left before sending it."""
     size = request.headers.get("content-length")
+    if size is not None and "transfer-encoding" in request.headers:
+        # two lengths for one body: the request-smuggling shape; RFC 9112 6.1 lets a server refuse it and close
+        raise APIError(400, "the request has both Content-Length and Transfer-Encoding; send one of them",
+                       code="ambiguous_framing")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise too_large(int(size))
     loop = asyncio.get_running_loop()
