@@ -16,7 +16,7 @@ from eyas.engine.load import EngineParts, make_engine
 from eyas.engine.params import SamplingParams, TreeSettings
 from eyas.engine.weights import engine_model
 from eyas.target.convert import check_gguf_architecture, convert_gguf, tensor_fingerprint
-from eyas.target.family import TargetError
+from eyas.target.family import ModelError, TargetError
 from eyas.target.load import Target, identity_of
 from tests.moe import moe_config
 from tests.test_engine import PROMPTS, VOCAB, word_tokenizer
@@ -272,3 +272,10 @@ def test_a_qwen3moe_gguf_converts_and_runs_as_the_original(tmp_path):
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
     ours = tm.forward(ids, torch.arange(20)[None], tm.new_cache(1, 20), logits="all").logits
     torch.testing.assert_close(ours, m(ids).logits, atol=ATOL, rtol=0)
+    # from its GGUF, --weights auto runs fp32 and says why; native refuses in one line
+    t = Target(model=back, tokenizer=word_tokenizer(), identity=identity_of(back, tensor_fingerprint(back), "tiny"),
+               source=str(tmp_path / "t.gguf"), path=tmp_path / "hf", gguf=tmp_path / "t.gguf")
+    auto = engine_model(t, "auto")
+    assert auto.native is None and "dense layers" in auto.fallback
+    with pytest.raises(ModelError, match="--weights native: the native kernels cover dense layers"):
+        engine_model(t, "native")
