@@ -43,7 +43,8 @@ class MoE:
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():  # only the experts some row chose run
             tok, slot = torch.where(idx == e)  # rows that chose e, and at which of their k places
-            y = self.expert(e, x[tok]) * wts[tok, slot, None].to(x.dtype)
+            # in the weights' dtype (DeepSeek's stay fp32, as in HF), then back to the stream's
+            y = (self.expert(e, x[tok]) * wts[tok, slot, None]).to(x.dtype)
             out.index_add_(0, tok, y)
         out = out.view(B, S, H)
         return out if self.shared is None else out + self.shared(h)
@@ -66,7 +67,7 @@ def _softmax_topk(w: torch.Tensor, k: int, renorm: bool) -> Router:
         top, idx = torch.topk(p, k, dim=-1)
         if renorm:
             top = top / top.sum(dim=-1, keepdim=True)
-        return idx, top
+        return idx, top.to(x.dtype)  # HF casts the weights to the stream's dtype before using them
     return route
 
 
