@@ -251,3 +251,45 @@ def test_readme_replay(tmp_path):
     assert "2 rows" in outs[0] and "eyas-fp32" in outs[0]
     assert "chain k=3" in outs[1] and "tau " in outs[1]
     assert "tree depth 3, topk 4, 8 tokens" in outs[2] and "should log an accept length near" in outs[2]
+
+
+@pytest.mark.integration
+@pytest.mark.asset
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_readme_export_prints_a_launch_command_vllm_serves(tmp_path, vllm_py):
+    """Example 3's export line (with the shipped draft), then the launch command it prints for vLLM's CPU build,
+    run with the vLLM that `make vllm` builds: it starts and answers a chat. Added for the test only: a free port,
+    and eager mode (vLLM's CPU torch.compile warm-up takes minutes)."""
+    import httpx
+
+    from tests.test_doctor_serving import _stop, wait_up
+
+    line = next(ln for ln in command_lines(readme_blocks()["train"][1]) if ln.startswith("eyas export"))
+    argv = [("default" if a == "runs/my-train/draft" else a) for a in shlex.split(line)]
+    assert "default" in argv, f"the export line should name the trained draft: {line}"
+    done = subprocess.run(argv, cwd=tmp_path, env=eyas_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln.strip() for ln in done.stdout.splitlines()]
+    assert any(ln.startswith("vllm serve ") for ln in lines), done.stdout  # the command vLLM's own builds run
+    # and the form the CPU build runs (its `vllm` command does not start), with that environment's python
+    launch = next(ln for ln in lines if ln.startswith("python -m vllm.entrypoints.openai.api_server"))
+    serve = shlex.split(launch)
+    serve[0] = str(vllm_py)
+    port = free_port()
+    log = tmp_path / "vllm.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    with open(log, "w") as f:
+        p = subprocess.Popen([*serve, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                              "--max-model-len", "1024"], cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_up(p, url, log)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+            "model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name three colors."}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+    finally:
+        _stop(p)

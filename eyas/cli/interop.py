@@ -31,7 +31,13 @@ def export(
     import sys
 
     from ..draft import load_draft
-    from ..interop.export import LaunchParams, check_export_target, export_draft, target_embeddings
+    from ..interop.export import (
+        LaunchParams,
+        check_export_target,
+        export_draft,
+        target_embeddings,
+        vllm_module_command,
+    )
 
     with user_errors():
         ckpt = load_draft(draft)
@@ -58,6 +64,10 @@ def export(
                         "ORG/MODEL for a folder that works elsewhere", fg="yellow", err=True)
     typer.echo("launch:")
     typer.echo(f"  {res.launch}")
+    module = vllm_module_command(res.launch)
+    if module is not None:
+        typer.echo("or, with vLLM's CPU build (`make vllm`: its python, e.g. .venv-vllm/bin/python):")
+        typer.echo(f"  {module}")
 
 
 def import_(

