@@ -24,7 +24,7 @@ from eyas.data.regen import (
     stop_token_ids,
     user_turn_opening,
 )
-from eyas.data.shards import MANIFEST, ShardSet, load_manifest
+from eyas.data.shards import ShardSet, load_manifest
 from eyas.target.capture import capture
 from eyas.target.load import load_target
 
@@ -238,22 +238,28 @@ def test_first_chunks_are_small_so_a_new_run_commits_early(conv_file, tiny_dir):
     assert [len(c) for c, *_ in iter_chunks(cfg, -1, 30, chunks_done=2)][0] == 30  # 32 asked, 30 left
 
 
-@pytest.mark.slow
-def test_sigterm_says_what_is_committed_and_the_rerun_completes_it(tmp_path, tiny_dir, tiny_target, conv_file):
-    cfg = _cfg(tmp_path / "stopped", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,
-               max_len=96, num=30)
+def _running_past_its_first_shard(cfg: DatagenConfig) -> subprocess.Popen:
+    """`eyas datagen` for cfg in a process of its own, returned once its first shard is committed (still running)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "eyas", *_args(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         try:
-            if load_manifest(tmp_path / "stopped")["shards"]:
+            if load_manifest(Path(cfg.out))["shards"]:
                 break
         except (OSError, ValueError, KeyError):
             pass  # not written yet, or being replaced right now
         time.sleep(0.01)
     assert proc.poll() is None, f"datagen ended before it could be stopped: {proc.stderr.read().decode()[-2000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_sigterm_says_what_is_committed_and_the_rerun_completes_it(tmp_path, tiny_dir, tiny_target, conv_file):
+    cfg = _cfg(tmp_path / "stopped", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,
+               max_len=96, num=30)
+    proc = _running_past_its_first_shard(cfg)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1].decode()
     stopped = load_manifest(tmp_path / "stopped")
@@ -271,20 +277,7 @@ def test_sigterm_says_what_is_committed_and_the_rerun_completes_it(tmp_path, tin
 def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path, tiny_dir, tiny_target, conv_file):
     cfg = _cfg(tmp_path / "killed", tiny_dir, conv_file, regenerate=True, max_new_tokens=8, shard_samples=1,
                max_len=96, num=30)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "eyas", *_args(cfg)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    manifest = tmp_path / "killed" / MANIFEST
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if manifest.exists():
-            try:
-                if load_manifest(tmp_path / "killed")["shards"]:
-                    break
-            except (ValueError, KeyError):
-                pass  # being replaced right now
-        time.sleep(0.01)
-    assert proc.poll() is None, f"datagen ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    proc = _running_past_its_first_shard(cfg)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed = load_manifest(tmp_path / "killed")
