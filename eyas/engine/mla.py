@@ -6,7 +6,8 @@ Keys and values come from one compressed latent per token: kv_a_proj_with_mqa ma
 every head's no-position key part (qk_nope_head_dim) and value (v_head_dim); the rope key, rotated, is shared by
 all heads. The cache stores what MLA needs, per layer and slot: the normed latent in KVCache.k [B, 1, T, rank]
 and the rotated rope key in KVCache.v [B, 1, T, rope_dim] (slot index == position as everywhere, so truncate
-and compact work unchanged). Each forward expands the visible latents with kv_b_proj (no weight absorption).
+and compact work unchanged). kv_b_proj is absorbed into the query and the output (see mla_attention), so no
+forward expands the cached latents into per-head keys and values.
 
 RoPE as HF applies it for this family: with `rope_interleave` (DeepSeek's checkpoints) the rotated pairs are
 (x0, x1), (x2, x3), ... and the result is laid out evens-then-odds — the same permutation for q and k, so the
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..target.family import ModelError
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,6 +50,8 @@ class MLA:
 
 
 def mla_of(cfg, attn: nn.Module) -> MLA:
+    if attn.kv_b_proj.bias is not None:
+        raise ModelError("this MLA target's kv_b_proj has a bias, which eyas's absorbed attention does not carry")
     return MLA(q=getattr(attn, "q_proj", None), q_a=attn.q_a_proj, q_a_norm=attn.q_a_layernorm, q_b=attn.q_b_proj,
                kv_a=attn.kv_a_proj_with_mqa, kv_norm=attn.kv_a_layernorm, kv_b=attn.kv_b_proj, o=attn.o_proj,
                heads=int(cfg.num_attention_heads), nope=int(cfg.qk_nope_head_dim), rope=int(cfg.qk_rope_head_dim),
@@ -93,9 +98,12 @@ def mla_attention(w: MLA, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     else:
         ck[rows, 0, slots] = latent[:, 0]
         cv[rows, 0, slots] = k_rot[:, 0, 0]
-    kv = _lin(w.kv_b, ck[:, 0, :T]).view(B, T, w.heads, w.nope + w.v_dim).transpose(1, 2)  # [B, nh, T, nope + v]
-    k_nope, v = kv.split([w.nope, w.v_dim], dim=-1)
-    k = torch.cat([k_nope, cv[:, :, :T].expand(B, w.heads, T, w.rope)], dim=-1)  # [B, nh, T, nope + rope]
-    o = F.scaled_dot_product_attention(torch.cat([q_nope, q_rot], dim=-1), k, v, attn_mask=mask,
-                                       scale=w.scale)  # [B, nh, S, v]
-    return _lin(w.o, o.transpose(1, 2).reshape(B, S, w.heads * w.v_dim))
+    # kv_b_proj absorbed: q_nope . (W_uk c) = (q_nope W_uk) . c, and p @ (W_uv c) = W_uv (p @ c), so attention runs
+    # over the cached latents themselves, one shared key/value head, whatever the number of new rows
+    wkv = w.kv_b.weight.view(w.heads, w.nope + w.v_dim, w.rank)
+    q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, wkv[:, :w.nope])  # [B, nh, S, rank]
+    k = torch.cat([ck[:, :, :T], cv[:, :, :T]], dim=-1)  # [B, 1, T, rank + rope]
+    o = F.scaled_dot_product_attention(torch.cat([q_lat, q_rot], dim=-1), k, ck[:, :, :T], attn_mask=mask,
+                                       scale=w.scale, enable_gqa=True)  # [B, nh, S, rank]
+    o = torch.einsum("bhsr,hvr->bshv", o, wkv[:, w.nope:])  # [B, S, nh, v]
+    return _lin(w.o, o.reshape(B, S, w.heads * w.v_dim))
