@@ -509,3 +509,22 @@ def test_online_training_on_smollm2(smollm2, tmp_path):
     assert 2 in res.draft.target_token_ids().tolist()  # <|im_end|> always in the draft vocab
     assert res.vocab.coverage == 1.0  # 256 ids cover this tiny data entirely
     assert len(res.final_metrics["heldout_acc"]) == 2 and res.final_metrics["heldout_rows"][0] > 0
+
+
+def test_a_cursor_past_the_run_is_refused_on_resume(world):
+    """trainer_state.json edited (or from another run) to a step past the run, a batch past its epoch, more epochs
+    than steps, or a step its manifest does not record: --resume refuses in one line instead of training nothing."""
+    root, _ = world
+    args = ("--max-steps", "2", "--save-every", "2", "--eval-every", "2")
+    assert _cli(root, "cursor", *args).returncode == 0
+    path = root / "cursor" / "checkpoint" / "trainer_state.json"
+    good = json.loads(path.read_text())
+    for edit, said in (({"step": 10 ** 12}, "past this run's 2 steps"), ({"epoch": 99999}, "epoch 99999 with only"),
+                       ({"batch_in_epoch": 10 ** 6}, "batch_in_epoch 1000000 is past epoch"),
+                       ({"step": 1}, "its manifest says step 2")):
+        path.write_text(json.dumps({**good, **edit}))
+        r = _cli(root, "cursor", *args, "--resume")
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and said in errors[0], (edit, r.stderr[-2000:])
+    path.write_text(json.dumps(good))
+    assert _cli(root, "cursor", *args, "--resume").returncode == 0  # the real cursor resumes (nothing left to do)

@@ -138,13 +138,34 @@ class Trainer:
             load_optimizer(self.opt, ck / OPT_FILE, state["optimizer"])
             set_rng(read_tensors(ck / RNG_FILE))
             self.at = Cursor(**{f.name: state[f.name] for f in fields(Cursor)})
-            self.last_eval = json.loads((ck / DRAFT_MANIFEST).read_text()).get("metrics")
+            manifest = json.loads((ck / DRAFT_MANIFEST).read_text())
+            self.check_cursor(ck, manifest.get("step"))
+            self.last_eval = manifest.get("metrics")
             if main:
                 print(f"--resume: continuing {ck} at step {self.at.step}/{self.total} (epoch {self.at.epoch}, batch "
                       f"{self.at.batch_in_epoch}, {self.at.tokens_seen} tokens seen)", file=sys.stderr)
         if main:
             truncate_jsonl(out / "train_log.jsonl", self.at.step)
             truncate_jsonl(out / "metrics.jsonl", self.at.step)
+
+    def check_cursor(self, ck: Path, manifest_step: Any) -> None:
+        """The checkpoint's cursor against this run: a step past the run's last, a batch past its epoch's or
+        more epochs than steps would resume into a run that trains nothing (or skips data) and says it finished;
+        a cursor the checkpoint's own manifest disagrees with was edited or mixed from two checkpoints."""
+        at, problems = self.at, []
+        if at.step > self.total:
+            problems.append(f"step {at.step} is past this run's {self.total} steps (raise --max-steps or --epochs "
+                            "to train further)")
+        if at.batch_in_epoch > len(self.plan(at.epoch)):
+            problems.append(f"batch_in_epoch {at.batch_in_epoch} is past epoch {at.epoch}'s "
+                            f"{len(self.plan(at.epoch))} batches")
+        if at.epoch > at.step:
+            problems.append(f"epoch {at.epoch} with only {at.step} steps taken")
+        if manifest_step != at.step:
+            problems.append(f"its manifest says step {manifest_step!r}, its trainer_state.json step {at.step}")
+        if problems:
+            raise TrainError(f"{ck / 'trainer_state.json'} does not fit this run: {'; '.join(problems)}. Resume "
+                             "with the options it was made with, or start a new run in another --out")
 
     def write_run(self) -> None:
         if not self.dd.main:
