@@ -106,11 +106,14 @@ def swap_folder(new: Path, out: Path) -> Path:
 
 
 def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
-    """`write(tmp)` fills a fresh temporary folder, which then replaces `out` (see swap_folder)."""
+    """`write(tmp)` fills a fresh temporary folder, which then replaces `out` (see swap_folder). The temporaries a
+    killed writer of the same `out` left behind are removed first (remove_stale_temps), so an export or a draft
+    killed mid-write leaves nothing for good."""
     out = Path(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(out)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()

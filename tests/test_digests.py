@@ -107,3 +107,22 @@ def test_a_flipped_byte_anywhere_changes_the_digest(tmp_path, algo):
         assert file_digest(p, algo) != before
         _flip(p, at)
     assert file_digest(p, algo) == before
+
+
+def test_an_atomic_folder_removes_what_a_killed_writer_of_it_left(tmp_path):
+    """A writer killed mid-write leaves `<out>.tmp-<pid>`; the next write of the same folder removes it (a dead
+    pid), while a live writer's temporary and other folders' are kept."""
+    import os
+
+    from eyas.files import atomic_folder
+
+    out = tmp_path / "export"
+    dead = tmp_path / "export.tmp-999999999"  # no such process
+    (dead / "sub").mkdir(parents=True)
+    (dead / "sub" / "model.safetensors").write_bytes(b"x" * 1024)
+    live = tmp_path / f"export.tmp-{os.getppid()}"  # a running process: its write may be in progress
+    live.mkdir()
+    other = tmp_path / "other.tmp-999999999"
+    other.mkdir()
+    atomic_folder(out, lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert (out / "config.json").is_file() and not dead.exists() and live.exists() and other.exists()
