@@ -18,5 +18,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     sink = sinks.to(logits.dtype).view(1, nh, 1, 1).expand(B, nh, S, 1)
-    p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]  # drop the sink's share
+    both = torch.cat([logits, sink], dim=-1)
+    both = both - both.max(dim=-1, keepdim=True).values  # HF's order: in bf16 the shift itself rounds
+    p = torch.softmax(both, dim=-1)[..., :-1]  # drop the sink's share
     return torch.matmul(p, v)
