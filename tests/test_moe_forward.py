@@ -279,3 +279,14 @@ def test_a_qwen3moe_gguf_converts_and_runs_as_the_original(tmp_path):
     assert auto.native is None and "dense layers" in auto.fallback
     with pytest.raises(ModelError, match="--weights native: the native kernels cover dense layers"):
         engine_model(t, "native")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_bf16_targets_round_as_hf_does(family):
+    """In bf16 the op order shows (gpt-oss: the sink softmax's max shift; Qwen3-MoE: routing weights cast before
+    use): the engine's logits equal HF's bit for bit. DeepSeek's absorbed MLA reassociates, so it is fp32-exact only."""
+    m = build(family).to(torch.bfloat16)
+    tm = TargetModel(m)
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    ours = tm.forward(ids, torch.arange(20).expand(2, 20), tm.new_cache(2, 20), logits="all").logits
+    assert torch.equal(ours, m(ids).logits)
