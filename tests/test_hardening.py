@@ -361,7 +361,29 @@ DAMAGE = [
     ("export byte flipped, import", "run/draft", flipped_export, "import", "model.safetensors", "digest differs"),
     ("export byte flipped, doctor flags", "run/draft", flipped_export, "flags", "model.safetensors",
      "digest differs"),
+    # a shard folder's manifest damaged: train, ngram (and a datagen rerun, through the same reader) say so
+    ("shard manifest not JSON", "shards", lambda r: (r / "shards" / "manifest.json").write_text('{"kind": "eyas-'),
+     "train", "manifest.json", "not valid JSON"),
+    ("shard manifest empty", "shards", lambda r: (r / "shards" / "manifest.json").write_text(""), "ngram",
+     "manifest.json", "not valid JSON"),
+    ("shard manifest without layout", "shards", lambda r: edit_manifest(r / "shards", layout=None), "train",
+     "manifest.json", "'layout' should be a JSON object, found nothing"),
+    ("shard manifest shards a string", "shards", lambda r: edit_manifest(r / "shards", shards="oops"), "ngram",
+     "manifest.json", "'shards' should be a JSON array, found a str"),
+    ("shard manifest entry without file", "shards", lambda r: edit_manifest(r / "shards", shards=[{"samples": 1}]),
+     "train", "manifest.json", "shards[0] lacks a valid file"),
 ]
+
+
+def edit_manifest(folder: Path, **fields) -> None:
+    """Set (or with None, drop) top-level fields of a shard folder's manifest."""
+    m = json.loads((folder / "manifest.json").read_text())
+    for k, v in fields.items():
+        if v is None:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    (folder / "manifest.json").write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize("name,what,damage,kind,file,phrase", DAMAGE, ids=[c[0] for c in DAMAGE])
@@ -381,6 +403,8 @@ def test_damaged_artifact_is_one_error_line(trained_run, tmp_path, name, what, d
         argv = ["train", "--data", str(shards), "--out", str(root / "run"), *TRAIN_FLAGS, "--resume"]
     elif kind == "train":
         argv = ["train", "--data", str(shards), "--out", str(root / "new"), *TRAIN_FLAGS]
+    elif kind == "ngram":
+        argv = ["ngram", "--data", str(shards), "--out", str(root / "table")]
     elif kind == "generate":
         argv = ["generate", "--target", str(trained_run / "target"), "--draft", str(root / what), "--raw",
                 "--prompt", "t5 t6 t7", "--max-new-tokens", "2"]
