@@ -361,6 +361,10 @@ DAMAGE = [
     ("export byte flipped, import", "run/draft", flipped_export, "import", "model.safetensors", "digest differs"),
     ("export byte flipped, doctor flags", "run/draft", flipped_export, "flags", "model.safetensors",
      "digest differs"),
+    ("checkpoint manifest without layout", CK, lambda r: edit_manifest(r / CK, "eyas_manifest.json", layout=None),
+     "resume", "eyas_manifest.json", "'layout' should be a JSON object, found nothing"),
+    ("draft config.json not JSON", "run/draft", lambda r: (r / "run" / "draft" / "config.json").write_text("{oops"),
+     "doctor", "config.json", "not valid JSON"),
     # a shard folder's manifest damaged: train, ngram (and a datagen rerun, through the same reader) say so
     ("shard manifest not JSON", "shards", lambda r: (r / "shards" / "manifest.json").write_text('{"kind": "eyas-'),
      "train", "manifest.json", "not valid JSON"),
@@ -375,15 +379,15 @@ DAMAGE = [
 ]
 
 
-def edit_manifest(folder: Path, **fields) -> None:
-    """Set (or with None, drop) top-level fields of a shard folder's manifest."""
-    m = json.loads((folder / "manifest.json").read_text())
+def edit_manifest(folder: Path, name: str = "manifest.json", **fields) -> None:
+    """Set (or with None, drop) top-level fields of a folder's manifest."""
+    m = json.loads((folder / name).read_text())
     for k, v in fields.items():
         if v is None:
             m.pop(k, None)
         else:
             m[k] = v
-    (folder / "manifest.json").write_text(json.dumps(m))
+    (folder / name).write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize("name,what,damage,kind,file,phrase", DAMAGE, ids=[c[0] for c in DAMAGE])
@@ -403,6 +407,8 @@ def test_damaged_artifact_is_one_error_line(trained_run, tmp_path, name, what, d
         argv = ["train", "--data", str(shards), "--out", str(root / "run"), *TRAIN_FLAGS, "--resume"]
     elif kind == "train":
         argv = ["train", "--data", str(shards), "--out", str(root / "new"), *TRAIN_FLAGS]
+    elif kind == "doctor":
+        argv = ["doctor", "--target", str(trained_run / "target"), "--draft", str(root / what), "--quick"]
     elif kind == "ngram":
         argv = ["ngram", "--data", str(shards), "--out", str(root / "table")]
     elif kind == "generate":

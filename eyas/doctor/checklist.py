@@ -6,7 +6,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..errors import EyasError
+
 STATUSES = ("pass", "warn", "fail", "skip")
+
+
+class DoctorError(EyasError):
+    """A file the doctor reads that it cannot judge (a damaged draft config.json): one line, not a check."""
 
 
 def pct(x: float | None) -> str:

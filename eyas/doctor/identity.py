@@ -10,9 +10,10 @@ import torch
 
 from ..conventions import config_fix, engine_views
 from ..draft import DraftCheckpoint
+from ..files import read_json
 from ..layout import layout_diff
 from ..probe import FINAL_ONLY
-from .checklist import Check
+from .checklist import Check, DoctorError
 
 # ---- 1. identity: no compute ----------------------------------------------------------------------
 
@@ -125,11 +126,14 @@ def _check_vocab(target, ckpt: DraftCheckpoint) -> Check:
 
 def read_config(ckpt: DraftCheckpoint) -> dict[str, Any] | None:
     """The draft folder's config.json (what SGLang and vLLM read); None when the draft has no folder or no config."""
-    import json
-
     if ckpt.path is None or not (Path(ckpt.path) / "config.json").is_file():
         return None
-    return json.loads((Path(ckpt.path) / "config.json").read_text())
+    path = Path(ckpt.path) / "config.json"
+    cfg = read_json(path, DoctorError, "write it again (`eyas export` writes the config engines read) or remove it")
+    if not isinstance(cfg, dict):
+        raise DoctorError(f"{path} holds a JSON {type(cfg).__name__}, expected an object; write it again "
+                          "(`eyas export`) or remove it")
+    return cfg
 
 
 def _check_engine_config(target, ckpt: DraftCheckpoint) -> list[Check]:

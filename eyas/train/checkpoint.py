@@ -207,6 +207,11 @@ def check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab, 
     """Refuse a checkpoint made for other data/target/vocab or with another trajectory; name each field. A damaged
     checkpoint (not JSON, a cursor out of range, a tensor file that is not what was written) is one error line."""
     man = read_json(ck / DRAFT_MANIFEST, TrainError, FIX_CHECKPOINT)
+    for key, kind in (("layout", dict), ("draft_vocab", dict), ("data", dict)):
+        found = man.get(key) if isinstance(man, dict) else None
+        if not isinstance(found, kind):
+            raise TrainError(f"{ck / DRAFT_MANIFEST}: {key!r} should be a JSON object, found "
+                             f"{'nothing' if found is None else type(found).__name__}; {FIX_CHECKPOINT}")
     state = read_json(ck / STATE_FILE, TrainError, FIX_CHECKPOINT)
     check_cursor(ck / STATE_FILE, state)
     files = state.get("files") or {}  # checkpoints written before eyas recorded digests have none
