@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from eyas.bench.environment import cpu_name
 from eyas.engine.forward import TargetModel
 
 SIZES = {
@@ -31,16 +31,6 @@ SIZES = {
     "mid": dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384, num_experts=64,
                 num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def build(size: str, seed: int) -> torch.nn.Module:
@@ -106,7 +96,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rows = sorted({int(r) for r in args.rows.split(",")} | {1})
-    print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; context {args.context} tokens")
+    print(f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}; context {args.context} tokens")
     for size in SIZES:
         res = measure(size, rows, args.context, args.repeats, args.seed)
         base = res[0][1]
