@@ -4,9 +4,10 @@ pipeline.
 Qwen3-MoE and gpt-oss run where eyas's engine cannot: `datagen --engine vllm` -> train -> export -> replay rows
 captured by vLLM -> a real `vllm serve` with the draft -> `doctor serving --url`: the right export passes with
 counts equal to the replay's, an export with aux ids shifted by one fails with the shift named.
-DeepSeek-V3 (MLA + MoE, Kimi-K2.5's architecture) runs through HF capture: datagen, train, doctor and export. vLLM's
-CPU build refuses an EAGLE-3 draft for MLA (no common KV block size between its MLA and attention backends), so no
-live check runs for it here.
+DeepSeek-V3 (MLA + MoE, Kimi-K2.5's architecture) runs in eyas's own engine (eyas/engine/mla.py, moe.py): datagen,
+train, doctor, export, and a bench of plain, chain, tree and lookup with the draft it trained, lossless. vLLM's CPU
+build refuses an EAGLE-3 draft for MLA (no common KV block size between its MLA and attention backends), so no live
+check runs for it here.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def test_a_moe_draft_served_by_vllm_is_checked_by_replay(pipeline, vllm_py):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_deepseek_v3_mla_moe_through_hf_capture(tmp_path, smollm2_tokenizer_dir):
-    """Kimi-K2.5's architecture at toy size: HF capture (eyas's engine does not run MLA), train, doctor, export."""
+    """Kimi-K2.5's architecture at toy size through eyas's own engine: datagen, train, doctor, export, and bench's
+    engine methods with the trained draft, each token-identical to plain."""
     target = save_moe_target("deepseek_v3", tmp_path / "target", smollm2_tokenizer_dir)
     out = eyas("inspect", str(target))
     assert "deepseek_v3" in out
@@ -108,6 +110,13 @@ def test_deepseek_v3_mla_moe_through_hf_capture(tmp_path, smollm2_tokenizer_dir)
         cfg = json.loads((tmp_path / f"export-{fmt}" / "config.json").read_text())
         assert cfg["target_hidden_size"] == 64 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert Path(tmp_path / "export-vllm" / "model.safetensors").is_file()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name three colors.", "Count to five.")))
+    eyas("bench", "--target", str(target), "--draft", str(draft), "--methods", "plain,chain,tree,lookup", "--bench",
+         str(prompts), "--limit", "2", "--max-new-tokens", "24", "--out", str(tmp_path / "bench"), "--quiet")
+    summary = json.loads((tmp_path / "bench" / "results.json").read_text())["summary"]["methods"]
+    for m in ("chain", "tree", "lookup"):
+        assert (summary[m]["identical"], summary[m]["compared"]) == (2, 2), (m, summary[m]["mismatches"])
 
 
 @pytest.mark.vllm
