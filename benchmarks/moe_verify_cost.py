@@ -31,11 +31,18 @@ SIZES = {
     "mid": dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384, num_experts=64,
                 num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64),
 }
+# the dense counterpart of `mid`: the same attention, one MLP as wide as mid's 8 active experts together
+# (8 x 384), so one row reads about as many weights as one MoE row does
+DENSE = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
 
 
 def build(size: str, seed: int) -> torch.nn.Module:
     import transformers as tf
 
+    if size == "mid-dense":
+        torch.manual_seed(seed)
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(vocab_size=4096, num_hidden_layers=4, max_position_embeddings=4096,
+                                                  tie_word_embeddings=False, **DENSE)).eval()
     cfg = tf.Qwen3MoeConfig(vocab_size=4096, num_hidden_layers=4, max_position_embeddings=4096,
                             norm_topk_prob=True, tie_word_embeddings=False, **SIZES[size])
     torch.manual_seed(seed)
@@ -51,7 +58,7 @@ def experts_touched(tm: TargetModel, ids: torch.Tensor, pos: torch.Tensor, cache
     seen: list[int] = []
     wrapped = []
     for L in tm.layers:
-        if L.moe is None:
+        if getattr(L, "moe", None) is None:
             continue
         route = L.moe.route
 
@@ -97,14 +104,16 @@ def main() -> None:
     args = ap.parse_args()
     rows = sorted({int(r) for r in args.rows.split(",")} | {1})
     print(f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}; context {args.context} tokens")
-    for size in SIZES:
+    for size in (*SIZES, "mid-dense"):
         res = measure(size, rows, args.context, args.repeats, args.seed)
         base = res[0][1]
-        c = SIZES[size]
-        print(f"\n{size}: hidden {c['hidden_size']}, {c['num_experts']} experts, top-{c['num_experts_per_tok']}")
+        c = SIZES.get(size)
+        print(f"\n{size}: " + (f"hidden {c['hidden_size']}, {c['num_experts']} experts, top-{c['num_experts_per_tok']}"
+                               if c else f"hidden {DENSE['hidden_size']}, one MLP of {DENSE['intermediate_size']}"))
         print(f"{'rows':>5} {'ms':>9} {'x one row':>10} {'experts/layer':>14}")
         for n, t, touched in res:
-            print(f"{n:>5} {t * 1e3:>9.2f} {t / base:>10.2f} {touched:>14.1f}")
+            shown = f"{touched:>14.1f}" if c else f"{'-':>14}"
+            print(f"{n:>5} {t * 1e3:>9.2f} {t / base:>10.2f} {shown}")
 
 
 if __name__ == "__main__":
