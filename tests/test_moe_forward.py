@@ -290,3 +290,24 @@ def test_bf16_targets_round_as_hf_does(family):
     ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     ours = tm.forward(ids, torch.arange(20).expand(2, 20), tm.new_cache(2, 20), logits="all").logits
     assert torch.equal(ours, m(ids).logits)
+
+
+def test_capture_is_one_convention_in_hf_hooks_and_the_engine(model):
+    """Stream index k means the same layer boundary in HF capture (hooks) and in eyas's engine forward: every
+    stream 0..L, the final pre- and post-norm states, equal within the logits' tolerance (a shifted index would
+    differ by a whole layer's update)."""
+    from eyas.target.capture import capture
+
+    L = model.config.num_hidden_layers
+    ids = torch.tensor([[5, 9, 17, 3, 40, 22, 8, 11, 60, 7]])
+    streams = list(range(L + 1))
+    hf = capture(model, ids, streams)
+    eyas = TargetModel(model).capture(ids, streams)
+    H = model.config.hidden_size
+    for i, k in enumerate(streams):
+        a, b = hf.aux[..., i * H:(i + 1) * H], eyas.aux[..., i * H:(i + 1) * H]
+        assert (a - b).abs().max() < ATOL * max(1.0, float(a.abs().max())), (k, float((a - b).abs().max()))
+    assert torch.allclose(hf.final_prenorm, eyas.final_prenorm, atol=ATOL * 10)
+    assert torch.allclose(hf.final_postnorm, eyas.final_postnorm, atol=ATOL * 10)
+    # and the check can fail: neighbouring streams differ by far more than the tolerance
+    assert (hf.aux[..., H:2 * H] - eyas.aux[..., 2 * H:3 * H]).abs().max() > 0.01
