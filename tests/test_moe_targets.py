@@ -1,9 +1,10 @@
 """The targets people draft for: tiny random-init MoE and MLA models made here (tests/moe.py), through the whole
 pipeline.
 
-Qwen3-MoE and gpt-oss run where eyas's engine cannot: `datagen --engine vllm` -> train -> export -> replay rows
-captured by vLLM -> a real `vllm serve` with the draft -> `doctor serving --url`: the right export passes with
-counts equal to the replay's, an export with aux ids shifted by one fails with the shift named.
+Qwen3-MoE and gpt-oss through vLLM: `datagen --engine vllm` -> train -> export -> replay rows captured by vLLM
+(whose states equal eyas's engine forward stream by stream) -> a real `vllm serve` with the draft -> `doctor
+serving --url`: the right export passes with counts equal to the replay's, an export with aux ids shifted by one
+fails with the shift named.
 DeepSeek-V3 (MLA + MoE, Kimi-K2.5's architecture) runs in eyas's own engine (eyas/engine/mla.py, moe.py): datagen,
 train, doctor, export, and a bench of plain, chain, tree and lookup with the draft it trained, lossless. vLLM's CPU
 build refuses an EAGLE-3 draft for MLA (no common KV block size between its MLA and attention backends), so no live
@@ -51,6 +52,31 @@ def pipeline(request, tmp_path_factory, smollm2_tokenizer_dir, vllm_py):
     assert "3 rows" in out and "vllm-float32" in out
     print(f"\n{family}: datagen, train, export and replay capture in {time.perf_counter() - t0:.0f} s")
     return family, root, target, draft
+
+
+@pytest.mark.vllm
+@pytest.mark.integration
+@pytest.mark.slow
+def test_vllm_and_the_engine_capture_the_same_streams(pipeline):
+    """One convention for stream indices across engines on MoE: the states vLLM captured (replay rows, fp32) at
+    each stream index equal eyas's engine forward at the same index, and a neighbouring index does not."""
+    import torch
+
+    from eyas.engine.forward import TargetModel
+    from eyas.replay.rows import load_rows
+    from eyas.target.load import load_target
+
+    family, root, target, _ = pipeline
+    rows = load_rows(root / "rows")
+    tm = TargetModel(load_target(str(target)).model)
+    for i in range(len(rows)):
+        want = rows.states[i]  # [T_r, len(streams), H], vLLM's: positions 0..T_r-1 of the row's tokens
+        got = tm.capture(torch.tensor([rows.tokens[i][:want.shape[0]]]), rows.streams).aux[0].view(want.shape)
+        for j, k in enumerate(rows.streams):
+            same = float((got[:, j] - want[:, j]).norm() / want[:, j].norm())
+            others = [float((got[:, o] - want[:, j]).norm() / want[:, j].norm()) for o in (j - 1, j + 1)
+                      if 0 <= o < len(rows.streams)]
+            assert same < 0.01 and all(same < o / 10 for o in others), (family, i, k, same, others)
 
 
 @pytest.mark.vllm
