@@ -14,6 +14,16 @@ from dataclasses import dataclass
 EXIT_CODE = 130  # what a shell reports for a job ended by SIGINT
 
 
+class StoppedNow(KeyboardInterrupt):
+    """The first signal to a job that stops at once (stop_on_signals(at_once=True)): the job says what it had
+    committed and raises Interrupted. A KeyboardInterrupt, so code between the signal and the job's handler unwinds
+    as it does for Ctrl-C."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 class Interrupted(Exception):
     """A job stopped by a signal after saving its work; the message says what is saved and how to resume. Not an
     EyasError: nothing was wrong with the input."""
@@ -28,8 +38,8 @@ class StopRequest:
 @contextmanager
 def stop_on_signals(what: str, say=None, at_once: bool = False) -> Iterator[StopRequest]:
     """SIGINT and SIGTERM set request.requested for the job to check at its safe points; `say` (a print-like
-    callable) is told once that the job is stopping. at_once: the first signal raises KeyboardInterrupt (a job whose
-    safe points are minutes apart, whose commits are atomic: datagen's chunks). Outside the main thread (signal
+    callable) is told once that the job is stopping. at_once: the first signal raises StoppedNow (a job whose safe
+    points are minutes apart, whose commits are atomic: datagen's chunks). Outside the main thread (signal
     handlers cannot be set there) the request never fires and the default handling stays."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
@@ -41,7 +51,7 @@ def stop_on_signals(what: str, say=None, at_once: bool = False) -> Iterator[Stop
             raise KeyboardInterrupt
         request.requested, request.signal_name = True, signal.Signals(signum).name
         if at_once:
-            raise KeyboardInterrupt
+            raise StoppedNow(request.signal_name)
         if say is not None:
             say(f"{request.signal_name}: {what} stops after the current step and saves its work "
                 "(send it again to stop at once)")

@@ -37,7 +37,7 @@ import torch
 from . import __version__
 from .errors import EyasError
 from .files import atomic_folder, atomic_write_json, portable_command, portable_paths, read_json
-from .interrupt import Interrupted, stop_on_signals
+from .interrupt import Interrupted, StoppedNow, stop_on_signals
 
 if TYPE_CHECKING:
     from .data.datagen import DatagenConfig
@@ -316,11 +316,9 @@ def run_recipe(cfg: RecipeConfig, log=print) -> dict[str, Any]:
                "ship": stage_ship}[stage]
         try:
             # data and train stop at their own safe points and say what they saved; the others stop at once
-            with stop_on_signals("eyas recipe", at_once=True) as stop:
+            with stop_on_signals("eyas recipe", at_once=True):
                 result = run(cfg, log)
-        except (Interrupted, KeyboardInterrupt) as e:
-            if isinstance(e, KeyboardInterrupt) and not stop.requested:
-                raise
+        except (Interrupted, StoppedNow) as e:
             # the stage's own line, less its resume command (the recipe's is the one to rerun)
             inner = f" ({str(e).split(' Resume with:')[0].rstrip('.')})" if isinstance(e, Interrupted) else ""
             raise Interrupted(f"eyas recipe: stopped in stage {stage}{inner}. Rerun the recipe to resume (the stages "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..files import atomic_write_json, portable_command
-from ..interrupt import Interrupted, stop_on_signals
+from ..interrupt import Interrupted, StoppedNow, stop_on_signals
 from ..layout import Layout, LayoutError
 from ..target.device import parse_dtype
 from ..target.load import Target
@@ -83,11 +83,9 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
                 return session
             cfg.vllm_session = LazySession(start)
         try:
-            with stop_on_signals("eyas datagen", at_once=True) as stop:
+            with stop_on_signals("eyas datagen", at_once=True):
                 _run_chunks(cfg, target, layout, m, out, log, progress)
-        except KeyboardInterrupt:
-            if not stop.requested:
-                raise
+        except StoppedNow as stop:
             c = m["counts"]  # the manifest as last committed
             raise Interrupted(f"eyas datagen: stopped by {stop.signal_name}; {c.get('conversations', 0)} "
                               f"conversations in {len(m['shards'])} shards are committed in {out} (the chunk in "

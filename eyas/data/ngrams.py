@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..engine.ngram import NgramError, count_ngrams, write_ngram
 from ..files import portable_command
-from ..interrupt import Interrupted, stop_on_signals
+from ..interrupt import Interrupted, StoppedNow, stop_on_signals
 from .shards import ShardSet
 
 
@@ -51,7 +51,7 @@ def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
             yield ids.tolist(), mask.tolist()
 
     try:
-        with stop_on_signals("eyas ngram", at_once=True) as stop:
+        with stop_on_signals("eyas ngram", at_once=True):
             table = count_ngrams(rows(), cfg.order, cfg.min_count)
             if not any(table.values()):
                 raise NgramError(f"no context reached --min-count {cfg.min_count} in {reply_tokens} reply tokens of "
@@ -61,9 +61,7 @@ def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
                 "target": ss.layout.target.to_dict(), "config": asdict(cfg), "sources": sources,
                 "data_hash": ss.hash(), "reply_tokens": reply_tokens, "command": portable_command(),
                 "seconds": seconds})
-    except KeyboardInterrupt:
-        if not stop.requested:
-            raise
+    except StoppedNow as stop:
         raise Interrupted(f"eyas ngram: stopped by {stop.signal_name}; nothing was written ({cfg.out} is as it was: "
                           "the table is written whole, at the end). Rerun to count again: "
                           f"{portable_command()}") from None

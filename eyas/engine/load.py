@@ -40,9 +40,14 @@ class EngineOptions:
     chat_template: str | None = None  # --chat-template FILE|NAME; None: the tokenizer's own
     raw: bool = False  # no template at all (base models)
 
+    @property
+    def draft_spec(self) -> str:
+        """--draft as given, unset meaning the bundled draft (what a drafting method loads; resolve_method's rule)."""
+        return self.draft or "default"
+
     def target_choice(self, use: EngineUse, drafted: bool = False) -> TargetChoice:
         """drafted: a draft runs, so its recorded chat template is the default (eyas.target.open)."""
-        record = recorded_template(self.draft or "default") if drafted else None
+        record = recorded_template(self.draft_spec) if drafted else None
         return TargetChoice(self.target, self.dtype, self.device, self.chat_template, self.raw,
                             use.template_required, record)
 
@@ -92,7 +97,7 @@ def check_options(opts: EngineOptions, use: EngineUse, specs: Sequence[SpecParam
         for s in specs:
             s.check()
     drafted = needs_draft(specs) and not draft_loaded
-    draft = opts.draft or "default"
+    draft = opts.draft_spec
     if drafted and draft == "none":
         m = next(s.method for s in specs if s.method in DRAFT_METHODS)
         raise EngineError(f"--method {m} needs a draft: pass --draft PATH, 'default' or 'random', or use "
@@ -113,7 +118,7 @@ def load_parts(opts: EngineOptions, use: EngineUse, choice: ChatTemplate, specs:
     lookup tokens)."""
     target = opts.target_choice(use).open(target, choice)
     if draft is None and needs_draft(specs):
-        draft = resolve_draft(opts.draft or "default", target)
+        draft = resolve_draft(opts.draft_spec, target)
     warning = draft_template_warning(draft.manifest, target.chat_template) if draft is not None else None
     if ngram is None:
         ngram = any(s.lookup for s in specs)
