@@ -249,16 +249,21 @@ def _view_ids(ids: list[int], eng: str, L: int, what: str) -> tuple[list[int] | 
 
 
 def engine_views(cfg: dict[str, Any], engine: str, num_layers: int,
-                 semantics: str | None = None) -> list[EngineView]:
+                 semantics: str | None = None, reads_semantics: bool | None = None) -> list[EngineView]:
     """Read a draft config.json as `engine` does. More than one view means engine versions disagree.
-    semantics: vLLM's `eagle_aux_layer_semantics` given in --speculative-config (overrides config.json's)."""
+    semantics: vLLM's `eagle_aux_layer_semantics` given in --speculative-config (overrides config.json's).
+    reads_semantics: whether the vLLM version reads that key (eyas/engines.py; 0.32 does not); None = unknown,
+    so both readings are shown."""
     if _eagle_config(cfg).get("use_aux_hidden_state") is False:
         return [EngineView(engine, None, "eagle_config.use_aux_hidden_state is false: no aux capture, the "
                                          "draft gets the final 1xH state")]
     if engine == "sglang":
         return _sglang_views(cfg, num_layers)
     if engine == "vllm":
-        return _vllm_views(cfg, num_layers, semantics)
+        if reads_semantics is False:  # the key is never read: the ids are taken as they are
+            cfg, semantics = {k: v for k, v in cfg.items() if k != SEMANTICS_KEY}, None
+        views = _vllm_views(cfg, num_layers, semantics)
+        return views[:1] if reads_semantics and len(views) > 1 and SEMANTICS_KEY in views[0].when else views
     raise LayoutError(f"engine {engine!r}: expected 'sglang' or 'vllm'")
 
 

@@ -251,31 +251,61 @@ def test_engine_is_the_program_not_a_substring(tmp_path):
 
 # ---- can SGLang load the folder at all --------------------------------------------------------------
 
-def _weights(d, names):
+# a tiny draft: hidden 8, 2 heads of 4, 1 kv head, MLP 16, target vocab 32, draft vocab 16, target hidden 8
+TINY = {"hidden_size": 8, "target_hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "intermediate_size": 16, "vocab_size": 32, "draft_vocab_size": 16}
+
+
+def tiny_shapes(layer: str = "midlayer.", n_aux: int = 3) -> dict[str, tuple[int, ...]]:
+    H, V, Vd = 8, 32, 16
+    return {"fc.weight": (H, n_aux * H), "norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,),
+            f"{layer}input_layernorm.weight": (H,), f"{layer}hidden_norm.weight": (H,),
+            f"{layer}post_attention_layernorm.weight": (H,), f"{layer}self_attn.q_proj.weight": (8, 2 * H),
+            f"{layer}self_attn.k_proj.weight": (4, 2 * H), f"{layer}self_attn.v_proj.weight": (4, 2 * H),
+            f"{layer}self_attn.o_proj.weight": (H, 8), f"{layer}mlp.gate_proj.weight": (16, H),
+            f"{layer}mlp.up_proj.weight": (16, H), f"{layer}mlp.down_proj.weight": (H, 16)}
+
+
+def _weights(d, shapes: dict[str, tuple[int, ...]]):
     import torch
     from safetensors.torch import save_file
 
-    save_file({n: torch.zeros(2) for n in names}, str(d / "model.safetensors"))
+    save_file({n: torch.zeros(s, dtype=torch.long if n == "d2t" else torch.bool if n == "t2d" else torch.float32)
+               for n, s in shapes.items()}, str(d / "model.safetensors"))
+
+
+def tiny_draft(tmp_path, shapes=None, **config):
+    """A draft folder whose config.json and safetensors agree (each test then plants one fault)."""
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **TINY,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "use_aux_hidden_state": True},
+           "eagle_aux_hidden_state_layer_ids": [2, 15, 27], **config}
+    d = draft_dir(tmp_path, {k: v for k, v in cfg.items() if v is not None})
+    _weights(d, tiny_shapes() if shapes is None else shapes)
+    return d
 
 
 SGLANG_OK = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", "4")
 
 
+def vllm_spec(d, **extra):
+    return ["vllm", "serve", "M", "--speculative-config",
+            json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3, **extra})]
+
+
 def test_sglang_launch_on_layers0_weights_fails(tmp_path):
     # SGLang's LlamaForCausalLMEagle3.load_weights drops names it has no parameter for: layers.0.* would leave
     # the draft layer random while the server starts fine
-    d = draft_dir(tmp_path)
-    _weights(d, ["fc.weight", "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"])
+    d = tiny_draft(tmp_path, tiny_shapes("layers.0."))
     lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
     c = by_name(lint)["weights"]
-    assert c.status == "fail" and "layers.0" in c.summary and not lint.ok
+    assert c.status == "fail" and "layers.0" in c.summary and "without a word" in c.summary and not lint.ok
+    assert "midlayer" in c.fix
     # the same folder in vLLM is fine (it loads layers.0.* and renames midlayer.* itself)
-    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
-    assert lint_serve_command(["vllm", "serve", "M", "--speculative-config", spec], d).ok
-    _weights(d, ["fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"])
+    assert lint_serve_command(vllm_spec(d), d).ok
+    _weights(d, tiny_shapes())
     lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
-    assert by_name(lint)["weights"].status == "pass" and lint.ok
+    assert by_name(lint)["weights"].status == "pass" and lint.ok, [(c.name, c.summary) for c in lint.checks]
 
 
 def test_sglang_launch_on_speculators_folder_fails(tmp_path):
@@ -314,16 +344,76 @@ def test_vllm_aux_layer_semantics_in_config(tmp_path):
     assert v.indices == [1, 14, 26]
     (bad,) = engine_views({**cfg, "eagle_aux_layer_semantics": "SGLang"}, "vllm", L)
     assert bad.indices is None and "knows only" in bad.source
+    # versions that read the key (newer than any row of eyas/engines.py) add 1; vLLM 0.32 never reads it
+    assert [x.indices for x in engine_views(cfg, "vllm", L, reads_semantics=True)] == [[2, 15, 27]]
+    assert [x.indices for x in engine_views(cfg, "vllm", L, reads_semantics=False)] == [[1, 14, 26]]
     d = draft_dir(tmp_path, {"architectures": ["LlamaForCausalLMEagle3"], **cfg})
     lint = lint_serve_command([json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})], d)
     c = by_name(lint)["aux_ids"]
-    assert c.status == "warn" and '"eagle_aux_layer_semantics": "vllm"' in c.fix  # older vLLM ignores the key
+    assert "vllm 0.32" in by_name(lint)["engine_version"].summary
+    assert c.status == "fail" and "stream [1, 14, 26]" in c.summary
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 15, 27]' in c.fix
 
 
-def test_vllm_aux_layer_semantics_in_speculative_config(tmp_path):
+def test_vllm_aux_layer_semantics_in_speculative_config_is_refused_by_032(tmp_path):
+    # vllm/config/utils.py: SpeculativeConfig forbids extra keys, and 0.32 has no eagle_aux_layer_semantics
     d = draft_dir(tmp_path)  # top-level ids [2, 15, 27] in vLLM's convention
     spec = {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}
-    assert lint_serve_command([json.dumps({**spec, "eagle_aux_layer_semantics": "vllm"})], d).ok
-    lint = lint_serve_command([json.dumps({**spec, "eagle_aux_layer_semantics": "sglang"})], d)
-    c = by_name(lint)["aux_ids"]
-    assert c.status == "fail" and "stream [3, 16, 28]" in c.summary and "off by one" in c.summary
+    lint = lint_serve_command([json.dumps({**spec, "eagle_aux_layer_semantics": "vllm"})], d)
+    c = by_name(lint)["speculative_config"]
+    assert c.status == "fail" and "eagle_aux_layer_semantics" in c.summary and "refuses" in c.summary
+    assert "eagle_aux_layer_semantics" not in json.loads(lint.corrected_text())
+    assert by_name(lint)["aux_ids"].status == "pass"  # the key is ignored: ids as-is
+
+
+# ---- sizes against the tensors, and aux order judged by what is concatenated -----------------------
+
+@pytest.mark.parametrize("vd", [8, 24])  # fewer or more than lm_head's 16 rows (vLLM refused 4096 and 49152 vs 8192)
+def test_draft_vocab_size_that_disagrees_with_the_weights_fails(tmp_path, vd):
+    d = tiny_draft(tmp_path, draft_vocab_size=vd)
+    for argv in (vllm_spec(d), sglang(d, *SGLANG_OK)):
+        lint = lint_serve_command(argv, d)
+        c = by_name(lint)["sizes"]
+        assert c.status == "fail" and not lint.ok
+        assert f"draft_vocab_size {vd} but lm_head.weight has 16" in c.summary
+        assert c.fix == 'set "draft_vocab_size": 16 in the draft\'s config.json'
+
+
+def test_hidden_and_head_sizes_are_checked_against_the_shapes(tmp_path):
+    d = tiny_draft(tmp_path, hidden_size=16, intermediate_size=32)
+    c = by_name(lint_serve_command(vllm_spec(d), d))["sizes"]
+    assert c.status == "fail" and '"hidden_size": 8' in c.fix and '"intermediate_size": 16' in c.fix
+    d = tiny_draft(tmp_path, num_key_value_heads=2, target_hidden_size=4)
+    c = by_name(lint_serve_command(vllm_spec(d), d))["sizes"]
+    assert '"num_key_value_heads": 1' in c.fix and '"target_hidden_size": 8' in c.fix
+    d = tiny_draft(tmp_path)
+    assert by_name(lint_serve_command(vllm_spec(d), d))["sizes"].status == "pass"
+
+
+def test_ids_listed_in_reverse_order_serve_fine(tmp_path):
+    # vLLM 0.32 interfaces.py: aux layers = tuple(sorted(set(ids))), concatenated in layer order (SGLang likewise)
+    d = tiny_draft(tmp_path, eagle_aux_hidden_state_layer_ids=[27, 15, 2],
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [26, 14, 1], "use_aux_hidden_state": True})
+    for argv in (vllm_spec(d), sglang(d, *SGLANG_OK)):
+        lint = lint_serve_command(argv, d)
+        c = by_name(lint)["aux_ids"]
+        assert c.status == "pass" and "order does not matter" in c.summary, c.summary
+        assert lint.ok
+
+
+def test_draft_trained_on_another_concatenation_order_fails(tmp_path):
+    # an eyas draft whose fc takes stream 27 first: the engines feed stream 2 first whatever the config says
+    d = tiny_draft(tmp_path, eagle_aux_hidden_state_layer_ids=[27, 15, 2])
+    man = json.loads((d / "eyas_manifest.json").read_text())
+    man["layout"]["aux_indices"] = [27, 15, 2]
+    (d / "eyas_manifest.json").write_text(json.dumps(man))
+    for argv in (vllm_spec(d), sglang(d, *SGLANG_OK)):
+        c = by_name(lint_serve_command(argv, d))["aux_ids"]
+        assert c.status == "fail" and "trained on the concatenation [27, 15, 2]" in c.summary
+        assert "eyas export" in c.fix and "permutes" in c.fix
+
+
+def test_ids_naming_one_layer_twice_feed_fc_fewer_states(tmp_path):
+    d = tiny_draft(tmp_path, eagle_aux_hidden_state_layer_ids=[2, 2, 27])
+    c = by_name(lint_serve_command(vllm_spec(d), d))["aux_ids"]
+    assert c.status == "fail" and "2 distinct layers for fc's 3 blocks" in c.details[0]

@@ -4,8 +4,9 @@ included) has no cycle, and no module imports from a stage above its own.
 Stages, lowest first (a module may import its own stage and any lower one; stages of equal rank may not
 import each other). Each line names its modules, every one of them: test_stages_named_as_they_are holds this
 list to the files.
-  core     eyas/: errors, files, option, interrupt, text, layout, rope, vocab, conventions -- the contracts every stage
-           builds on (atomic writes, stream indices, each engine's aux-id convention)
+  core     eyas/: errors, files, option, interrupt, text, layout, rope, vocab, conventions, engines -- the contracts
+           every stage builds on (atomic writes, stream indices, each engine's aux-id convention and versioned
+           behaviour)
   native   eyas/native: gguf_file, quant, kernels, build, boundary, auto -- the GGUF reader, quantized weights,
            C kernels
   vllm     eyas/vllm: env, vllm.session, capture_worker, generate_worker -- same rank as native: finds vLLM's own
@@ -23,7 +24,8 @@ list to the files.
   train    eyas/train: config, sources, checkpoint, ttt, step, prepare, progress, loop -- reads shards
   probe    eyas/probe: samples, streams, scoring, candidates, ranking, inference -- layout inference (the draft's
            scores come from train's ttt)
-  doctor   eyas/doctor: checklist, checks, features, head, identity, draft_dir, flags, server, serving, trace --
+  doctor   eyas/doctor: checklist, checks, features, head, identity, draft_dir, traps, flags, server, serving,
+           trace --
            measured with probe; flags lint; the serving check
   interop  eyas/interop: formats, export, importer -- import asks probe's layout inference
   bench    eyas/bench: config, prompts, load, methods, rows, outdir, environment, render, run, sweep, vllm_peer,

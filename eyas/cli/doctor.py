@@ -65,16 +65,20 @@ def doctor(
 def doctor_flags(
     draft: Path = typer.Option(..., "--draft", help="the draft folder the server loads (its config.json)"),
     num_layers: int = typer.Option(None, "--num-layers", help="target layer count (only for non-eyas drafts)"),
+    engine: str = typer.Option(None, "--engine", help="sglang | vllm: the engine the command starts (checked)"),
+    engine_version: str = typer.Option(None, "--engine-version", help="the engine's version (default: the one the "
+                                       "export targets, else the newest eyas knows)"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     command: list[str] = typer.Argument(None, help="after --: an SGLang launch command, a vLLM serve command, "
                                         "or a --speculative-config JSON"),
 ) -> None:
-    """Lint SGLang/vLLM serving flags against an EAGLE-3 draft and print the corrected command."""
+    """Lint SGLang/vLLM serving flags and a draft folder against what that engine version does with them, and print
+    the corrected command (eyas/engines.py: the versioned table)."""
     from ..doctor.checklist import jsonable
     from ..doctor.flags import lint_serve_command, render_lint
 
     with user_errors():
-        lint = lint_serve_command(list(command or []), draft, num_layers)
+        lint = lint_serve_command(list(command or []), draft, num_layers, engine, engine_version)
     if json_out:
         typer.echo(json.dumps(jsonable(lint.to_dict()), indent=2))
     else:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..conventions import SEMANTICS_KEY, config_fix, default_aux_indices, engine_views, off_by_one_note
+from ..conventions import SEMANTICS_KEY
+from ..engines import ENGINE_NAMES, EngineRow, engine_row
 from ..errors import EyasError
 from .checklist import Check, render_checks, render_fixes
-from .draft_dir import DraftInfo, read_draft_dir, sglang_loadable
+from .draft_dir import DraftInfo, read_draft_dir
+from .traps import ids_check, norm_check, size_check, vllm_spec_checks, weights_check
 
 
 class FlagsError(EyasError):
@@ -266,56 +268,55 @@ def _set_opt(argv: list[str], spellings: list[str], canonical: str, value: str) 
     return out + [canonical, value]
 
 
-def _ids_check(info: DraftInfo, engine: str, semantics: str | None = None) -> tuple[Check, str | None]:
-    """Compare what `engine` will capture (from config.json) with the trained layout. semantics: vLLM's
-    eagle_aux_layer_semantics from --speculative-config (it overrides the draft config's)."""
-    L = info.num_layers
-    if L is None:
-        return Check("aux_ids", "warn", f"cannot tell which layers {engine} captures: the target's layer count "
-                     "is unknown (no eyas manifest in the draft folder)",
-                     fix="pass --num-layers L (the target's num_hidden_layers)"), None
-    views = engine_views(info.config, engine, L, semantics)
-    nums: dict[str, Any] = {"views": [asdict(v) for v in views], "trained": info.layout, "num_layers": L}
-    lines = [f"{v.when or 'all versions'}: {v.source} -> "
-             f"{'final state only' if v.indices is None else f'stream {v.indices}'}" for v in views]
-    if info.layout is None:
-        return Check("aux_ids", "warn", f"{engine} will capture " + "; ".join(lines) + ", but the draft folder "
-                     "does not record which layout it was trained on", numbers=nums, details=lines,
-                     fix="run `eyas doctor --target T --draft D` (layout inference) to measure the true layout"), None
-    bad = [v for v in views if v.indices != info.layout]
-    if not bad:
-        return Check("aux_ids", "pass", f"{engine} captures stream {info.layout} = the trained layout "
-                     f"({views[0].source})", numbers=nums, details=lines), None
-    fix = config_fix(engine, info.layout, L)
-    why = []
-    for v in bad:
-        if v.indices is None:
-            why.append(f"{v.when or engine}: {v.source}")
-            continue
-        kind = off_by_one_note(engine, v.indices, info.layout)
-        if not kind and v.indices == default_aux_indices(L):
-            kind = " — the engine default, not what the draft was trained on"
-        why.append(f"{v.when or engine}: {v.source} -> stream {v.indices}, trained on {info.layout}{kind}")
-    status = "fail" if len(bad) == len(views) or any(v.indices is None for v in bad) else "warn"
-    if status == "warn":
-        why.append("which one applies depends on the engine version: pin the ids explicitly")
-    return Check("aux_ids", status, f"{engine} will not capture the trained layout {info.layout}: " + why[0],
-                 numbers=nums, fix=fix, details=why), fix
-
-
-def lint_serve_command(argv: list[str], draft_dir: str | Path, num_layers: int | None = None) -> FlagLint:
+def lint_serve_command(argv: list[str], draft_dir: str | Path, num_layers: int | None = None,
+                       engine: str | None = None, engine_version: str | None = None) -> FlagLint:
+    """engine: the engine the command is for (checked against the command); engine_version: the version it runs
+    (default: the one the export targets, else the newest in eyas/engines.py, said in the first check)."""
     cmd = parse_serve_command(argv)
+    if engine is not None and engine not in ENGINE_NAMES:
+        raise FlagsError(f"--engine {engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
+    if engine is not None and engine != cmd.engine:
+        raise FlagsError(f"--engine {engine} but the command starts {cmd.engine}: pass the {engine} launch command, "
+                         f"or --engine {cmd.engine}")
     info = read_draft_dir(draft_dir, num_layers, FlagsError)
-    if cmd.engine == "sglang":
-        return _lint_sglang(cmd, info)
-    return _lint_vllm(cmd, info)
+    try:
+        choice = engine_row(cmd.engine, engine_version, (info.engine_versions or {}).get(cmd.engine))
+    except ValueError as e:
+        raise FlagsError(f"--engine-version: {e}") from e
+    head = Check("engine_version", "pass", choice.why, numbers={"row": choice.row.label(),
+                                                                "source": choice.row.source})
+    lint = _lint_sglang(cmd, info, choice.row) if cmd.engine == "sglang" else _lint_vllm(cmd, info, choice.row)
+    lint.checks.insert(0, head)
+    return lint
+
+
+def _folder_checks(info: DraftInfo, row: EngineRow, semantics: str | None = None) -> tuple[list[Check], list[str]]:
+    """What the engine version makes of the folder: sizes, weight names, fusion norms, aux states."""
+    reads_sem = None if row.engine != "vllm" else SEMANTICS_KEY not in row.ignores
+    ids, edit = ids_check(info, row.engine, semantics, reads_sem)
+    return [size_check(info, row.engine), weights_check(info, row), norm_check(info, row), ids], \
+        [edit] if edit else []
+
+
+def _temperature(argv: list[str]) -> float | None:
+    """A temperature the launch sets for every request (vLLM --override-generation-config), if any."""
+    for i, a in enumerate(argv):
+        name, eq, val = a.partition("=")
+        if name.replace("_", "-") == "--override-generation-config":
+            val = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                t = json.loads(val).get("temperature")
+            except (json.JSONDecodeError, AttributeError):
+                return None
+            return float(t) if isinstance(t, int | float) else None
+    return None
 
 
 def _spellings(cmd: ServeCommand, key: str) -> list[str]:
     return [s for s, k in SGLANG_OPTIONS.items() if k == key] + [cmd.spellings.get(key, "")]
 
 
-def _lint_sglang(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
+def _lint_sglang(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint:
     checks: list[Check] = []
     argv = list(cmd.argv)
     for n in cmd.notes:
@@ -380,12 +381,9 @@ def _lint_sglang(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
                             numbers=nums))
     # 3. draft path vs the folder linted
     _path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
-    # 4. can SGLang load this folder at all
-    checks.append(sglang_loadable(info))
-    # 5. aux ids, read from the draft config.json as SGLang does
-    ids_check, edit = _ids_check(info, "sglang")
-    checks.append(ids_check)
-    return FlagLint("sglang", checks, argv, [edit] if edit else [])
+    # 4. the folder as this SGLang version loads it: sizes, weight names, fusion norms, aux ids (eyas/engines.py)
+    folder, edits = _folder_checks(info, row)
+    return FlagLint("sglang", checks + folder, argv, edits)
 
 
 def _path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: str) -> None:
@@ -399,7 +397,7 @@ def _path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: st
         checks.append(Check("draft_path", "pass", f"draft {path}"))
 
 
-def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
+def _lint_vllm(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint:
     checks: list[Check] = []
     spec = dict(cmd.spec_config or {})
     if cmd.spec_config is None:
@@ -446,8 +444,14 @@ def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
     _path_check(checks, model or None, info, '"model" in --speculative-config')
     if not model:
         spec["model"] = str(info.path)
-    ids_check, edit = _ids_check(info, "vllm", spec.get(SEMANTICS_KEY))
-    checks.append(ids_check)
+    spec_checks = vllm_spec_checks(spec, row, _temperature(cmd.argv))
+    folder, edits = _folder_checks(info, row, spec.get(SEMANTICS_KEY))
+    checks += spec_checks + folder
+    for c in spec_checks:  # the corrected command drops what this version refuses, and samples drafts when asked
+        if c.name == "speculative_config":
+            spec = {k: v for k, v in spec.items() if k not in c.numbers["unknown"]}
+        elif c.name == "draft_sampling" and c.status == "warn":
+            spec["draft_sample_method"] = "probabilistic"
     new_json = json.dumps(spec)
     if cmd.json_only:
         corrected = [new_json]
@@ -455,7 +459,7 @@ def _lint_vllm(cmd: ServeCommand, info: DraftInfo) -> FlagLint:
         argv = _drop_dotted(cmd.argv)  # the dotted form is folded into the one JSON
         corrected = _set_opt(argv, [cmd.spellings.get("spec", "--speculative-config"), "--speculative-config",
                                     "--speculative_config"], "--speculative-config", new_json)
-    return FlagLint("vllm", checks, corrected, [edit] if edit else [])
+    return FlagLint("vllm", checks, corrected, edits)
 
 
 def _drop_dotted(argv: list[str]) -> list[str]:

