@@ -43,6 +43,7 @@ cited publicly), and the vLLM versions that drafted static trees (`speculative_t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # the EAGLE 3.1 fusion norms, as engines and trainers name them: config key -> weight prefix
 NORM_KEYS = {"fc_norm": "fc_norm.", "norm_before_fc": "input_norm."}
@@ -121,7 +122,7 @@ def parse_version(text: str) -> tuple[int, ...]:
     """'0.32', 'v0.32.1', '0.5.3rc2' -> (0, 32), (0, 32, 1), (0, 5, 3); ValueError for anything else."""
     parts = []
     for p in text.strip().lstrip("vV").split("."):
-        digits = "".join(c for c in p if c.isdigit()) if p[:1].isdigit() else ""
+        digits = p[:len(p) - len(p.lstrip("0123456789"))]  # the leading digits: 3rc2 -> 3
         if not digits:
             break
         parts.append(int(digits))
@@ -157,3 +158,76 @@ def engine_row(engine: str, version: str | None, exported_for: str | None = None
         return RowChoice(row, f"{engine} {asked} ({how}): {row.label()}")
     side = "older than" if not fits else "beyond"
     return RowChoice(row, f"{engine} {asked} ({how}) is {side} the verified {row.label()}: judged as that version")
+
+
+# ---- a draft folder as an engine's loader sees it -----------------------------------------------------
+
+def canonical(name: str) -> str:
+    """A tensor name as eyas names it (SGLang's): `model.` stripped, `layers.0.` -> `midlayer.`."""
+    n = name[len("model."):] if name.startswith("model.") else name
+    return "midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n
+
+
+def draft_sizes(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The size keys as the engines read them: a speculators config keeps them in transformer_layer_config."""
+    if isinstance(cfg.get("transformer_layer_config"), dict):
+        return {**cfg["transformer_layer_config"], "draft_vocab_size": cfg.get("draft_vocab_size"),
+                "target_hidden_size": cfg.get("target_hidden_size")}
+    return cfg
+
+
+def num_aux(cfg: dict[str, Any], engine: str) -> int:
+    """How many aux states the engine's fc takes: SGLang's llama_eagle3.py 3, always; vLLM 0.32
+    `num_aux_hidden_states`, else the length of eagle_config's ids, else 3."""
+    if engine == "sglang":
+        return 3
+    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    ids = ec.get("eagle_aux_hidden_state_layer_ids")
+    return int(cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3))
+
+
+def flag(cfg: dict[str, Any], key: str) -> bool:
+    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    return bool(ec.get(key, cfg.get(key, False)))  # vLLM 0.32 reads norm_before_fc from eagle_config first
+
+
+def expected_weights(cfg: dict[str, Any], engine: str) -> list[str]:
+    """The tensors the engine's draft has parameters for, in eyas's names: the core ones, d2t when the draft
+    vocabulary is smaller than the target's (without it both engines map draft id i to target id i), and the
+    fusion norms its config turns on."""
+    c = draft_sizes(cfg)
+    need = list(CORE_WEIGHTS)
+    vd, v = c.get("draft_vocab_size"), c.get("vocab_size")
+    if vd and v and vd != v:
+        need.append("d2t")
+    if flag(cfg, "fc_norm"):
+        need += [f"fc_norm.{i}.weight" for i in range(num_aux(cfg, engine))]
+    if flag(cfg, "norm_before_fc"):
+        need.append("input_norm.weight")
+    return need
+
+
+def unread_weights(names: list[str], row: EngineRow, cfg: dict[str, Any]) -> list[str]:
+    """Names the row's loader has no place for. SGLang accepts `name` or `model.<name>`; vLLM 0.32 prefixes every
+    non-lm_head name with `model.` itself (so a stored `model.` doubles and is refused) and places `layers.0.` and
+    `midlayer.`; a fusion norm counts only when the config turns it on."""
+    out = []
+    for name in names:
+        n = name[len("model."):] if row.engine == "sglang" and name.startswith("model.") else name
+        ok = n.startswith(row.weight_prefixes)
+        for key, prefix in NORM_KEYS.items():
+            if n.startswith(prefix):
+                ok = prefix in row.weight_prefixes and flag(cfg, key)
+        if row.engine == "vllm" and n.endswith(".bias"):
+            ok = False  # ignored by AutoWeightsLoader: dropped without a word
+        if not ok:
+            out.append(name)
+    return out
+
+
+def loader_misfit(names: list[str], cfg: dict[str, Any], row: EngineRow) -> tuple[list[str], list[str]]:
+    """(tensors the row's loader has no place for, parameters it would find no tensor for), in the folder's names
+    and eyas's names."""
+    unread = unread_weights(names, row, cfg)
+    have = {canonical(n) for n in names if n not in unread}
+    return unread, [k for k in expected_weights(cfg, row.engine) if k not in have]

@@ -62,6 +62,8 @@ def export(
         if Path(ver).is_absolute():
             typer.secho(f"warning: the verifier is named by a path on this machine ({ver}); pass --verifier "
                         "ORG/MODEL for a folder that works elsewhere", fg="yellow", err=True)
+    for w in res.warnings:
+        typer.echo(f"warning: {w}")
     typer.echo("launch:")
     typer.echo(f"  {res.launch}")
     module = vllm_module_command(res.launch)

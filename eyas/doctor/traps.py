@@ -9,39 +9,9 @@ from dataclasses import asdict
 from typing import Any
 
 from ..conventions import config_fix, default_aux_indices, engine_views, off_by_one_note
-from ..engines import CORE_WEIGHTS, NORM_KEYS, EngineRow
+from ..engines import NORM_KEYS, EngineRow, canonical, draft_sizes, flag, loader_misfit, num_aux
 from .checklist import Check
 from .draft_dir import DraftInfo
-
-
-def canonical(name: str, row: EngineRow | None = None) -> str:
-    """A tensor name as eyas names it (SGLang's): `model.` stripped, `layers.0.` -> `midlayer.`."""
-    n = name[len("model."):] if name.startswith("model.") else name
-    return "midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n
-
-
-def draft_sizes(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The size keys as the engines read them: a speculators config keeps them in transformer_layer_config."""
-    if isinstance(cfg.get("transformer_layer_config"), dict):
-        return {**cfg["transformer_layer_config"], "draft_vocab_size": cfg.get("draft_vocab_size"),
-                "target_hidden_size": cfg.get("target_hidden_size")}
-    return cfg
-
-
-def num_aux(cfg: dict[str, Any], engine: str) -> int:
-    """How many aux states the engine's fc takes: SGLang's llama_eagle3.py 3, always; vLLM 0.32
-    `num_aux_hidden_states`, else the length of eagle_config's ids, else 3."""
-    if engine == "sglang":
-        return 3
-    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    ids = ec.get("eagle_aux_hidden_state_layer_ids")
-    return int(cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3))
-
-
-def _flag(cfg: dict[str, Any], key: str) -> bool:
-    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    return bool(ec.get(key, cfg.get(key, False)))  # vLLM 0.32 reads norm_before_fc from eagle_config first
-
 
 # ---- sizes ------------------------------------------------------------------------------------------
 
@@ -98,40 +68,6 @@ def size_check(info: DraftInfo, engine: str) -> Check:
 
 # ---- weight names -------------------------------------------------------------------------------------
 
-def expected_weights(info: DraftInfo, engine: str) -> list[str]:
-    """The tensors the engine's draft has parameters for, in eyas's names: the core ones, d2t when the draft
-    vocabulary is smaller than the target's (without it both engines map draft id i to target id i), and the
-    fusion norms its config turns on."""
-    c = draft_sizes(info.config)
-    need = list(CORE_WEIGHTS)
-    vd, v = c.get("draft_vocab_size"), c.get("vocab_size")
-    if vd and v and vd != v:
-        need.append("d2t")
-    if _flag(info.config, "fc_norm"):
-        need += [f"fc_norm.{i}.weight" for i in range(num_aux(info.config, engine))]
-    if _flag(info.config, "norm_before_fc"):
-        need.append("input_norm.weight")
-    return need
-
-
-def unread_weights(names: list[str], row: EngineRow, cfg: dict[str, Any]) -> list[str]:
-    """Names the row's loader has no place for. SGLang accepts `name` or `model.<name>`; vLLM 0.32 prefixes every
-    non-lm_head name with `model.` itself (so a stored `model.` doubles and is refused) and places `layers.0.` and
-    `midlayer.`; a fusion norm counts only when the config turns it on."""
-    out = []
-    for name in names:
-        n = name[len("model."):] if row.engine == "sglang" and name.startswith("model.") else name
-        ok = n.startswith(row.weight_prefixes)
-        for key, prefix in NORM_KEYS.items():
-            if n.startswith(prefix):
-                ok = prefix in row.weight_prefixes and _flag(cfg, key)
-        if row.engine == "vllm" and n.endswith(".bias"):
-            ok = False  # ignored by AutoWeightsLoader: dropped without a word
-        if not ok:
-            out.append(name)
-    return out
-
-
 def weights_check(info: DraftInfo, row: EngineRow) -> Check:
     """Every tensor maps to a parameter the loader fills, and every parameter has its tensor."""
     if row.engine == "sglang" and info.config.get("speculators_model_type"):
@@ -140,9 +76,8 @@ def weights_check(info: DraftInfo, row: EngineRow) -> Check:
                      fix="export the draft with `eyas export --format sglang` (or serve this folder with vLLM)")
     if info.weight_names is None:
         return Check("weights", "skip", "no *.safetensors in the draft folder: weight names not checked")
-    unread = unread_weights(info.weight_names, row, info.config)
+    unread, missing = loader_misfit(info.weight_names, info.config, row)
     have = {canonical(n) for n in info.weight_names if n not in unread}
-    missing = [k for k in expected_weights(info, row.engine) if k not in have]
     nums = {"unread": unread, "missing": missing, "engine": row.label()}
     if unread:
         how = ("drops them without a word, so the draft runs without them" if row.unknown_weights == "skip"
@@ -176,7 +111,7 @@ def norm_check(info: DraftInfo, row: EngineRow) -> Check:
     """A fusion norm (fc_norm per aux state, or norm_before_fc over the concatenation) the draft was trained with
     and the engine never reads: it serves the draft without it, and acceptance collapses with no error."""
     names = [canonical(n) for n in info.weight_names or []]
-    on = [k for k in NORM_KEYS if _flag(info.config, k)]
+    on = [k for k in NORM_KEYS if flag(info.config, k)]
     ignored = [k for k in on if k in row.ignores]
     if ignored:
         return Check("fusion_norm", "fail", f"the draft turns on {', '.join(ignored)} (EAGLE 3.1), which "
@@ -184,10 +119,10 @@ def norm_check(info: DraftInfo, row: EngineRow) -> Check:
                      "collapses (τ near 1) with no error", numbers={"keys": on},
                      fix="serve this draft with vLLM >= 0.32 (reads fc_norm and norm_before_fc), or with an SGLang "
                          "build that reads fc_norm; or train a plain EAGLE-3 draft (without --fc-norm)")
-    if row.engine == "sglang" and _flag(info.config, "norm_output"):
+    if row.engine == "sglang" and flag(info.config, "norm_output"):
         return Check("fusion_norm", "fail", f"norm_output: true (the post-norm state fed back), which "
                      f"{row.label()} never reads: it feeds back the pre-norm state", fix="serve with vLLM >= 0.32")
-    if row.engine == "vllm" and _flag(info.config, "norm_output") and info.layout is not None:
+    if row.engine == "vllm" and flag(info.config, "norm_output") and info.layout is not None:
         return Check("fusion_norm", "fail", "norm_output: true in an eyas draft's config: vLLM 0.32 then feeds back "
                      "the post-norm state, eyas trains on the pre-norm one", fix='set "norm_output": false')
     stray = [k for k, p in NORM_KEYS.items() if k not in on and any(n.startswith(p) for n in names)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 from .. import __version__
 from ..conventions import engine_ids_table, read_ids, to_engine_ids
 from ..draft import MANIFEST, DraftCheckpoint, load_draft
+from ..engines import EXPORT_TARGETS, TABLE, EngineRow, flag, loader_misfit
 from ..errors import EyasError
 from ..files import atomic_folder, file_record, save_safetensors
 from ..layout import Layout, LayoutError
@@ -135,6 +136,7 @@ class ExportResult:
     config: dict[str, Any]
     manifest: dict[str, Any]
     launch: str
+    warnings: list[str] = field(default_factory=list)
 
 
 def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path, dtype: str = "fp32",
@@ -171,6 +173,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         config = speculators_config(cfg, layout, dtype, verifier=verifier, verifier_architecture=layout.target.
                                     architecture, speculative_tokens=launch.steps)
     sd = export_weights(ckpt, order, fmt, dtype, embeddings)
+    warnings = self_check(list(sd), config, fmt)
     launch_cmd = launch_command(fmt, serve_as, str(out.resolve()), launch)
     src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
     manifest = {
@@ -193,6 +196,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
                      "target_source": recorded_target(ckpt)} if fmt == "speculators" else None,
         "launch": {"command": launch_cmd, "steps": launch.steps, "topk": launch.topk,
                    "draft_tokens": launch.draft_tokens},
+        "engine_versions": dict(EXPORT_TARGETS),  # what the export was checked against (eyas/engines.py)
         "eyas_version": __version__,
         "commands": [command or " ".join(sys.argv)],
     }
@@ -205,7 +209,35 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
 
     atomic_folder(out, write)
-    return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd)
+    return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd, warnings=warnings)
+
+
+def self_check(names: list[str], config: dict[str, Any], fmt: str) -> list[str]:
+    """Every tensor maps to a parameter the target engine's loader fills and every parameter it has gets its tensor
+    (eyas/engines.py, the version the export targets): SGLang drops names it does not know without a word and
+    vLLM 0.32 leaves a missing tensor at its initial value, so a misnamed tensor would serve silently wrong.
+    speculators folders are served by vLLM. Returns the warnings the export prints."""
+    engine = "sglang" if fmt == "sglang" else "vllm"
+    row = next(r for r in TABLE if r.engine == engine and r.versions.split(" ")[0] == EXPORT_TARGETS[engine])
+    warnings = []
+    if engine == "sglang" and flag(config, "fc_norm"):
+        # SpecForge's names and key; SGLang as verified here ignores both (eyas doctor flags says so at launch)
+        row = _reading_fc_norm(row)
+        warnings.append(f"{EXPORT_TARGETS['sglang']}-era SGLang never reads fc_norm (llama_eagle3.py as stored): "
+                        "serve this EAGLE 3.1 draft with vLLM >= 0.32 or an SGLang build that reads fc_norm")
+    unread, missing = loader_misfit(names, config, row)
+    if unread or missing:
+        what = [f"{len(unread)} tensors it has no parameter for (e.g. {unread[0]})"] if unread else []
+        what += [f"no tensor for {len(missing)} of its parameters (e.g. {missing[0]})"] if missing else []
+        how = "drops unknown names without a word" if row.unknown_weights == "skip" else "refuses unknown names"
+        raise ExportError(f"export self-check: {row.label()} would find {' and '.join(what)} in this {fmt} export "
+                          f"(it {how}; missing ones stay at their initial values); nothing was written. This is a "
+                          "bug in eyas's name mapping (eyas/interop/formats.py): report it with the draft's manifest")
+    return warnings
+
+
+def _reading_fc_norm(row: EngineRow) -> EngineRow:
+    return replace(row, weight_prefixes=row.weight_prefixes + ("fc_norm.",), ignores=row.ignores - {"fc_norm"})
 
 
 def export_layout(layout: Layout, fmt: str) -> tuple[Layout, list[int]]:
