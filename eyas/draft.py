@@ -20,8 +20,9 @@ from torch import nn
 
 from .conventions import sglang_config_ids, vllm_config_ids
 from .errors import EyasError
-from .files import atomic_folder, check_file, file_record, read_json, save_safetensors
+from .files import atomic_folder, check_file, file_record, save_safetensors
 from .layout import Layout, LayoutError, TargetIdentity, layout_diff
+from .metadata import DRAFT_MANIFEST, read_metadata
 from .rope import apply_rope, rope_cos_sin
 from .target.load import Target
 
@@ -302,9 +303,9 @@ def load_draft(path: str | Path, device: str | torch.device = "cpu",
         raise DraftError(
             f"{p} has no {MANIFEST}: it is not an eyas draft, so its layer ids' convention is unknown. "
             f"Convert it with `eyas import {p} --target T --out DIR`, which translates or infers the layout.")
-    manifest = read_json(man_path, DraftError, "the checkpoint is corrupt — re-export it")
-    if manifest.get("kind") != "eyas-draft":
-        raise DraftError(f"{man_path}: kind is {manifest.get('kind')!r}, expected 'eyas-draft'")
+    manifest = read_metadata(man_path, DRAFT_MANIFEST, DraftError, "the checkpoint is corrupt — re-export it")
+    if manifest["kind"] != "eyas-draft":
+        raise DraftError(f"{man_path}: kind is {manifest['kind']!r}, expected 'eyas-draft'")
     layout = Layout.from_dict(manifest["layout"])
     cfg = DraftConfig.from_dict(manifest["draft_config"])
     if cfg.num_aux != layout.num_aux:
@@ -419,10 +420,10 @@ def recorded_template(spec: str | None) -> dict[str, Any] | None:
         return None
     path = (bundled_draft_path() if spec == "default" else Path(spec)) / MANIFEST
     try:
-        record = json.loads(path.read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
+        record = read_metadata(path, DRAFT_MANIFEST, DraftError, "").get("chat_template")
+    except (OSError, DraftError):
         return None
-    return record if isinstance(record, dict) else None
+    return record
 
 
 def resolve_draft(spec: str, target: Target) -> DraftCheckpoint | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from .conventions import engine_ids_table
 from .errors import EyasError
-from .files import read_json
+from .metadata import ANY_MANIFEST, BY_KIND, read_metadata
 from .native.auto import describe as describe_native
 from .native.quant import native_misfit
 from .target.gguf_config import rope_summary
@@ -73,9 +73,10 @@ def inspect_path(path: Path) -> dict[str, Any] | None:
     for name in ("manifest.json", "eyas_manifest.json"):
         m = path / name
         if m.exists():
-            data = read_json(m, EyasError, "the folder is corrupt (an interrupted write?) — regenerate it")
-            if str(data.get("kind", "")).startswith("eyas"):
-                return data
+            fix = "the folder is corrupt (an interrupted write?) — regenerate it"
+            kind = read_metadata(m, ANY_MANIFEST, EyasError, fix)["kind"]
+            if kind.startswith("eyas"):
+                return read_metadata(m, BY_KIND.get(kind, ANY_MANIFEST), EyasError, fix)
     return None
 
 

@@ -38,6 +38,7 @@ from . import __version__
 from .errors import EyasError
 from .files import atomic_folder, atomic_write_json, portable_command, portable_paths, read_json
 from .interrupt import Interrupted, StoppedNow, stop_on_signals
+from .metadata import DRAFT_MANIFEST, read_metadata
 
 if TYPE_CHECKING:
     from .data.datagen import DatagenConfig
@@ -103,11 +104,12 @@ def _regen_starts(work: Path, kind: str = "regen") -> list[int]:
 
 
 def _data_folders(cfg: RecipeConfig) -> list[Path]:
+    from .data.shards import load_manifest
+
     work = Path(cfg.work)
     out = []
     for folder in [work / "data-orig", *(regen_folder(work, s, k) for k in KINDS for s in _regen_starts(work, k))]:
-        m = folder / "manifest.json"
-        if m.exists() and json.loads(m.read_text()).get("shards"):
+        if (folder / "manifest.json").exists() and load_manifest(folder)["shards"]:
             out.append(folder)
     return out
 
@@ -115,6 +117,7 @@ def _data_folders(cfg: RecipeConfig) -> list[Path]:
 def data_jobs(cfg: RecipeConfig) -> list[DatagenConfig]:
     """The datagen runs stage data makes, after refusing a start row an earlier folder of its kind already read."""
     from .data.datagen import DatagenConfig
+    from .data.shards import load_manifest
 
     work = Path(cfg.work)
     jobs = []
@@ -127,7 +130,7 @@ def data_jobs(cfg: RecipeConfig) -> list[DatagenConfig]:
         starts = _regen_starts(work, kind)
         for start in [s for s in starts if s < begin]:  # must end before ours begins
             m = regen_folder(work, start, kind) / "manifest.json"
-            read = int(json.loads(m.read_text()).get("watermark", -1)) if m.exists() else -1
+            read = int(load_manifest(m.parent).get("watermark", -1)) if m.exists() else -1
             if read >= begin:
                 raise RecipeError(f"--{kind}-start {begin}: {m.parent} already read source rows up to {read}, so "
                                   f"the two folders would share rows; pass --{kind}-start {read + 1} or more")
@@ -260,7 +263,7 @@ def lineage(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     init = (manifest.get("training") or {}).get("init_from")
     if not init or not (Path(init) / MANIFEST).exists():
         return []
-    m = json.loads((Path(init) / MANIFEST).read_text())
+    m = read_metadata(Path(init) / MANIFEST, DRAFT_MANIFEST, RecipeError, "re-ship the --init-from draft")
     me = {"draft": init, "data_hash": (m.get("data") or {}).get("hash"), "tokens_seen": m.get("tokens_seen"),
           "steps": m.get("step"), "training_time_s": m.get("training_time_s"), "command": m.get("command"),
           "heldout_acc": (m.get("metrics") or {}).get("heldout_acc")}

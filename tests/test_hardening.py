@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import select
 import socket
 import threading
@@ -329,7 +330,7 @@ CK = "run/checkpoint"
 # (name, what to copy, damage(root copy), command kind, file the error names, phrase in the error)
 DAMAGE = [
     ("negative step", CK, lambda r: edit_state(r / CK / "trainer_state.json", step=-5), "resume",
-     "trainer_state.json", "'step' must be a whole number >= 0, found -5"),
+     "trainer_state.json", "'step' should be a whole number >= 0, found -5"),
     ("step not a number", CK, lambda r: edit_state(r / CK / "trainer_state.json", step="7"), "resume",
      "trainer_state.json", "found '7'"),
     ("tokens_seen a bool", CK, lambda r: edit_state(r / CK / "trainer_state.json", tokens_seen=True), "resume",
@@ -361,71 +362,135 @@ DAMAGE = [
     ("export byte flipped, import", "run/draft", flipped_export, "import", "model.safetensors", "digest differs"),
     ("export byte flipped, doctor flags", "run/draft", flipped_export, "flags", "model.safetensors",
      "digest differs"),
-    ("checkpoint manifest without layout", CK, lambda r: edit_manifest(r / CK, "eyas_manifest.json", layout=None),
-     "resume", "eyas_manifest.json", "'layout' should be a JSON object, found nothing"),
-    ("draft config.json not JSON", "run/draft", lambda r: (r / "run" / "draft" / "config.json").write_text("{oops"),
-     "doctor", "config.json", "not valid JSON"),
-    # a shard folder's manifest damaged: train, ngram (and a datagen rerun, through the same reader) say so
-    ("shard manifest not JSON", "shards", lambda r: (r / "shards" / "manifest.json").write_text('{"kind": "eyas-'),
-     "train", "manifest.json", "not valid JSON"),
-    ("shard manifest empty", "shards", lambda r: (r / "shards" / "manifest.json").write_text(""), "ngram",
-     "manifest.json", "not valid JSON"),
-    ("shard manifest without layout", "shards", lambda r: edit_manifest(r / "shards", layout=None), "train",
-     "manifest.json", "'layout' should be a JSON object, found nothing"),
-    ("shard manifest shards a string", "shards", lambda r: edit_manifest(r / "shards", shards="oops"), "ngram",
-     "manifest.json", "'shards' should be a JSON array, found a str"),
-    ("shard manifest entry without file", "shards", lambda r: edit_manifest(r / "shards", shards=[{"samples": 1}]),
-     "train", "manifest.json", "shards[0] lacks a valid file"),
 ]
 
 
-def edit_manifest(folder: Path, name: str = "manifest.json", **fields) -> None:
-    """Set (or with None, drop) top-level fields of a folder's manifest."""
-    m = json.loads((folder / name).read_text())
-    for k, v in fields.items():
-        if v is None:
-            m.pop(k, None)
-        else:
-            m[k] = v
-    (folder / name).write_text(json.dumps(m))
+def damaged_command(trained_run: Path, root: Path, what: str, kind: str) -> list[str]:
+    """The command line of `kind` run on the damaged copy under root (the rest from the intact run)."""
+    import shutil
+
+    shards = root / "shards" if what == "shards" else trained_run / "shards"
+    target = str(trained_run / "target")
+    if kind == "resume":
+        shutil.copytree(trained_run / "run" / "draft", root / "run" / "draft")
+        return ["train", "--data", str(shards), "--out", str(root / "run"), *TRAIN_FLAGS, "--resume"]
+    argv = {
+        "train": ["train", "--data", str(shards), "--out", str(root / "new"), *TRAIN_FLAGS],
+        "doctor": ["doctor", "--target", target, "--draft", str(root / what), "--quick"],
+        "ngram": ["ngram", "--data", str(shards), "--out", str(root / "table")],
+        "inspect": ["inspect", str(root / what)],
+        "generate": ["generate", "--target", target, "--draft", str(root / what), "--raw", "--prompt", "t5 t6 t7",
+                     "--max-new-tokens", "2"],
+        "import": ["import", str(root / "exported"), "--target", target, "--out", str(root / "imported")],
+        "flags": ["doctor", "flags", "--draft", str(root / "exported"), "--", "vllm", "serve", "M"],
+        "export": ["export", "--draft", str(root / what), "--format", "vllm", "--out", str(root / "exported")],
+    }
+    return argv[kind]
+
+
+def one_error_line(argv: list[str]) -> str:
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    r = CliRunner().invoke(app, argv)
+    assert r.exception is None or isinstance(r.exception, SystemExit), f"{type(r.exception).__name__}: {r.exception}"
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    return errors[0]
 
 
 @pytest.mark.parametrize("name,what,damage,kind,file,phrase", DAMAGE, ids=[c[0] for c in DAMAGE])
 def test_damaged_artifact_is_one_error_line(trained_run, tmp_path, name, what, damage, kind, file, phrase):
     import shutil
 
-    from typer.testing import CliRunner
-
-    from eyas.cli import app
-
     root = tmp_path / "copy"
     shutil.copytree(trained_run / what, root / what)
     damage(root)
-    shards = root / "shards" if what == "shards" else trained_run / "shards"
-    if kind == "resume":
-        shutil.copytree(trained_run / "run" / "draft", root / "run" / "draft")
-        argv = ["train", "--data", str(shards), "--out", str(root / "run"), *TRAIN_FLAGS, "--resume"]
-    elif kind == "train":
-        argv = ["train", "--data", str(shards), "--out", str(root / "new"), *TRAIN_FLAGS]
-    elif kind == "doctor":
-        argv = ["doctor", "--target", str(trained_run / "target"), "--draft", str(root / what), "--quick"]
-    elif kind == "ngram":
-        argv = ["ngram", "--data", str(shards), "--out", str(root / "table")]
-    elif kind == "generate":
-        argv = ["generate", "--target", str(trained_run / "target"), "--draft", str(root / what), "--raw",
-                "--prompt", "t5 t6 t7", "--max-new-tokens", "2"]
-    elif kind == "import":
-        argv = ["import", str(root / "exported"), "--target", str(trained_run / "target"), "--out",
-                str(root / "imported")]
-    elif kind == "flags":
-        argv = ["doctor", "flags", "--draft", str(root / "exported"), "--", "vllm", "serve", "M"]
-    else:
-        argv = ["export", "--draft", str(root / what), "--format", "vllm", "--out", str(root / "exported")]
-    r = CliRunner().invoke(app, argv)
-    assert r.exception is None or isinstance(r.exception, SystemExit), f"{type(r.exception).__name__}: {r.exception}"
-    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
-    assert file in errors[0] and phrase in errors[0], errors[0]
+    error = one_error_line(damaged_command(trained_run, root, what, kind))
+    assert file in error and phrase in error, error
+
+
+# ---- every metadata file through its one reader (eyas.metadata), for every command that reads it ------------
+
+def exported(root: Path) -> None:
+    from eyas.interop.export import export_draft
+
+    export_draft(root / "run" / "draft", "vllm", root / "exported")
+
+
+# file (relative to the run's root), what to copy, how to make it (None: copied), the commands that read it, and
+# per damage the JSON edit: a field of the wrong type, a required field removed (None where the schema requires
+# none: foreign configs vary), a field out of its range
+METADATA = [
+    ("shards/manifest.json", "shards", None, ("train", "ngram", "inspect"),
+     {"shards": "oops"}, "layout", {"shards": [{"file": "shard-00000.safetensors", "samples": -1, "tokens": 4}]}),
+    (f"{CK}/eyas_manifest.json", CK, None, ("resume",), {"draft_vocab": []}, "data", {"step": -1}),
+    (f"{CK}/trainer_state.json", CK, None, ("resume",), {"step": "7"}, "optimizer", {"epoch": -1}),
+    ("run/draft/eyas_manifest.json", "run/draft", None, ("generate", "export", "doctor", "inspect"),
+     {"draft_config": "x"}, "layout", {"step": -3}),
+    ("run/draft/config.json", "run/draft", None, ("doctor",), {"eagle_config": [1]}, None, {"hidden_size": 0}),
+    ("exported/config.json", "run/draft", exported, ("import", "flags"), {"eagle_config": [1]}, None,
+     {"draft_vocab_size": -1}),
+    ("exported/eyas_manifest.json", "run/draft", exported, ("import", "flags"), {"files": "x"}, "kind",
+     {"format_version": 0}),
+]
+
+
+def metadata_cases() -> list[tuple]:
+    cases = []
+    for file, what, make, kinds, wrong, missing, out_of_range in METADATA:
+        damages = [("not JSON", lambda p: p.write_text('{"kind": '), "not valid JSON"),
+                   ("empty", lambda p: p.write_text(""), "is empty"),
+                   ("wrong type", lambda p, w=wrong: patch_json(p, w), f"'{next(iter(wrong))}' should be")]
+        if missing:
+            damages.append(("missing key", lambda p, k=missing: patch_json(p, {k: None}),
+                            f"'{missing}' should be"))
+        key = next(iter(out_of_range))
+        damages.append(("out of range", lambda p, o=out_of_range: patch_json(p, o), "found -1" if key == "shards"
+                        else f"found {out_of_range[key]}"))
+        for kind in kinds:
+            cases += [(f"{file} {label}, {kind}", file, what, make, damage, kind, phrase)
+                      for label, damage, phrase in damages]
+    return cases
+
+
+def patch_json(path: Path, fields: dict[str, Any]) -> None:
+    """Set top-level fields of a JSON file (None drops the field)."""
+    data = json.loads(path.read_text())
+    for k, v in fields.items():
+        if v is None:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    path.write_text(json.dumps(data))
+
+
+METADATA_CASES = metadata_cases()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,file,what,make,damage,kind,phrase", METADATA_CASES, ids=[c[0] for c in METADATA_CASES])
+def test_damaged_metadata_is_one_error_line_naming_file_and_field(trained_run, tmp_path, name, file, what, make,
+                                                                  damage, kind, phrase):
+    """Not JSON, empty, a field of the wrong type, missing or out of range: in every metadata file, for every
+    command that reads it, one error line naming the file (and the field) -- never a traceback."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(trained_run / what, root / what)
+    if make:
+        make(root)
+    damage(root / file)
+    error = one_error_line(damaged_command(trained_run, root, what, kind))
+    assert Path(file).name in error and phrase in error, error
+
+
+def test_every_metadata_schema_is_covered():
+    """Each schema eyas.metadata defines has rows in the table above (the two draft-config rows share one)."""
+    from eyas.metadata import SCHEMAS
+
+    assert len(SCHEMAS) == len(METADATA) - 1
 
 
 def test_shipped_draft_without_digests_still_loads():
@@ -570,3 +635,33 @@ def test_short_request_runs_between_a_long_prompts_prefill_chunks(smollm2_tokeni
 def test_a_decoding_job_keeps_arrival_order(smollm2_tokenizer):
     log = run_two(smollm2_tokenizer, long_new=6, hold_until_decoding=True)
     assert log.index(("token", 2)) > max(i for i, e in enumerate(log) if e[1] == 40), log
+
+
+# JSON reads that name a metadata file outside eyas.metadata, each another artifact's own file: the n-gram table's
+# and replay rows' manifests, a target's config.json, a bench folder's config
+OTHER_JSON = {"eyas/engine/ngram.py": {"MANIFEST"}, "eyas/replay/rows.py": {"MANIFEST"},
+              "eyas/recipe.py": {"MANIFEST", "man"}, "eyas/target/family.py": {"config.json"},
+              "eyas/target/load.py": {"config.json"}, "eyas/bench/outdir.py": {"cfg_path"}}
+
+
+def test_metadata_files_have_one_reader():
+    """No module but eyas.metadata parses a manifest, trainer state or draft config: every json.loads / read_json
+    call elsewhere names none of those files (the allowlist names other artifacts' files that share a name)."""
+    import ast
+
+    import eyas
+
+    root = Path(eyas.__file__).parent
+    names = ("MANIFEST", "manifest.json", "STATE_FILE", "trainer_state.json", "config.json", "cfg_path", "man")
+    found = []
+    for path in root.rglob("*.py"):
+        rel = f"eyas/{path.relative_to(root)}"
+        if rel in ("eyas/metadata.py", "eyas/files.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("json.loads", "json.load", "read_json"):
+                text = ast.unparse(node.args[0]) if node.args else ""
+                hits = [n for n in names if re.search(rf"\b{re.escape(n)}\b", text)]
+                if not set(hits) <= OTHER_JSON.get(rel, set()):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "metadata read outside eyas.metadata.read_metadata:\n" + "\n".join(found)

@@ -24,14 +24,23 @@ def test_bad_recipe_config_is_refused():
         RecipeConfig(orig_num=-1).validate()
 
 
-def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path):
-    def folder(name, watermark, shards):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "manifest.json").write_text(json.dumps({"watermark": watermark, "shards": shards}))
+def shard_folder(path, watermark: int, files: list[str]) -> None:
+    """A shard folder's manifest as datagen commits it (the shards themselves are not read here)."""
+    from eyas.data.shards import FORMAT_VERSION, KIND
 
-    folder("data-regen", 3399, [{"file": "a"}])
-    folder("data-regen-from-12000", 12100, [{"file": "b"}])
-    folder("data-regen-from-5200", 5300, [{"file": "c"}])
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps({
+        "kind": KIND, "format_version": FORMAT_VERSION, "layout": {"aux_indices": [1, 2, 3]},
+        "watermark": watermark, "shards": [{"file": f, "samples": 1, "tokens": 8} for f in files]}))
+
+
+def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path):
+    def folder(name, watermark, files):
+        shard_folder(tmp_path / name, watermark, files)
+
+    folder("data-regen", 3399, ["a"])
+    folder("data-regen-from-12000", 12100, ["b"])
+    folder("data-regen-from-5200", 5300, ["c"])
     folder("data-regen-from-20000", 19999, [])  # nothing committed yet: not trained on
     cfg = RecipeConfig(work=str(tmp_path), orig_num=0, regen_num=10, regen_start=3000)
     assert [f.name for f in _data_folders(cfg)] == ["data-regen", "data-regen-from-5200", "data-regen-from-12000"]
@@ -49,8 +58,7 @@ def test_regen_start_adds_a_folder_of_later_rows_and_refuses_an_overlap(tmp_path
 
 def test_self_num_adds_self_prompted_folders_under_the_same_overlap_rules(tmp_path):
     def folder(name, watermark):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "manifest.json").write_text(json.dumps({"watermark": watermark, "shards": [{"f": 1}]}))
+        shard_folder(tmp_path / name, watermark, ["f"])
 
     folder("data-regen-from-7020", 8326)
     folder("data-self", 1999)

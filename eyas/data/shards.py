@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EyasError
-from ..files import atomic_write, damaged, file_digest, read_json, save_safetensors
+from ..files import atomic_write, damaged, file_digest, save_safetensors
 from ..layout import Layout, check_layouts
+from ..metadata import SHARD_MANIFEST, read_metadata
 from ..target.template import describe_record, same_template
 
 MANIFEST = "manifest.json"
@@ -104,36 +105,12 @@ def load_manifest(folder: str | Path) -> dict[str, Any]:
     if not p.exists():
         raise ShardError(f"{folder} has no {MANIFEST}: not an eyas shard folder (make one with `eyas datagen`)")
     fix = f"the folder's manifest is damaged: rerun the `eyas datagen` that wrote {folder} into a new --out"
-    m = read_json(p, ShardError, fix)
-    if not isinstance(m, dict):
-        raise ShardError(f"{p} holds a JSON {type(m).__name__}, expected an object; {fix}")
-    if m.get("kind") != KIND:
-        raise ShardError(f"{p}: kind {m.get('kind')!r}, expected {KIND!r}")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ShardError(f"{p}: format_version {m.get('format_version')} but this eyas reads {FORMAT_VERSION}")
-    check_manifest_fields(p, m, fix)
+    m = read_metadata(p, SHARD_MANIFEST, ShardError, fix)
+    if m["kind"] != KIND:
+        raise ShardError(f"{p}: kind {m['kind']!r}, expected {KIND!r}")
+    if m["format_version"] != FORMAT_VERSION:
+        raise ShardError(f"{p}: format_version {m['format_version']} but this eyas reads {FORMAT_VERSION}")
     return m
-
-
-# the fields every reader of a shard manifest indexes, and their JSON types (shard entries: MANIFEST_SHARD); the
-# optional ones are checked when present (datagen writes them; folders made by other tools may lack them)
-MANIFEST_FIELDS = {"layout": dict, "shards": list}
-MANIFEST_OPTIONAL = {"counts": dict, "config": dict, "skipped": dict, "commands": list}
-MANIFEST_SHARD = {"file": str, "samples": int, "tokens": int}
-
-
-def check_manifest_fields(p: Path, m: dict[str, Any], fix: str) -> None:
-    """A manifest whose fields are not what readers index is one error naming the file and the field, never a
-    KeyError or TypeError deep in a reader."""
-    for key, kind in {**MANIFEST_FIELDS, **{k: v for k, v in MANIFEST_OPTIONAL.items() if k in m}}.items():
-        if not isinstance(m.get(key), kind):
-            found = "nothing" if key not in m else f"a {type(m[key]).__name__}"
-            raise ShardError(f"{p}: {key!r} should be a JSON {'object' if kind is dict else 'array'}, found {found}; "
-                             f"{fix}")
-    for i, e in enumerate(m["shards"]):
-        bad = [k for k, kind in MANIFEST_SHARD.items() if not isinstance(e, dict) or type(e.get(k)) is not kind]
-        if bad:
-            raise ShardError(f"{p}: shards[{i}] lacks a valid {', '.join(bad)} (found {str(e)[:80]}); {fix}")
 
 
 def manifest_hash(m: dict[str, Any]) -> str:

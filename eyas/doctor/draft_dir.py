@@ -12,7 +12,8 @@ from typing import Any
 
 from ..conventions import has_aux_ids
 from ..errors import EyasError
-from ..files import check_file, read_json
+from ..files import check_file
+from ..metadata import DRAFT_CONFIG, EXPORT_MANIFEST, read_metadata
 
 
 @dataclass
@@ -36,13 +37,13 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
     if not cfg_path.is_file():
         raise error(f"--draft {p}: no config.json there. Expected a draft folder (an eyas draft, or an "
                          "SGLang/vLLM EAGLE-3 checkpoint) — the engines read their aux ids from that file.")
-    cfg = read_json(cfg_path, error, "the draft folder is corrupt — re-export or re-save it")
+    cfg = read_metadata(cfg_path, DRAFT_CONFIG, error, "the draft folder is corrupt — re-export or re-save it")
     layout = None
     target_hidden = target_vocab = None
     versions = None
     man = p / "eyas_manifest.json"
     if man.is_file():
-        m = read_json(man, error, "the draft folder is corrupt — re-export or re-save it")
+        m = read_metadata(man, EXPORT_MANIFEST, error, "the draft folder is corrupt — re-export or re-save it")
         # eyas drafts and exports record each tensor file's size and digest; a folder without records is not checked
         for name, rec in (m.get("files") or {}).items():
             check_file(p / Path(name).name, rec, error, "the draft folder is damaged — copy it again, or rerun "

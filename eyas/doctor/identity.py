@@ -10,8 +10,8 @@ import torch
 
 from ..conventions import config_fix, engine_views
 from ..draft import DraftCheckpoint
-from ..files import read_json
 from ..layout import layout_diff
+from ..metadata import DRAFT_CONFIG, read_metadata
 from ..probe import FINAL_ONLY
 from .checklist import Check, DoctorError
 
@@ -129,11 +129,8 @@ def read_config(ckpt: DraftCheckpoint) -> dict[str, Any] | None:
     if ckpt.path is None or not (Path(ckpt.path) / "config.json").is_file():
         return None
     path = Path(ckpt.path) / "config.json"
-    cfg = read_json(path, DoctorError, "write it again (`eyas export` writes the config engines read) or remove it")
-    if not isinstance(cfg, dict):
-        raise DoctorError(f"{path} holds a JSON {type(cfg).__name__}, expected an object; write it again "
-                          "(`eyas export`) or remove it")
-    return cfg
+    return read_metadata(path, DRAFT_CONFIG, DoctorError, "write it again (`eyas export` writes the config engines "
+                         "read) or remove it")
 
 
 def _check_engine_config(target, ckpt: DraftCheckpoint) -> list[Check]:

@@ -24,6 +24,7 @@ from ..engines import EXPORT_TARGETS, TABLE, EngineRow, flag, loader_misfit
 from ..errors import EyasError
 from ..files import atomic_folder, file_record, save_safetensors
 from ..layout import Layout, LayoutError
+from ..metadata import EXPORT_MANIFEST, read_metadata
 from .formats import EXPORT_FORMATS, sglang_config, speculators_config, to_format_names, vllm_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,7 +51,8 @@ def check_out(out: Path, kind: str, source: Path | None) -> None:
         if not out.is_dir():
             raise ExportError(f"--out {out} exists and is not a folder")
         man = out / MANIFEST
-        found = json.loads(man.read_text()).get("kind") if man.exists() else None
+        found = read_metadata(man, EXPORT_MANIFEST, ExportError, "choose a new --out or delete it first")["kind"] \
+            if man.exists() else None
         if any(out.iterdir()) and found != kind:
             raise ExportError(f"--out {out} already exists and is not an earlier {kind} output (it would be "
                               "replaced as a whole); choose a new folder or delete it first")

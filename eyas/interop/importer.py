@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from .. import __version__
 from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
 from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
-from ..files import check_file, portable_command, read_json
+from ..files import check_file, portable_command
 from ..layout import Layout, LayoutError
+from ..metadata import DRAFT_CONFIG, EXPORT_MANIFEST, read_metadata
 from ..probe import infer_layout, layout_candidates
 from .export import ExportError, check_out, sha256_of
 from .formats import check_vocab_map, detect_format, draft_config_from, explain_unexpected, to_eyas_names
@@ -42,15 +43,13 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
     cfg_path = p / "config.json"
     if not cfg_path.exists():
         raise ExportError(f"{p} has no config.json; an EAGLE-3 draft folder holds config.json plus weights")
-    config = read_json(cfg_path, ExportError, "the checkpoint is corrupt")
-    if not isinstance(config, dict):
-        raise ExportError(f"{cfg_path} holds a {type(config).__name__}, expected a JSON object")
+    config = read_metadata(cfg_path, DRAFT_CONFIG, ExportError, "the checkpoint is corrupt")
     man = None
     if (p / MANIFEST).exists():
-        man = read_json(p / MANIFEST, ExportError, "delete it to import by config alone")
-        if man.get("kind") == "eyas-draft":
+        man = read_metadata(p / MANIFEST, EXPORT_MANIFEST, ExportError, "delete it to import by config alone")
+        if man["kind"] == "eyas-draft":
             raise ExportError(f"{p} is already an eyas draft (kind eyas-draft); use it directly, no import needed")
-        if man.get("kind") != "eyas-export":
+        if man["kind"] != "eyas-export":
             man = None
     # an eyas export records each tensor file's size and digest: a damaged one is named before it is read (a
     # foreign folder records none and is read as it is)

@@ -18,11 +18,11 @@ from ..files import (
     atomic_write_text,
     check_file,
     file_record,
-    read_json,
     swap_folder,
     write_fault,
 )
 from ..layout import Layout, check_layouts
+from ..metadata import CHECKPOINT_MANIFEST, TRAINER_STATE, read_metadata
 from ..vocab import DraftVocab
 from .config import OPT_FILE, RNG_FILE, STATE_FILE, TrainConfig, TrainError
 
@@ -172,24 +172,6 @@ def save_checkpoint(out: Path, draft: Eagle3Draft, layout: Layout, extra: dict[s
 
 
 # the cursor's counts: whole numbers, never negative (a -5 step would replay the log from step -4)
-CURSOR_COUNTS = ("step", "epoch", "batch_in_epoch", "tokens_seen")
-
-
-def check_cursor(path: Path, state: Any) -> None:
-    """trainer_state.json's cursor is a JSON object whose counts are ints >= 0 and train_time_s a number >= 0."""
-    if not isinstance(state, dict):
-        raise TrainError(f"{path} holds a JSON {type(state).__name__}, expected an object; {FIX_CHECKPOINT}")
-    for key in CURSOR_COUNTS:
-        v = state.get(key)
-        if type(v) is not int or v < 0:
-            raise TrainError(f"{path}: {key!r} must be a whole number >= 0, found {v!r}; {FIX_CHECKPOINT}")
-    t = state.get("train_time_s", 0.0)
-    if type(t) not in (int, float) or not 0 <= t < float("inf"):
-        raise TrainError(f"{path}: 'train_time_s' must be a number >= 0, found {t!r}; {FIX_CHECKPOINT}")
-    if not isinstance(state.get("optimizer"), dict) or not isinstance(state["optimizer"].get("param_groups"), list):
-        raise TrainError(f"{path} lacks the optimizer's 'param_groups'; {FIX_CHECKPOINT}")
-
-
 def count_lines(path: Path) -> int:
     """Non-empty lines of a log (0 when it does not exist): what a new run in the same folder would drop."""
     return sum(1 for ln in path.read_text().splitlines() if ln.strip()) if path.exists() else 0
@@ -203,32 +185,28 @@ def truncate_jsonl(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
-def check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab, data_hash: str) -> dict[str, Any]:
-    """Refuse a checkpoint made for other data/target/vocab or with another trajectory; name each field. A damaged
-    checkpoint (not JSON, a cursor out of range, a tensor file that is not what was written) is one error line."""
-    man = read_json(ck / DRAFT_MANIFEST, TrainError, FIX_CHECKPOINT)
-    for key, kind in (("layout", dict), ("draft_vocab", dict), ("data", dict)):
-        found = man.get(key) if isinstance(man, dict) else None
-        if not isinstance(found, kind):
-            raise TrainError(f"{ck / DRAFT_MANIFEST}: {key!r} should be a JSON object, found "
-                             f"{'nothing' if found is None else type(found).__name__}; {FIX_CHECKPOINT}")
-    state = read_json(ck / STATE_FILE, TrainError, FIX_CHECKPOINT)
-    check_cursor(ck / STATE_FILE, state)
+def check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab,
+                 data_hash: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(trainer state, checkpoint manifest), after refusing a checkpoint made for other data/target/vocab or with
+    another trajectory (each field named). A damaged checkpoint (a metadata file that does not parse or fit its
+    schema, a tensor file that is not what was written) is one error line."""
+    man = read_metadata(ck / DRAFT_MANIFEST, CHECKPOINT_MANIFEST, TrainError, FIX_CHECKPOINT)
+    state = read_metadata(ck / STATE_FILE, TRAINER_STATE, TrainError, FIX_CHECKPOINT)
     files = state.get("files") or {}  # checkpoints written before eyas recorded digests have none
     for name in (OPT_FILE, RNG_FILE):
         check_file(ck / name, files.get(name), TrainError, FIX_CHECKPOINT)
     check_file(ck / WEIGHTS, (man.get("files") or {}).get(WEIGHTS), TrainError, FIX_CHECKPOINT)
     check_layouts(Layout.from_dict(man["layout"]), layout, f"the checkpoint {ck}", "the training data")
     problems = []
-    dv = man.get("draft_vocab", {})
+    dv = man["draft_vocab"]
     if dv.get("hash") != vocab.hash:
         problems.append(f"draft vocab: the checkpoint has {dv.get('hash')} (size {dv.get('size')}, counted on "
                         f"data {dv.get('source_dataset_hash')}), the data gives {vocab.hash} (size {vocab.size}, "
                         f"data {vocab.source_hash})")
-    if man.get("data", {}).get("hash") != data_hash:
-        problems.append(f"data hash: the checkpoint was trained on {man.get('data', {}).get('hash')}, "
+    if man["data"].get("hash") != data_hash:
+        problems.append(f"data hash: the checkpoint was trained on {man['data'].get('hash')}, "
                         f"--data is {data_hash}")
-    old = state.get("config", {})
+    old = state["config"]
     for name in TrainConfig.TRAJECTORY:
         a, b = old.get(name), getattr(cfg, name)
         if a != b and not (isinstance(a, list) and b is not None and list(b) == a):
@@ -236,4 +214,4 @@ def check_resume(ck: Path, cfg: TrainConfig, layout: Layout, vocab: DraftVocab, 
     if problems:
         raise TrainError(f"refusing to resume from {ck}:\n  - " + "\n  - ".join(problems) +
                          "\n  fix: resume with the original data and options, or train into a new --out")
-    return state
+    return state, man

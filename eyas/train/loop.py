@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..draft import MANIFEST as DRAFT_MANIFEST
 from ..draft import Eagle3Draft, save_draft
 from ..files import portable_command
 from ..interrupt import Interrupted, stop_on_signals
@@ -132,14 +131,13 @@ class Trainer:
                       + (f" (the {logged} logged steps of a run stopped before its first checkpoint are dropped)"
                          if logged else ""), file=sys.stderr)
         else:
-            state = check_resume(ck, cfg, self.data.layout, self.vocab, self.data.hash)
+            state, manifest = check_resume(ck, cfg, self.data.layout, self.vocab, self.data.hash)
             sd = read_tensors(ck / "model.safetensors")
             self.draft.load_state_dict({k: v.to(self.device) for k, v in sd.items()})
             load_optimizer(self.opt, ck / OPT_FILE, state["optimizer"])
             set_rng(read_tensors(ck / RNG_FILE))
             self.at = Cursor(**{f.name: state[f.name] for f in fields(Cursor)})
-            manifest = json.loads((ck / DRAFT_MANIFEST).read_text())
-            self.check_cursor(ck, manifest.get("step"))
+            self.check_cursor(ck, manifest["step"])
             self.last_eval = manifest.get("metrics")
             if main:
                 print(f"--resume: continuing {ck} at step {self.at.step}/{self.total} (epoch {self.at.epoch}, batch "
