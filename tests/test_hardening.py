@@ -46,13 +46,34 @@ class StubEngine:
             yield [self.token]
 
 
+class SlowEngine:
+    """One token per 20 ms up to max_new_tokens; records how many each generation made when it ended (finished or
+    closed by the worker on a cancel)."""
+
+    def __init__(self, token: int):
+        self.token, self.last_result = token, None
+        self.started, self.ended = 0, []
+
+    def stream(self, input_ids, params):
+        self.started += 1
+        made = 0
+        try:
+            while made < params.max_new_tokens:
+                time.sleep(0.02)
+                made += 1
+                yield [self.token]
+        finally:
+            self.ended.append(made)
+
+
 class Server:
-    def __init__(self, tokenizer: Any, api_key: str | None):
+    def __init__(self, tokenizer: Any, api_key: str | None, slow: bool = False):
         tok = copy.deepcopy(tokenizer)
         tok.chat_template = ALTERNATING
         token = tok("hello", add_special_tokens=False)["input_ids"][0]
-        self.app = create_app(StubEngine(token), tok, ServeConfig(model_name=MODEL, api_key=api_key,
-                                                                 max_prompt_tokens=200, max_new_tokens=8))
+        self.engine = SlowEngine(token) if slow else StubEngine(token)
+        self.app = create_app(self.engine, tok, ServeConfig(model_name=MODEL, api_key=api_key, max_prompt_tokens=200,
+                                                            max_new_tokens=3000 if slow else 8))
         self.server = make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -75,7 +96,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(smollm2_tokenizer):
-    s = {"open": Server(smollm2_tokenizer, None), "keyed": Server(smollm2_tokenizer, KEY)}
+    s = {"open": Server(smollm2_tokenizer, None), "keyed": Server(smollm2_tokenizer, KEY),
+         "slow": Server(smollm2_tokenizer, None, slow=True)}
     yield s
     for srv in s.values():
         srv.close()
@@ -186,6 +208,92 @@ def test_trickled_request_head_is_closed(servers, monkeypatch):
     assert closed, "the server kept a connection whose request head never ended"
 
 
+@pytest.mark.parametrize("piece", [0, 4096], ids=["one write", "4 KB pieces"])
+def test_oversized_request_head_is_refused_however_it_arrives(servers, piece):
+    """h11 bounds only an incomplete head: before, a 100 KB header in one write was served while the same bytes in
+    4 KB pieces got uvicorn's text 400. Both are now one JSON 431 naming the limit, and the server serves on."""
+    head = (f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * (100 << 10)}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", servers["open"].port))
+    try:
+        for i in range(0, len(head), piece or len(head)):
+            try:
+                sock.sendall(head[i:i + (piece or len(head))])
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server answered and closed: its answer is on the wire
+            if piece:
+                time.sleep(0.002)  # separate reads on the server
+        status, headers, body = read_response(sock)
+    finally:
+        sock.close()
+    assert status == 431 and headers.get("connection") == "close", (status, headers, body[:200])
+    e = json.loads(body)["error"]
+    assert e["code"] == "request_header_too_large" and str(bounds.MAX_HEADER_BYTES) in e["message"], e
+    assert servers["open"].http.get("/v1/models").status_code == 200
+
+
+def post_bytes(path: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+def read_until_closed(sock: socket.socket, wait_s: float = 60.0) -> bytes:
+    sock.settimeout(wait_s)
+    data = b""
+    while got := sock.recv(65536):
+        data += got
+    return data
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_half_closed_client_gets_its_answer(servers, monkeypatch, stream):
+    """A client that sends its request and then shuts down its sending side still reads: uvicorn took that end of
+    input for a disconnect and closed the socket (0 bytes back, the generation cancelled). The answer now comes,
+    after interim 100 Continue probes while it is computed, and the server closes the connection after it."""
+    monkeypatch.setattr(bounds, "PROBE_S", 0.1)
+    srv = servers["slow"]
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        sock.sendall(post_bytes(COMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": stream}))
+        sock.shutdown(socket.SHUT_WR)
+        data = read_until_closed(sock)
+    finally:
+        sock.close()
+    interim, _, final = data.rpartition(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert final.startswith(b"HTTP/1.1 200"), data[:300]
+    assert stream or interim + _ == b"HTTP/1.1 100 Continue\r\n\r\n" * data.count(b" 100 Continue"), data[:300]
+    if stream:
+        assert final.rstrip().endswith(b"data: [DONE]") or b"data: [DONE]" in final, final[-300:]
+        assert final.count(b"hello") == 20, final[-300:]
+    else:
+        assert b" 100 Continue" in data  # the answer took ~0.4 s: it was probed
+        answer = json.loads(final.partition(b"\r\n\r\n")[2])
+        assert answer["usage"]["completion_tokens"] == 20 and answer["choices"][0]["text"] == "hello" * 20, answer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_closed_client_is_still_cancelled(servers, monkeypatch, stream):
+    """Honouring a half-close must not keep generating for a client that closed for good: the probe (or the stream's
+    own next write) meets the reset of a closed socket, and the generation stops within a few rounds."""
+    monkeypatch.setattr(bounds, "PROBE_S", 0.1)
+    srv = servers["slow"]
+    started, ended = srv.engine.started, len(srv.engine.ended)
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        sock.sendall(post_bytes(COMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 3000, "stream": stream}))
+        deadline = time.time() + 30
+        while srv.engine.started == started:
+            assert time.time() < deadline, "the request did not start"
+            time.sleep(0.01)
+    finally:
+        sock.close()
+    deadline = time.time() + 30
+    while len(srv.engine.ended) == ended:
+        assert time.time() < deadline, "the generation ran on for a client that closed its socket"
+        time.sleep(0.02)
+    assert srv.engine.ended[-1] < 500, srv.engine.ended  # stopped early (3000 tokens would take 60 s)
+
+
 # ---- the table: one request, one clean answer ---------------------------------------------------------
 
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -239,6 +347,55 @@ def test_server_answers_each_case_cleanly(servers, name, server, method, path, h
         assert "location" not in r.headers, r.headers  # never a redirect, least of all to the Host sent
         e = openai_error(r, status)
     assert e["code"] == code and text in e["message"], e
+
+
+# (name, the Authorization header lines sent, status): the scheme, exactly one space, the key
+AUTH = [
+    ("Bearer KEY", [f"Bearer {KEY}"], 200),
+    ("scheme lowercase (RFC 7235: case-insensitive)", [f"bearer {KEY}"], 200),
+    ("scheme uppercase", [f"BEARER {KEY}"], 200),
+    # whitespace around a field value is not part of it (RFC 9110 5.5); h11 drops it, as every HTTP parser must
+    ("trailing space", [f"Bearer {KEY} "], 200),
+    ("trailing tab", [f"Bearer {KEY}\t"], 200),
+    ("leading space", [f" Bearer {KEY}"], 200),
+    ("two spaces", [f"Bearer  {KEY}"], 401),
+    ("tab for the space", [f"Bearer\t{KEY}"], 401),
+    ("space and tab", [f"Bearer \t{KEY}"], 401),
+    ("space inside the key", [f"Bearer {KEY[:3]} {KEY[3:]}"], 401),
+    ("a second token", [f"Bearer {KEY} {KEY}"], 401),
+    ("key repeated after a comma", [f"Bearer {KEY}, Bearer {KEY}"], 401),
+    ("no scheme", [KEY], 401),
+    ("scheme only", ["Bearer"], 401),
+    ("scheme and a space", ["Bearer "], 401),
+    ("Basic scheme", [f"Basic {KEY}"], 401),
+    ("scheme glued to the key", [f"Bearer{KEY}"], 401),
+    ("key prefix", [f"Bearer {KEY[:-1]}"], 401),
+    ("key with a suffix", [f"Bearer {KEY}x"], 401),
+    ("key in another case", [f"Bearer {KEY.upper()}"], 401),
+    ("empty header", [""], 401),
+    ("no header", [], 401),
+    ("two headers, both right", [f"Bearer {KEY}", f"Bearer {KEY}"], 401),
+    ("two headers, wrong then right", ["Bearer nope", f"Bearer {KEY}"], 401),
+]
+
+
+@pytest.mark.parametrize("name,lines,status", AUTH, ids=[c[0] for c in AUTH])
+def test_authorization_is_parsed_exactly(servers, name, lines, status):
+    """Raw bytes on a socket (httpx refuses some of these headers): each one reaches the server as written."""
+    sock = socket.create_connection(("127.0.0.1", servers["keyed"].port))
+    try:
+        head = "".join(f"Authorization: {line}\r\n" for line in lines)
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode())
+        got, headers, body = read_response(sock)
+    finally:
+        sock.close()
+    assert got == status, (got, body[:300])
+    if status == 401:
+        e = json.loads(body)["error"]
+        assert e["code"] == "invalid_api_key" and headers.get("www-authenticate") == "Bearer", (e, headers)
+        phrase = ("Missing API key" if lines in ([], [""]) else "2 Authorization headers" if len(lines) == 2
+                  else "Incorrect API key")
+        assert phrase in e["message"], e
 
 
 def test_valid_requests_still_work(servers):

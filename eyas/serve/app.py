@@ -88,14 +88,21 @@ def _error_response(e: APIError) -> JSONResponse:
 
 
 def check_auth(request: Request, api_key: str | None) -> None:
-    """Bearer-key check (constant-time compare); no key configured = open server."""
+    """Bearer-key check; no key configured = open server. The header must be exactly the scheme, one space and
+    the key (constant-time compare): the scheme in any case (RFC 7235 2.1: auth schemes are case-insensitive,
+    so `bearer KEY` passes), anything else is a 401 — two spaces, a tab, a second token or a second
+    Authorization header. Whitespace around the whole value is not part of it (RFC 9110 5.5): h11 drops it
+    before it gets here, so `Bearer KEY ` is the key; a value that still carries it (another front end) is not."""
     if api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    if not header:
+    values = request.headers.getlist("authorization")
+    if not values or values == [""]:
         raise APIError(401, "Missing API key: send the header 'Authorization: Bearer KEY'.",
                        code="invalid_api_key")
+    if len(values) > 1:
+        raise APIError(401, f"The request has {len(values)} Authorization headers; send one: "
+                            "'Authorization: Bearer KEY'.", code="invalid_api_key")
+    scheme, _, key = values[0].partition(" ")
     # exactly one space after the scheme, as vLLM and OpenAI compare it: "Bearer  KEY" is not the key
     if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), api_key.encode()):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")

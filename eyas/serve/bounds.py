@@ -1,7 +1,12 @@
 """What one client can make the server hold, bounded: the request body's size, counted as it streams in
-(a chunked body has no Content-Length to check first), the time the body may take, and the time a connection may
+(a chunked body has no Content-Length to check first), the time the body may take, the time a connection may
 take to send its request headers (uvicorn's h11 protocol has none: a client that trickles header bytes would
-hold its socket forever).
+hold its socket forever) and the size of the request head however it arrives (h11 bounds only a head still
+incomplete, so one that arrives whole in one read passed at any size).
+
+The connection protocol also answers a client that half-closes (shuts down its sending side after a complete
+request, as `curl -T`-style and netcat clients do): uvicorn takes the end of input for a disconnect, closes the
+socket and the request is cancelled unanswered; here the request runs on and its answer is sent.
 
 The limits are module constants read at call time, so a test can lower them.
 """
@@ -9,6 +14,7 @@ The limits are module constants read at call time, so a test can lower them.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -19,8 +25,12 @@ MAX_BODY = 16 << 20  # bytes; far above any prompt the token limit admits
 BODY_IDLE_TIMEOUT_S = 15.0  # no body byte for this long: 408
 BODY_TOTAL_TIMEOUT_S = 120.0  # the whole body, however it trickles in: 408 (16 MiB at ~140 KB/s still fits)
 HEADER_TIMEOUT_S = 15.0  # from connect (or the previous response) to a complete request head: the socket is closed
-MAX_HEADER_BYTES = 32 << 10  # h11's bound on an incomplete request head (request line + headers)
+MAX_HEADER_BYTES = 32 << 10  # the request head (request line + headers), however it arrives: 431 above it
 LINGER_S = 2.0  # after a response that closes the connection: how long unread request bytes are still drained
+# a client that ended its input while its request runs may have half-closed (it still reads) or closed for good:
+# only a write tells them apart (a closed socket answers it with a reset), so a request whose answer has not
+# started is probed this often with an interim "100 Continue" (RFC 9110 15.2: clients must accept unexpected 1xx)
+PROBE_S = 1.0
 
 
 def too_large(size: int | str) -> APIError:
@@ -63,6 +73,30 @@ async def read_body(request: Request) -> bytes | None:
             raise too_large(f"more than {MAX_BODY}")
 
 
+def head_size(event: Any) -> int:
+    """Bytes of an h11 Request's head as parsed: the request line and each header line (whitespace around a
+    value, which h11 drops, is not counted)."""
+    line = len(event.method) + len(event.target) + len(event.http_version) + 9  # "M T HTTP/v\r\n"
+    return line + sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items()) + 2
+
+
+def head_problem(error: Exception | None, limit: int) -> tuple[int, str]:
+    """(status, message) for a request head h11 refused with `error` (its RemoteProtocolError, when known)."""
+    status = getattr(error, "error_status_hint", 400)
+    if status != 431:
+        return status, f"the request could not be read as HTTP/1.1 ({error or 'malformed'}); send a valid request"
+    if str(error) == "Receive buffer too long":  # h11's words for a head still incomplete past the limit
+        return 431, (f"the request head (request line and headers) is over {limit} bytes; at most {limit} are "
+                     "accepted. Send fewer or shorter headers.")
+    return 431, str(error)
+
+
+def head_error(message: str, status: int) -> bytes:
+    """The body of the answer to a request whose head could not be read (OpenAI's error shape)."""
+    code = "request_header_too_large" if status == 431 else "invalid_http_request"
+    return json.dumps(APIError(status, message, code=code).body()).encode()
+
+
 class LingeringTransport:
     """A connection's transport whose close() sends the response's end (FIN) first and closes for good once the
     client closes its side or LINGER_S have passed, discarding what still arrives meanwhile. Closing a socket that
@@ -73,6 +107,7 @@ class LingeringTransport:
         self._transport = transport
         self._loop = loop
         self.lingering = False
+        self.peer_eof = False  # the client ended its input (a half-close, or a close not yet known as one)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -80,8 +115,8 @@ class LingeringTransport:
     def close(self) -> None:
         if self.lingering:
             return
-        if self._transport.is_closing() or not self._transport.can_write_eof():
-            self._transport.close()
+        if self.peer_eof or self._transport.is_closing() or not self._transport.can_write_eof():
+            self._transport.close()  # after a client's end of input no unread bytes can follow: no reset
             return
         self.lingering = True
         self._transport.write_eof()  # after the buffered response is flushed
@@ -95,16 +130,100 @@ class LingeringTransport:
         return self.lingering or self._transport.is_closing()
 
 
+def connection_class() -> type:
+    """h11's server connection with its head-size bound applied to every request head: h11 checks
+    max_incomplete_event_size only while a head is incomplete, so a head that arrives whole in one read was
+    accepted at any size while the same bytes in pieces got an error. Each protocol error it raises is kept
+    (`error`) for the answer to name."""
+    import h11
+
+    class HeadBoundConnection(h11.Connection):
+        error: h11.RemoteProtocolError | None = None
+
+        def __init__(self, limit: int):
+            super().__init__(h11.SERVER, max_incomplete_event_size=limit)
+            self.limit = limit
+
+        def next_event(self) -> Any:
+            try:
+                event = super().next_event()
+            except h11.RemoteProtocolError as e:
+                self.error = e
+                raise
+            if isinstance(event, h11.Request) and (size := head_size(event)) > self.limit:
+                self.error = h11.RemoteProtocolError(
+                    f"the request head (request line and headers) is {size} bytes; at most {self.limit} are "
+                    "accepted. Send fewer or shorter headers.", error_status_hint=431)
+                raise self.error
+            return event
+
+    return HeadBoundConnection
+
+
+def half_close_mixin() -> type:
+    """What a protocol needs to answer a client that half-closes: uvicorn's eof_received lets asyncio close the
+    socket, which ends the request as a disconnect (the generation cancelled, nothing sent)."""
+    import h11
+
+    class AnswersHalfClose:
+        probe_timer: asyncio.TimerHandle | None = None
+        cycle: Any
+        conn: Any
+        loop: asyncio.AbstractEventLoop
+        transport: Any
+
+        def eof_received(self) -> bool | None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and self.conn.their_state is h11.DONE:
+                # the whole request is here and its answer is not: a half-close (RFC 9112 9.6 lets a client
+                # end its input and still read), so keep the socket open to answer; a client gone for good is
+                # found by the next write (the answer's own, or the probe's)
+                self.transport.peer_eof = True
+                cycle.keep_alive = False  # no further request can come: close once the answer is sent
+                self.probe_timer = self.loop.call_later(PROBE_S, self.probe)
+                return True
+            return super().eof_received()  # type: ignore[misc]
+
+        def probe(self) -> None:
+            """An interim 100 Continue to a client that ended its input while its answer is not started: a socket
+            closed for good answers it with a reset, and the next probe's write then fails, which uvicorn reports as
+            a disconnect (the generation is cancelled). A streamed answer probes by itself."""
+            self.probe_timer = None
+            cycle = self.cycle
+            if cycle is None or cycle.response_started or cycle.disconnected or self.transport.is_closing():
+                return
+            try:
+                interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+                self.transport.write(self.conn.send(interim))
+            except h11.LocalProtocolError:
+                return
+            self.probe_timer = self.loop.call_later(PROBE_S, self.probe)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.probe_timer is not None:
+                self.probe_timer.cancel()
+            super().connection_lost(exc)  # type: ignore[misc]
+
+    return AnswersHalfClose
+
+
 def protocol_class() -> type:
     """uvicorn's h11 protocol plus a deadline for the request head (armed when a connection opens and after
-    each response, disarmed once h11 has a complete request, and closing the socket if it fires first) and a
-    lingering close (LingeringTransport).
+    each response, disarmed once h11 has a complete request, and closing the socket if it fires first), a bound on
+    the head's size however it arrives (connection_class) answered with one JSON error, a lingering close
+    (LingeringTransport), and an answer for a client that half-closes after its request (eof_received).
     (Uvicorn's keep-alive timer is reset by every byte received, so a trickling client never trips it.)"""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class BoundedH11Protocol(H11Protocol):
+    connection = connection_class()
+
+    class BoundedH11Protocol(half_close_mixin(), H11Protocol):
         head_deadline: asyncio.TimerHandle | None = None
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any):
+            super().__init__(config, *args, **kwargs)
+            self.conn = connection(config.h11_max_incomplete_event_size or MAX_HEADER_BYTES)
 
         def arm(self) -> None:
             self.disarm()
@@ -132,14 +251,31 @@ def protocol_class() -> type:
             if self.conn.their_state is not h11.IDLE:
                 self.disarm()
 
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a head h11 could not read (a text "Invalid HTTP request received.", always a
+            400) as one JSON error with the status h11 suggests (431: the head is too large) and what was wrong,
+            then close."""
+            status, message = head_problem(self.conn.error, self.conn.limit)
+            body = head_error(message, status)
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            try:
+                for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body),
+                              h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:  # a response was already under way: nothing more can be said
+                pass
+            self.transport.close()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self.arm()
 
-        def eof_received(self) -> None:
+        def eof_received(self) -> bool | None:
             if self.transport.lingering:  # the client read the response and closed its side
                 self.transport.close_now()
+                return None
             return super().eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
