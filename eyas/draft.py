@@ -3,6 +3,9 @@
 fc: cat(aux features) [.., n_aux*Ht] -> [.., H]; one decoder layer whose attention input is
 cat(input_layernorm(embed(x)), hidden_norm(h)) [.., 2H]; residual h; norm -> lm_head over the draft
 vocabulary; target_id = draft_id + d2t[draft_id]. The layer output (pre-norm) is fed back as h.
+EAGLE 3.1 (`fc_norm`): an RMSNorm per aux state before fc, cat(fc_norm[i](f_i)) -> fc, as SpecForge
+(specforge/modeling/draft/llama3_eagle.py project_hidden_states), speculators (models/eagle3/core.py, --fc-norm) and
+vLLM 0.32 (model_executor/models/llama_eagle3.py combine_hidden_states) compute it; weights `fc_norm.{i}.weight`.
 Token embeddings come from the target: a non-persistent buffer, never stored in the checkpoint.
 """
 
@@ -49,6 +52,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
+    fc_norm: bool = False  # EAGLE 3.1: one RMSNorm (target_hidden_size wide) per aux state before fc
 
     @classmethod
     def from_target_config(cls, tcfg: Any, draft_vocab_size: int, num_aux: int = 3, **overrides) -> DraftConfig:
@@ -109,6 +113,8 @@ class DraftConfig:
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
         }
+        if self.fc_norm:  # the key SpecForge writes and vLLM 0.32 reads (getattr(config, "fc_norm"))
+            out["fc_norm"] = True
         if layout is not None and layout.target is not None:
             try:
                 # both engines' entries: each reads only its own (eyas/conventions.py), and without vLLM's some
@@ -168,6 +174,8 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = c
         self.fc = nn.Linear(c.num_aux * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc_norm = nn.ModuleList([RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_aux)]) \
+            if c.fc_norm else None
         self.midlayer = DraftLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -202,6 +210,14 @@ class Eagle3Draft(nn.Module):
         return self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
 
     # -- compute ----------------------------------------------------------------------------------
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """cat(aux) features [.., n_aux*Ht] -> fc output [.., H]; an EAGLE 3.1 draft first normalises each aux
+        state on its own (fc_norm)."""
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)  # n_aux x [.., Ht]
+            features = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(features)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_weight.numel() == 0:
             raise DraftError("draft has no token embeddings: call set_embeddings(target embedding weight)")

@@ -67,7 +67,7 @@ def draft_logits(draft: Eagle3Draft, target: Target, aux: list[int], seed: int =
     feats = capture(target.model, ids, aux).aux  # [1, 12, n_aux * H]
     draft.set_embeddings(target.embed_tokens().weight)
     with torch.no_grad():
-        out, _ = draft(draft.fc(feats[:, :-1]), ids[:, 1:], torch.arange(11)[None])
+        out, _ = draft(draft.fuse(feats[:, :-1]), ids[:, 1:], torch.arange(11)[None])
         return draft.logits(out)  # [1, 11, Vd]
 
 

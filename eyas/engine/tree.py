@@ -132,7 +132,7 @@ class TreeDrafter:
         n = n0 + m  # == target cache length; the root x_n sits at position n
         pos = torch.arange(n0, n, device=dev)[None]
         mask = (torch.arange(n, device=dev)[None, :] <= pos[0, :, None])[None, None]  # causal [1,1,m,n]
-        hidden = d.fc(seq.features)  # [1, m, H]
+        hidden = d.fuse(seq.features)  # [1, m, H] (fc_norm then fc for an EAGLE 3.1 draft)
         out = self.step(seq, hidden, torch.tensor([seq.rows_tokens], device=dev), pos, n0, mask)
         cache.length = n
         return n, out[:, -1:]

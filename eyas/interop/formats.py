@@ -19,9 +19,14 @@ speculators (0.9.0: speculators/models/eagle3/config.py `Eagle3SpeculatorConfig`
             proposal_methods, default_proposal_method, verifier {name_or_path, architectures}},
             `transformer_layer_config` (a Llama config: vocab_size = target vocab, rope), `draft_vocab_size`,
             `target_hidden_size`, `norm_before_residual` (False = the residual is the un-normed hidden, eyas's
-            draft), `norm_before_fc`/`fc_norm`/`norm_output` (extra norms eyas's draft does not have).
+            draft), `fc_norm` (EAGLE 3.1: an RMSNorm per aux state, `fc_norm.{i}.weight`, eyas's --fc-norm),
+            `norm_before_fc` (one RMSNorm over the concatenation, `input_norm.weight`) and `norm_output` (the
+            post-norm state fed back): the last two eyas's draft does not have.
             fc = Linear(len(ids) * hidden_size); weights `layers.0.*`, `fc.`, `norm.`, `lm_head.`, `d2t`,
-            `t2d` (only when the draft vocab is smaller), optional `embed_tokens.`. vLLM reads this config
+            `t2d` (only when the draft vocab is smaller), optional `embed_tokens.`, `fc_norm.{i}.` with fc_norm.
+            SpecForge's EAGLE 3.1 (specforge/modeling/draft/llama3_eagle.py, configs/*-eagle3.1.json): top-level
+            `fc_norm: true`, `fc_norm.{i}.weight`; its `norm_output: true` means the usual norm before lm_head
+            (compute_logits), not vLLM's post-norm feedback. vLLM reads this config
             through vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, where an absent
             `norm_before_residual` means True — so exports always write it.
 EAGLE ref.  (SafeAILab/EAGLE): weights named like SGLang's, often pickled (pytorch_model.bin).
@@ -91,8 +96,12 @@ def explain_unexpected(keys: list[str]) -> str:
         why.append("fused qkv/gate_up weights: save the checkpoint with separate q/k/v and gate/up projections")
     if any(k.endswith(".bias") for k in keys):
         why.append("bias weights: eyas's draft (like SGLang's LlamaForCausalLMEagle3 default) has no biases")
-    if any(k.startswith(("input_norm.", "fc_norm.")) for k in keys):
-        why.append("extra norms before fc (speculators norm_before_fc / fc_norm) are not part of eyas's draft")
+    if any(k.startswith("input_norm.") for k in keys):
+        why.append("one norm over the concatenated aux states (norm_before_fc) is not part of eyas's draft, which "
+                   "has the per-state fc_norm of EAGLE 3.1")
+    if any(k.startswith("fc_norm.") for k in keys):
+        why.append('fc_norm.* weights without "fc_norm": true in the config: add the key if the draft was trained '
+                   "with them (EAGLE 3.1)")
     return ("; ".join(why) + ".") if why else ""
 
 
@@ -173,7 +182,7 @@ def speculators_config(cfg: DraftConfig, layout: Layout, dtype: str, verifier: s
         **speculators_config_ids(layout.aux_indices, L),
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
+        "fc_norm": cfg.fc_norm,
         "norm_output": False,
         "embed_requires_grad": False,
         "dtype": TORCH_DTYPE_NAMES[dtype],
@@ -223,6 +232,21 @@ def _rope_theta(c: dict[str, Any], notes: list[str]) -> float:
     return float(theta)
 
 
+def _check_norm_flags(config: dict[str, Any], notes: list[str]) -> None:
+    """Refuse the norms eyas's draft does not have (norm_before_fc anywhere, speculators' norm_output: the post-norm
+    state fed back); fc_norm (EAGLE 3.1) is eyas's own."""
+    ec = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    if config.get("norm_before_fc") or ec.get("norm_before_fc"):
+        raise FormatError("norm_before_fc: true (one RMSNorm over the concatenated aux states): eyas's draft has the "
+                          "per-state fc_norm of EAGLE 3.1 instead, so its outputs would differ")
+    if config.get("norm_output"):
+        if "speculators_model_type" in config:
+            raise FormatError("speculators flag norm_output: true feeds the post-norm state back, which eyas's draft "
+                              "does not do; this draft cannot be imported without changing its outputs")
+        notes.append("norm_output: true read as SpecForge's (the norm before lm_head, as eyas's draft); vLLM 0.32 "
+                     "reads it as 'feed the post-norm state back', which eyas's exports never write")
+
+
 def draft_config_from(config: dict[str, Any], sd: dict[str, torch.Tensor], n_aux: int,
                       notes: list[str]) -> DraftConfig:
     """A DraftConfig from a foreign config, every size cross-checked against the weights' shapes."""
@@ -234,15 +258,12 @@ def draft_config_from(config: dict[str, Any], sd: dict[str, torch.Tensor], n_aux
         c = dict(config.get("transformer_layer_config") or {})
         if not c:
             raise FormatError("speculators config has no transformer_layer_config; it cannot be a valid export")
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if config.get(flag):
-                raise FormatError(f"speculators flag {flag}: true adds a norm eyas's draft does not have; "
-                                  "this draft cannot be imported without changing its outputs")
         c["draft_vocab_size"] = config.get("draft_vocab_size")
         c["target_hidden_size"] = config.get("target_hidden_size")
         nbr = config.get("norm_before_residual", False)  # speculators' own default
     else:
         nbr = config.get("norm_before_residual", False)
+    _check_norm_flags(config, notes)
     if nbr:
         raise FormatError("norm_before_residual: true (the residual is the normed hidden): eyas's draft keeps the "
                           "raw hidden as residual, like SGLang's llama path, so its outputs would differ")
@@ -297,7 +318,7 @@ def draft_config_from(config: dict[str, Any], sd: dict[str, torch.Tensor], n_aux
         intermediate_size=int(sd["midlayer.mlp.gate_proj.weight"].shape[0]), vocab_size=int(c["vocab_size"]),
         draft_vocab_size=vd, num_aux=n_aux, rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
         rope_theta=_rope_theta(c, notes), max_position_embeddings=int(c.get("max_position_embeddings") or 8192),
-        hidden_act="silu")
+        hidden_act="silu", fc_norm=bool(config.get("fc_norm")))  # top level in every format
 
 
 def check_vocab_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, vocab: int,

@@ -40,6 +40,8 @@ def final_only_view(draft: Eagle3Draft) -> Eagle3Draft | None:
     view = copy.copy(draft)  # shares every parameter; only fc and the config differ
     view._modules = dict(draft._modules)
     view._modules["fc"] = _SkipFc(draft.fc.weight)
+    if draft.fc_norm is not None:  # SGLang skips fc, and so the norms before it, when the width is hidden_size
+        view._modules["fc_norm"] = None
     view.config = replace(c, num_aux=1)
     return view
 

@@ -55,6 +55,9 @@ class TrainConfig:
     replay_samples: int = option("--replay-samples", "held-out samples the replay uses", 16)
     intermediate_size: int | None = option("--intermediate-size", "draft MLP width (default: the target's)")
     fc_init: str = option("--fc-init", "scaled (by the layout's stream norms) | default", "scaled")
+    # EAGLE 3.1: eyas/draft.py Eagle3Draft.fuse; exports write "fc_norm": true and fc_norm.{i}.weight
+    fc_norm: bool = option("--fc-norm", "EAGLE 3.1: an RMSNorm per aux state before fc (served by vLLM >= 0.32; "
+                           "SGLang as verified ignores it)", False)
     init_from: str | None = option("--init-from", "warm start from an eyas draft (keeps its vocabulary): continue a "
                                    "shipped draft on more data")
     refresh_vocab: bool = option("--refresh-vocab", "with --init-from: re-choose the draft vocabulary from this data "
@@ -72,7 +75,7 @@ class TrainConfig:
 
     # fields whose change breaks "resume gives the same run"
     TRAJECTORY = ("ttt_steps", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "batch_tokens",
-                  "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "draft_vocab",
+                  "max_len", "bf16", "seed", "heldout_pct", "intermediate_size", "fc_init", "fc_norm", "draft_vocab",
                   "online", "num_samples", "data_tokens", "aux_indices", "buffer_mb", "init_from", "refresh_vocab",
                   "chat_template", "raw")
 

@@ -3,6 +3,7 @@ the target (`open_data`), the draft and its vocabulary (`build_draft`) and the o
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,8 @@ def build_draft(cfg: TrainConfig, data: Data, dd: Dist,
     counts = count_tokens(source.token_pairs(source.train), V)
     emb = target.embed_tokens().weight.detach().to(device=device, dtype=torch.float32)
     fnorm = feature_norm(source, source.train, cfg.max_len) if cfg.fc_init == "scaled" else None
+    if fnorm is not None and cfg.fc_norm:  # fc sees each aux state normalised to RMS 1: |f| = sqrt(n_aux * Ht)
+        fnorm = math.sqrt(data.layout.num_aux * target.hidden_size)
     if cfg.refresh_vocab and not cfg.init_from:
         raise TrainError("--refresh-vocab re-chooses a warm-started draft's vocabulary: pass --init-from DRAFT too")
     ends = end_token_ids(target.tokenizer, target.model)  # always in the draft vocab
@@ -149,6 +152,11 @@ def build_draft(cfg: TrainConfig, data: Data, dd: Dist,
     fresh.requested_size = cfg.draft_vocab
     if cfg.init_from:
         draft, vocab = warm_start(cfg, data.layout, counts, fresh if cfg.refresh_vocab else None)
+        if draft.config.fc_norm != cfg.fc_norm:
+            kind, flag = ("an EAGLE 3.1 (fc_norm)", "--fc-norm") if draft.config.fc_norm else ("a plain EAGLE-3",
+                                                                                               "no --fc-norm")
+            raise TrainError(f"--init-from {cfg.init_from} is {kind} draft; pass {flag} to continue it, or start "
+                             "from scratch")
         stale = None if cfg.refresh_vocab else stale_vocab_warning(vocab, fresh,
                                                                    count_tokens(source.token_pairs(data.heldout), V))
         if stale and dd.main:
@@ -157,7 +165,8 @@ def build_draft(cfg: TrainConfig, data: Data, dd: Dist,
     else:
         vocab = fresh
         dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
-                                              num_aux=data.layout.num_aux, intermediate_size=cfg.intermediate_size)
+                                              num_aux=data.layout.num_aux, intermediate_size=cfg.intermediate_size,
+                                              fc_norm=cfg.fc_norm)
         draft = init_draft(dcfg, vocab, emb, cfg.seed, cfg.fc_init, fnorm).to(device)
     draft.set_embeddings(emb)
     if dd.world > 1:  # identical start on every rank (same seed already; broadcast makes it certain)

@@ -159,7 +159,7 @@ def ttt_forward(draft: Eagle3Draft, aux: torch.Tensor, final: torch.Tensor, inpu
     denom = denom.to(device=device, dtype=torch.float32).clamp_min(1.0)
 
     dtype = draft.fc.weight.dtype
-    hidden = draft.fc(aux[:, :S - 1].to(dtype))  # [B, S-1, H]
+    hidden = draft.fuse(aux[:, :S - 1].to(dtype))  # [B, S-1, H]
     pos = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
     k0 = v0 = None
     diag_k: list[torch.Tensor] = []
