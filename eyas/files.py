@@ -254,10 +254,26 @@ def damaged(path: str | Path, record: dict[str, Any] | None) -> str | None:
 
 
 def check_file(path: str | Path, record: dict[str, Any] | None, error: type[EyasError], fix: str) -> None:
-    """Raise `error` (one line: the file, what is wrong, `fix`) when `path` does not match its record."""
+    """Raise `error` (one line: the file, what is wrong, `fix`) when `path` does not match its record; a file its
+    manifest records no digest of is read, with one note that it was not verified."""
     why = damaged(path, record)
     if why is not None:
         raise error(f"{path}: {why}; {fix}")
+    if not recorded_digest(record):
+        note_unverified(str(path), Path(path).parent)
+
+
+NOTED: set[str] = set()  # what this process has already said was not verified
+
+
+def note_unverified(what: str, folder: str | Path) -> None:
+    """One stderr line per file (or group of files) per process: read without a digest to check it against, and
+    the command that records one."""
+    if what in NOTED:
+        return
+    NOTED.add(what)
+    print(f"note: {what} not verified: its manifest records no digest (written before eyas recorded them); "
+          f"`eyas doctor seal {folder}` records the files as they are now", file=sys.stderr)
 
 
 def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:

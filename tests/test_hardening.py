@@ -510,6 +510,11 @@ DAMAGE = [
     ("shard header corrupt, no record", "shards", lambda r: (old_shards(r / "shards"),
                                                              corrupt_header(r / "shards" / "shard-00000.safetensors")),
      "train", "shard-00000.safetensors", "not a readable eyas shard"),
+    ("shard byte flipped, ngram", "shards", lambda r: flip_byte(r / "shards" / "shard-00000.safetensors", 1000),
+     "ngram", "shard-00000.safetensors", "digest differs"),
+    ("shard byte flipped, doctor --data", "shards",
+     lambda r: flip_byte(r / "shards" / "shard-00001.safetensors", 1000), "doctor-data", "shard-00001.safetensors",
+     "digest differs"),
     ("draft byte flipped", "run/draft", lambda r: flip_byte(r / "run" / "draft" / "model.safetensors"), "export",
      "model.safetensors", "digest differs"),
     ("draft byte flipped, generate", "run/draft", lambda r: flip_byte(r / "run" / "draft" / "model.safetensors"),
@@ -536,6 +541,8 @@ def damaged_command(trained_run: Path, root: Path, what: str, kind: str) -> list
         "doctor": ["doctor", "--target", target, "--draft", str(root / what), "--quick"],
         "ngram": ["ngram", "--data", str(shards), "--out", str(root / "table")],
         "inspect": ["inspect", str(root / what)],
+        "doctor-data": ["doctor", "--target", target, "--draft", str(trained_run / "run" / "draft"), "--data",
+                        str(shards), "--samples", "2"],
         "generate": ["generate", "--target", target, "--draft", str(root / what), "--raw", "--prompt", "t5 t6 t7",
                      "--max-new-tokens", "2"],
         "import": ["import", str(root / "exported"), "--target", target, "--out", str(root / "imported")],
@@ -650,12 +657,100 @@ def test_every_metadata_schema_is_covered():
     assert len(SCHEMAS) == len(METADATA) - 1
 
 
-def test_shipped_draft_without_digests_still_loads():
-    """The bundled draft predates digests: its manifest has no `files`, and it loads (checked by nothing more)."""
-    from eyas.draft import bundled_draft_path, load_draft
+def forget_files(path: Path) -> None:
+    """An eyas_manifest.json as written before eyas recorded digests: no `files`."""
+    patch_json(path, {"files": None})
 
-    man = json.loads((bundled_draft_path() / "eyas_manifest.json").read_text())
-    assert "files" not in man
+
+# (name, what to copy, make it old (no digest records), command kind, what the note names)
+UNVERIFIED = [
+    ("shards", "shards", lambda r: old_shards(r / "shards"), "train", "2 of 2 shards in"),
+    ("shards, ngram", "shards", lambda r: old_shards(r / "shards"), "ngram", "2 of 2 shards in"),
+    ("checkpoint", CK, lambda r: (forget_digests(r / CK / "trainer_state.json"),
+                                  forget_files(r / CK / "eyas_manifest.json")), "resume", "optimizer.safetensors"),
+    ("draft", "run/draft", lambda r: forget_files(r / "run" / "draft" / "eyas_manifest.json"), "generate",
+     "model.safetensors"),
+    ("export", "run/draft", lambda r: (exported(r), forget_files(r / "exported" / "eyas_manifest.json")), "import",
+     "the export"),
+]
+
+
+@pytest.mark.parametrize("name,what,make_old,kind,names", UNVERIFIED, ids=[c[0] for c in UNVERIFIED])
+def test_artifact_without_digest_records_is_read_with_one_not_verified_line(trained_run, tmp_path, name, what,
+                                                                              make_old, kind, names):
+    """An artifact written before eyas recorded digests still works, and the command says, once per file, that it
+    was not verified and which command records a digest."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+    from eyas.files import NOTED
+
+    NOTED.clear()
+    root = tmp_path / "copy"
+    shutil.copytree(trained_run / what, root / what)
+    make_old(root)
+    argv = damaged_command(trained_run, root, what, kind)
+    if kind == "resume":  # a finished run resumes into nothing to do: ask for more steps
+        argv += ["--max-steps", "1000"]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    notes = [ln for ln in r.output.splitlines() if "not verified" in ln]
+    assert notes and all(ln.startswith("note: ") and "eyas doctor seal " in ln for ln in notes), r.output
+    assert any(names in ln for ln in notes) and len(notes) == len(set(notes)), notes
+
+
+def test_seal_records_digests_that_then_catch_damage(trained_run, tmp_path):
+    """`eyas doctor seal` gives an old artifact its digest records: the note is gone, a later flipped byte is
+    named, a second seal has nothing to do, and a file already damaged (size off its record) is refused."""
+    import shutil
+
+    from eyas.files import NOTED
+
+    root = tmp_path / "copy"
+    shutil.copytree(trained_run / "shards", root / "shards")
+    old_shards(root / "shards")
+    out = one_line_ok(["doctor", "seal", str(root / "shards")])
+    assert "sealed 2 file(s)" in out, out
+    assert "nothing to do" in one_line_ok(["doctor", "seal", str(root / "shards")])
+    NOTED.clear()
+    assert "not verified" not in one_line_ok(damaged_command(trained_run, root, "shards", "ngram"))
+    flip_byte(root / "shards" / "shard-00000.safetensors", 1000)
+    error = one_error_line(damaged_command(trained_run, root, "shards", "ngram"))
+    assert "shard-00000.safetensors" in error and "digest differs" in error, error
+
+    shutil.copytree(trained_run / CK, root / CK)
+    forget_digests(root / CK / "trainer_state.json")
+    forget_files(root / CK / "eyas_manifest.json")
+    patch_json(root / CK / "trainer_state.json", {"files": {"rng.safetensors": {"bytes": 3}}})
+    error = one_error_line(["doctor", "seal", str(root / CK)])
+    assert "rng.safetensors" in error and "3 were written" in error, error
+    patch_json(root / CK / "trainer_state.json", {"files": None})
+    assert "sealed 3 file(s)" in one_line_ok(["doctor", "seal", str(root / CK)])
+    state = json.loads((root / CK / "trainer_state.json").read_text())
+    assert set(state["files"]) == {"optimizer.safetensors", "rng.safetensors"}
+    assert set(json.loads((root / CK / "eyas_manifest.json").read_text())["files"]) == {"model.safetensors"}
+
+
+def one_line_ok(argv: list[str]) -> str:
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def test_shipped_assets_record_digests():
+    """The shipped draft and n-gram table carry digest records (sealed), so using them verifies them."""
+    from eyas.draft import bundled_draft_path, load_draft
+    from eyas.engine.ngram import bundled_ngram_path
+
+    for folder, name in ((bundled_draft_path(), "model.safetensors"), (bundled_ngram_path(), "ngram.safetensors")):
+        man = json.loads((folder / "eyas_manifest.json").read_text())
+        assert man["files"][name]["digest"].startswith("xxh3_128:"), folder
     assert load_draft("default").model is not None
 
 

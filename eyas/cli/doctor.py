@@ -86,6 +86,20 @@ def doctor_flags(
     raise typer.Exit(0 if lint.ok else 1)
 
 
+@doctor_app.command("seal")
+def doctor_seal(
+    folder: Path = typer.Argument(..., help="a shard folder, or an eyas draft, export, checkpoint or n-gram table"),
+) -> None:
+    """Record the size and digest of each tensor file the artifact holds without one (written before eyas recorded
+    them), so every later read verifies it. It records the files as they are now: seal only a copy you trust."""
+    from ..doctor.seal import seal
+
+    with user_errors():
+        done = seal(folder)
+    typer.echo(f"sealed {len(done)} file(s) in {folder}: {', '.join(done)}" if done else
+               f"{folder}: every tensor file already has a digest record; nothing to do")
+
+
 @doctor_app.command("trace")
 def doctor_trace(
     target: str = TargetOpt,

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EyasError
-from ..files import atomic_write, damaged, file_digest, save_safetensors
+from ..files import atomic_write, damaged, file_digest, note_unverified, recorded_digest, save_safetensors
 from ..layout import Layout, check_layouts
 from ..metadata import SHARD_MANIFEST, read_metadata
 from ..target.template import describe_record, same_template
@@ -157,6 +157,7 @@ class ShardSet:
             folders = [folders]
         self.folders = [Path(f) for f in folders]
         self.manifests = [load_manifest(f) for f in self.folders]
+        self.verified = False
         self.layout = Layout.from_dict(self.manifests[0]["layout"])
         for f, m in zip(self.folders[1:], self.manifests[1:], strict=True):
             check_layouts(self.layout, Layout.from_dict(m["layout"]), str(self.folders[0]), str(f))
@@ -180,16 +181,24 @@ class ShardSet:
         return sum(s["tokens"] for m in self.manifests for s in m["shards"])
 
     def verify(self) -> None:
-        """Check every listed shard against its manifest entry (size, and its digest where recorded: shards written
-        before eyas recorded digests are checked by size): one error naming the first damaged file."""
+        """Check every listed shard against its manifest entry (size, and its digest where recorded): one error
+        naming the first damaged file. Shards written before eyas recorded digests are checked by size, with one
+        note per folder that they were not verified. Every reader of the tensors runs this first (shard_paths)."""
         for f, m in zip(self.folders, self.manifests, strict=True):
             for entry in m["shards"]:
                 why = damaged(f / entry["file"], entry)
                 if why is not None:
                     raise ShardError(f"{f / entry['file']}: {why}; rerun the `eyas datagen` that wrote {f} (same "
                                      "--out): it redoes the damaged shard's chunk")
+            bare = [e["file"] for e in m["shards"] if not recorded_digest(e)]
+            if bare:
+                note_unverified(f"{len(bare)} of {len(m['shards'])} shards in {f}", f)
+        self.verified = True
 
     def shard_paths(self) -> list[Path]:
+        """The listed shard files, verified (once) before the first reader gets them."""
+        if not self.verified:
+            self.verify()
         return [f / s["file"] for f, m in zip(self.folders, self.manifests, strict=True) for s in m["shards"]]
 
     def row_ids(self) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..conventions import has_aux_ids
 from ..errors import EyasError
-from ..files import check_file
+from ..files import check_file, note_unverified
 from ..metadata import DRAFT_CONFIG, EXPORT_MANIFEST, read_metadata
 
 
@@ -45,6 +45,8 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
     if man.is_file():
         m = read_metadata(man, EXPORT_MANIFEST, error, "the draft folder is corrupt — re-export or re-save it")
         # eyas drafts and exports record each tensor file's size and digest; a folder without records is not checked
+        if not m.get("files"):
+            note_unverified(f"the draft folder {p}", p)
         for name, rec in (m.get("files") or {}).items():
             check_file(p / Path(name).name, rec, error, "the draft folder is damaged — copy it again, or rerun "
                        "the command that wrote it")

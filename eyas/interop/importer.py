@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from .. import __version__
 from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
 from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
-from ..files import check_file, portable_command
+from ..files import check_file, note_unverified, portable_command
 from ..layout import Layout, LayoutError
 from ..metadata import DRAFT_CONFIG, EXPORT_MANIFEST, read_metadata
 from ..probe import infer_layout, layout_candidates
@@ -53,6 +53,8 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
             man = None
     # an eyas export records each tensor file's size and digest: a damaged one is named before it is read (a
     # foreign folder records none and is read as it is)
+    if man is not None and not man.get("files"):
+        note_unverified(f"the export {p}", p)
     for name, rec in ((man or {}).get("files") or {}).items():
         check_file(p / Path(name).name, rec, ExportError, "the export is damaged: copy it again, or rerun `eyas "
                    "export`")
