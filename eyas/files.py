@@ -133,21 +133,30 @@ def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
     return swap_folder(tmp, out)
 
 
-def remove_stale_temps(out: str | Path) -> list[Path]:
-    """Delete the `<out>.tmp-<pid>` siblings that a killed writer left (its pid no longer runs on this machine);
-    a live writer's temporary is kept. Returns what was removed. For outputs that are rebuilt on demand (the
-    target cache), where a kill mid-write would otherwise leave a large folder behind for good."""
+def remove_stale_temps(out: str | Path, inside: bool = False) -> list[Path]:
+    """Delete the `<out>.tmp-<pid>` siblings that a killed writer left (its pid no longer runs on this machine),
+    and with `inside` the `*.tmp-<pid>` files inside folder `out` (a shard or log killed mid-write); a live
+    writer's temporary is kept. Says so in one stderr line, and returns what was removed."""
     out = Path(out)
-    removed = []
-    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
+    found = list(out.parent.glob(f"{out.name}.tmp-*"))
+    if inside and out.is_dir():
+        found += list(out.glob("*.tmp-*"))
+    removed, size = [], 0
+    for tmp in found:
         pid = tmp.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or _running(int(pid)):
             continue
         if tmp.is_dir():
+            size += sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             shutil.rmtree(tmp, ignore_errors=True)
         else:
+            size += tmp.stat().st_size
             tmp.unlink(missing_ok=True)
         removed.append(tmp)
+    if removed:
+        names = ", ".join(t.name for t in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+        print(f"note: removed {len(removed)} temporary file(s) a killed eyas run left by {out} ({names}; "
+              f"{size / 1e6:.1f} MB)", file=sys.stderr)
     return removed
 
 

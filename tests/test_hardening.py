@@ -917,3 +917,32 @@ def test_metadata_files_have_one_reader():
                 if not set(hits) <= OTHER_JSON.get(rel, set()):
                     found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "metadata read outside eyas.metadata.read_metadata:\n" + "\n".join(found)
+
+
+DEAD_PID = 2**22 + 12345  # above Linux's pid_max default on these machines: no process has it
+
+
+@pytest.mark.parametrize("kind", ["export", "train", "ngram"])
+def test_killed_writers_temporaries_are_removed_with_one_line(trained_run, tmp_path, kind):
+    """A `<out>.tmp-<pid>` folder (export, draft, checkpoint, table) or a `*.tmp-<pid>` file inside the output (a
+    shard or log) whose writer is gone is removed on the next run, which says so; a live writer's is kept."""
+    import os
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(trained_run / "run" / "draft", root / "run" / "draft")
+    out = {"export": root / "exported", "train": root / "new", "ngram": root / "table"}[kind]
+    stale = out.with_name(f"{out.name}.tmp-{DEAD_PID}")
+    (stale / "deep").mkdir(parents=True)
+    (stale / "deep" / "model.safetensors").write_bytes(b"x" * 4096)
+    live = out.with_name(f"{out.name}.tmp-{os.getppid()}")
+    live.mkdir()
+    inside = None
+    if kind == "train":
+        out.mkdir()
+        inside = out / f"train_log.jsonl.tmp-{DEAD_PID}"
+        inside.write_text("{")
+    output = one_line_ok(damaged_command(trained_run, root, "run/draft", kind))
+    notes = [ln for ln in output.splitlines() if "temporary file(s) a killed eyas run left" in ln]
+    assert len(notes) == 1 and stale.name in notes[0], output
+    assert not stale.exists() and live.exists() and (inside is None or not inside.exists())

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..files import damaged
+from ..files import damaged, remove_stale_temps
 from ..layout import Layout, LayoutError, check_layouts
 from ..target.convert import file_fingerprint
 from ..target.load import Target
@@ -116,8 +116,7 @@ def open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout,
         if f.name not in listed:  # committed shard file, uncommitted manifest: the chunk is redone
             log(f"removing {f.name}: written before a kill, never committed to the manifest")
             f.unlink()
-    for f in out.glob("*.tmp-*"):
-        f.unlink()
+    remove_stale_temps(out, inside=True)
     return m
 
 

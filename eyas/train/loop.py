@@ -24,7 +24,7 @@ import torch
 
 from .. import __version__
 from ..draft import Eagle3Draft, save_draft
-from ..files import portable_command
+from ..files import portable_command, remove_stale_temps
 from ..interrupt import Interrupted, stop_on_signals
 from ..replay.heldout import heldout_replay, simulated_length
 from ..vocab import DraftVocab
@@ -120,6 +120,8 @@ class Trainer:
         for other data or options), and the log lines past it dropped. A new run drops the log lines of a run
         killed before its first checkpoint; an existing checkpoint without --resume is refused."""
         cfg, out, main = self.cfg, self.out, self.dd.main
+        if main:
+            remove_stale_temps(out, inside=True)  # a checkpoint, draft or log a killed run was writing
         ck = checkpoint_dir(out)
         if ck is not None and not cfg.resume:
             raise TrainError(f"{out} already holds a training checkpoint ({ck}); pass --resume to continue it or "
