@@ -175,6 +175,11 @@ def test_tiny_end_to_end_all_methods(tiny_dir, tiny_target, tmp_path):
     assert all(s["tok_s"] > 0 and s["new_tokens"] > 0 for s in m.values())
     assert m["hf-greedy"]["speedup_vs_hf"] == 1.0
     assert res["summary"] == saved["summary"]
+    # plain ran twice per prompt (--repeat-plain, the default): the same tokens, a measured spread
+    noise = saved["summary"]["noise"]
+    assert (noise["prompts"], noise["same"]) == (2, 2) and noise["spread"] == abs(noise["ratio"] - 1)
+    assert all(r["repeat_seconds"] > 0 for r in saved["rows"] if r["method"] == "plain")
+    assert not any("repeat_seconds" in r for r in saved["rows"] if r["method"] != "plain")
     # which weights each eyas method ran: auto on a HF folder is fp32, and the record says why
     eyas_methods = [x for x in METHODS if x not in ("hf-greedy", "hf-lookup", "llama-cpp")]
     assert set(saved["weights"]) == set(eyas_methods)
@@ -284,3 +289,32 @@ def test_report_hides_what_was_never_measured_and_names_the_weights_and_the_nois
     assert weights_ran({"weights": {"plain": {"target": "native"}}}, env) == "native quantized weights"
     assert weights_ran({"weights": {"plain": {"target": "fp32"}}}, env) == "float32"
     assert "busy (load 3.0 on 2 CPUs)" in load_note(env) and load_note({**env, "loadavg_1m": 0.5}) is None
+
+
+def test_a_speedup_inside_plains_spread_against_itself_is_flagged():
+    """plain run twice per prompt measures the run's noise; a method whose speedup lies inside it gets a warning,
+    one outside it does not, and a repeat that gave other tokens is reported."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from eyas.bench.render import noise_lines
+    from eyas.bench.rows import repeat_spread, within_noise
+
+    p = BenchPrompt("a", "x", [])
+    plain = make_row(p, "plain", Output([1, 2, 3, 4], 1.0, 4, "length"))
+    plain.update(repeat_seconds=1.25, repeat_same=True)  # the machine slowed by 25% between the two runs
+    noise = repeat_spread([plain, make_row(p, "tree", Output([1, 2, 3, 4], 0.5, 2, "length"))])
+    assert noise == {"prompts": 1, "ratio": 1.25, "spread": 0.25, "same": 1}
+    assert within_noise(1.2, noise) and within_noise(0.81, noise) and not within_noise(1.3, noise)
+    assert not within_noise(0.7, noise) and not within_noise(1.0, None)
+    assert repeat_spread([make_row(p, "plain", Output([1], 1.0, 1, "length"))]) is None  # --no-repeat-plain
+
+    con = Console(file=StringIO(), width=200)
+    summ = {"plain": {"speedup_vs_plain": 1.0}, "lookup": {"speedup_vs_plain": 0.85},
+            "tree": {"speedup_vs_plain": 1.6}}
+    noise_lines(summ, {**noise, "same": 0}, con)
+    out = con.file.getvalue()
+    assert "plain against itself: 1.25x over 1 prompts" in out and "±25%" in out
+    assert "other tokens on 1 prompt(s)" in out
+    assert "lookup's 0.85x vs plain lies within" in out and "tree's" not in out

@@ -99,6 +99,8 @@ class BenchConfig:
     threads: int | None = None  # --threads: torch threads (None = torch's default)
     out: str | None = option("--out", "results folder (default runs/bench-<time>/)")
     resume: bool = option("--resume", "continue an interrupted run in --out", False)
+    repeat_plain: bool = option("--repeat-plain/--no-repeat-plain", "run plain twice per prompt: the two runs' "
+                                "spread is this run's noise, and a speedup inside it is flagged", True)
     sweep: bool = option("--sweep", "try the grid below and report the fastest setting", False)
     sweep_limit: int = option("--sweep-limit", "prompts used by --sweep", 3)
     grid: SweepGrid = field(default_factory=SweepGrid)

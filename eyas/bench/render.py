@@ -7,6 +7,7 @@ from typing import Any
 
 from ..files import atomic_write
 from .config import HF_METHODS, PEER_METHODS, SPEC_METHODS
+from .rows import within_noise
 from .vllm_peer import VLLM_METHODS, render_vllm
 
 
@@ -151,6 +152,7 @@ def render(results: dict[str, Any]) -> None:
                           f"{s['ngram_proposed']} accepted)")
             con.print(f"{m}: lossless: {'yes' if ok else '[red]NO[/red]'} ({s['identical']}/{s['compared']} prompts "
                       f"token-identical to {ref}); tau {fmt(s['tau'])}{extra}")
+    noise_lines(summ, results["summary"].get("noise"), con)
     used = results.get("weights") or {}
     for w in sorted({(v["target"], v["note"]) for v in used.values()}, key=str):
         con.print(f"weights: target {w[0]} for {', '.join(m for m, v in used.items() if (v['target'], v['note']) == w)}"
@@ -161,6 +163,21 @@ def render(results: dict[str, Any]) -> None:
     if busy:
         con.print(f"[yellow]{busy}[/yellow]")
     con.print(f"results: {results['out']}")
+
+
+def noise_lines(summ: dict[str, Any], noise: dict[str, Any] | None, con) -> None:
+    """plain against itself (bench --repeat-plain), and a warning for each speedup inside that spread."""
+    if not noise:
+        return
+    same = "" if noise["same"] == noise["prompts"] else \
+        f"; [red]its repeat gave other tokens on {noise['prompts'] - noise['same']} prompt(s)[/red]"
+    con.print(f"plain against itself: {noise['ratio']:.2f}x over {noise['prompts']} prompts: this run's noise is "
+              f"±{noise['spread']:.0%}{same}")
+    for m, s in summ.items():
+        if m != "plain" and within_noise(s.get("speedup_vs_plain"), noise):
+            con.print(f"[yellow]warning: {m}'s {s['speedup_vs_plain']:.2f}x vs plain lies within plain's spread "
+                      f"against itself (±{noise['spread']:.0%}): not a measured difference; rerun on a quiet "
+                      "machine or with more prompts[/yellow]")
 
 
 def load_note(env: dict[str, Any]) -> str | None:

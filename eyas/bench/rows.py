@@ -109,5 +109,25 @@ def summarize(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
         return out
 
     cats = sorted({r["category"] for r in rows})
-    return {"methods": block(rows), "categories": {c: block([r for r in rows if r["category"] == c]) for c in cats}}
+    return {"methods": block(rows), "categories": {c: block([r for r in rows if r["category"] == c]) for c in cats},
+            "noise": repeat_spread(rows)}
+
+
+def repeat_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """plain against itself: its first and repeated runs over the same prompts (bench --repeat-plain). `spread` is
+    how far apart the two totals are (|ratio - 1|): a speedup inside 1 ± spread is not a measured difference.
+    `same` counts prompts whose repeat gave the same tokens (plain is deterministic; anything else is a bug)."""
+    reps = [r for r in rows if r["method"] == "plain" and "repeat_seconds" in r]
+    first, again = sum(r["seconds"] for r in reps), sum(r["repeat_seconds"] for r in reps)
+    if not reps or first <= 0 or again <= 0:
+        return None
+    return {"prompts": len(reps), "ratio": again / first, "spread": abs(again / first - 1),
+            "same": sum(bool(r["repeat_same"]) for r in reps)}
+
+
+def within_noise(speedup: float | None, noise: dict[str, Any] | None) -> bool:
+    """A speedup (vs plain) no further from 1x than plain is from itself."""
+    if speedup is None or speedup <= 0 or not noise:
+        return False
+    return max(speedup, 1 / speedup) <= 1 + noise["spread"]
 

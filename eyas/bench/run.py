@@ -67,9 +67,11 @@ def say(progress: bool, msg: str) -> None:
 
 def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[str, Callable[..., Output]],
                reference: str | None, max_new_tokens: int, rows_path: Path, done: set[str],
-               progress: bool, what: str) -> list[dict[str, Any]]:
+               progress: bool, what: str, repeat: str | None = None) -> list[dict[str, Any]]:
     """Prompt by prompt, every runner on the prompt (the order rotates by one per prompt), lossless marks
-    against `reference`; each prompt's rows are appended to rows_path in one write (resume unit).
+    against `reference`; each prompt's rows are appended to rows_path in one write (resume unit). `repeat` (plain)
+    runs a second time after the others: its row records that run's seconds and whether its tokens were the same,
+    so the run measures its own noise (eyas.bench.rows.repeat_spread).
 
     progress: on a terminal a live bar names the prompt (i/N) and the method running; when stderr is a file or a
     pipe (a logged run, where a live bar would print nothing until the end) one line per finished method run."""
@@ -97,6 +99,11 @@ def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[s
                     r = prow[m]
                     con.print(f"{where} {m}: {r['new_tokens']} tokens in {r['seconds']:.1f}s ({r['tok_s']:.1f} "
                               "tok/s)", markup=False, highlight=False)
+            if repeat in prow:
+                bar.update(task, description=f"{where} {repeat} (again)")
+                again = runners[repeat](ids[i], max_new_tokens)
+                prow[repeat]["repeat_seconds"] = round(again.seconds, 6)
+                prow[repeat]["repeat_same"] = again.token_ids == prow[repeat]["token_ids"]
             prow_list = [prow[m] for m in names]
             mark_lossless(prow_list, reference)
             with open(rows_path, "a") as f:
@@ -143,7 +150,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
         say(progress, f"bench: warm-up {m}")
         run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
     rows = done_rows + (interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl", done,
-                                   progress, "bench") if runners else [])
+                                   progress, "bench", "plain" if cfg.repeat_plain else None) if runners else [])
     vllm_info = None
     if vllm_py is not None:
         todo = [i for i, p in enumerate(prompts) if p.id not in done]
