@@ -154,6 +154,45 @@ def test_regeneration_is_the_targets_own_greedy_text(tmp_path, tiny_dir, tiny_ta
         assert len(masked_spans(tok, s.input_ids, s.loss_mask)) == len(asst)
 
 
+def test_the_bar_moves_with_each_reply_before_the_first_chunk_is_captured(tmp_path, tiny_dir, conv_file,
+                                                                         monkeypatch):
+    """datagen's bar counts a regenerated conversation 90% done as its replies finish: its position rises during
+    the first chunk's generation (so rate and ETA show from the first reply), never goes back, and ends at the
+    conversations processed."""
+    import tqdm
+
+    import eyas.data.regen as regen
+
+    seen: list[tuple[int, int]] = []
+    real = regen.regenerate
+
+    def spy(*a, on_replies=None, **k):
+        def note(done: int, total: int) -> None:
+            seen.append((done, total))
+            on_replies(done, total)
+        return real(*a, on_replies=note, **k)
+
+    positions: list[float] = []
+    real_update = tqdm.tqdm.update
+
+    def update(self, n=1):
+        out = real_update(self, n)
+        positions.append(self.n)
+        return out
+
+    monkeypatch.setattr("eyas.data.chunks.regenerate", spy)
+    monkeypatch.setattr(tqdm.tqdm, "update", update)
+    cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=4, regenerate=True, max_len=256, max_turns=1,
+               repetition_limit=0, max_new_tokens=5, gen_batch=1, shard_samples=8)
+    m = run_datagen(cfg, command="test", progress=True, log=lambda s: None)
+    assert m["counts"]["conversations"] == 4
+    assert seen[-1][0] == seen[-1][1] == m["counts"]["regenerated_replies"]
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # replies only ever finish
+    during = [x for x in positions if 0 < x < 4 * 0.9 + 1e-9]
+    assert len(set(during)) >= 3, positions  # moved reply by reply before any capture
+    assert positions == sorted(positions) and positions[-1] == pytest.approx(4)
+
+
 def test_repetition_stop_matches_loop_end():
     from eyas.data.conversations import loop_end
 

@@ -145,7 +145,8 @@ def raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, sta
 
 
 def chunk_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, stats: Counter, skips: Counter,
-                on_progress: Callable[[str], None]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+                on_progress: Callable[[str], None], on_replies: Callable[[int, int], None] | None = None
+                ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """A chunk's conversations as (row_id, input_ids, loss_mask) items to capture: raw text (raw_items), or chats
     cut to --max-turns, given self-written user turns (--data self), regenerated and tokenized with the loss
     mask; a row that yields no item is counted in skips."""
@@ -163,7 +164,8 @@ def chunk_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, s
         items = []
     if cfg.regenerate and convs_chat:
         convs_chat = regenerate(target, convs_chat, cfg, stats,
-                                lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), on_progress)
+                                lambda lens: length_batches(lens, cfg.gen_batch, cfg.gen_tokens), on_progress,
+                                on_replies=on_replies)
     for c in convs_chat:
         try:
             ids, mask, exact = tokenize_conversation_checked(target.tokenizer, c.messages)

@@ -40,6 +40,10 @@ from .shards import MANIFEST
 __all__ = ["DatagenConfig", "DatagenError", "run_datagen"]  # the entry names every stage imports from here
 
 
+REGEN_SHARE = 0.9  # of a regenerated conversation's progress: its replies; the rest is its capture
+# tqdm's own layout, the count shown whole (the bar moves by fractions of a conversation)
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
 def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[str], None] = print,
                 progress: bool = True, target: Target | None = None) -> dict[str, Any]:
     """Run (or resume) a datagen job into cfg.out; returns the final manifest (with derived rates)."""
@@ -119,8 +123,10 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
         m["complete"] = True
         atomic_write_json(out / MANIFEST, m)
         return
+    # the bar moves with each reply (a regenerated chunk's conversations count REGEN_SHARE done as their replies
+    # finish, the rest as they are captured), so its rate and ETA show from the first reply, not the first chunk
     bar = tqdm(total=cfg.num, initial=done_convs, unit="conv", disable=not progress, dynamic_ncols=True,
-               desc="datagen", file=sys.stderr)
+               desc="datagen", file=sys.stderr, bar_format=BAR_FORMAT if cfg.num is not None else None)
     m["complete"] = False
     run_t0, run_tokens, base_tokens = time.perf_counter(), 0, counts["tokens"]
 
@@ -136,13 +142,19 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
             t0 = time.perf_counter()
             stats: Counter[str] = Counter()
             loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
-            items = chunk_items(target, convs, cfg, stats, skips, postfix)
+            start, share = counts["conversations"], REGEN_SHARE if cfg.regenerate and not cfg.raw else 0.0
+
+            def on_replies(done: int, total: int, start=start, n=len(convs), share=share) -> None:
+                bar.update(start + n * share * done / max(total, 1) - bar.n)
+
+            items = chunk_items(target, convs, cfg, stats, skips, postfix, on_replies)
+            bar.update(start + len(convs) * share - bar.n)
             postfix("capture")
 
-            def on_batch(n_samples: int, n_tokens: int) -> None:
+            def on_batch(n_samples: int, n_tokens: int, share=share) -> None:
                 nonlocal run_tokens
                 run_tokens += n_tokens
-                bar.update(n_samples)
+                bar.update(n_samples * (1 - share))
                 postfix("capture")
 
             if cfg.vllm_session is not None:
@@ -151,7 +163,7 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
                                                norms, on_batch)
             else:
                 samples = capture_samples(target, items, layout, store_dtype, cfg.capture_tokens, norms, on_batch)
-            bar.update(len(convs) - len(samples))  # conversations skipped after loading still count as processed
+            bar.update(start + len(convs) - bar.n)  # conversations skipped after loading still count as processed
             entries = write_chunk_shards(out, len(m["shards"]), samples, cfg.shard_tokens, store_dtype)
             # commit: every row up to last_row is now in a shard or counted as skipped
             m["shards"].extend(entries)

@@ -176,7 +176,7 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
                     width: int = 64, progress: Callable[[int, int], None] | None = None) -> list[Reply]:
     """Per prompt, the target's reply (greedy at temperature 0, else sampled from one seeded generator) of at
     most max_new[b] tokens; at most `width` prompts decode at once, the next one joining as one finishes.
-    progress(replies finished, tokens generated) is called every 32 decode steps."""
+    progress(replies finished, tokens generated) is called every 32 decode steps and as each reply finishes."""
     dev = model.device
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
 
@@ -208,13 +208,14 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
 
     for r in range(len(pool.rows)):
         take(r, pool.admit(r))
-    step = 0
+    step, reported = 0, 0
     while any(row is not None for row in pool.rows):
         step += 1
-        if progress and step % 32 == 0:
-            finished = [d for d in done if d is not None]
+        finished = [d for d in done if d is not None] if progress else []
+        if progress and (step % 32 == 0 or len(finished) > reported):  # and as each reply finishes
             live = sum(len(row.reply) for row in pool.rows if row is not None)
             progress(len(finished), live + sum(len(r) for r, _ in finished))
+            reported = len(finished)
         idle = sum(row is None for row in pool.rows)
         if idle and idle >= len(pool.rows) // 4:  # the queue is empty: stop computing finished rows
             pool.compact()
@@ -376,11 +377,13 @@ def sample_user_turns(target: Target, convs: list[Conversation], cfg, stats: Cou
 
 
 def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, batches,
-               on_progress: Callable[[str], None] | None = None) -> list[Conversation]:
+               on_progress: Callable[[str], None] | None = None,
+               on_replies: Callable[[int, int], None] | None = None) -> list[Conversation]:
     """Replace every assistant reply with the target's own, given the conversation so far (its own earlier
     replies, the original user turns). Turn by turn: the engine takes a turn's prompts in one pool; HF generate
     takes them batched by length (`batches(lengths) -> index groups`). A turn whose prompt already fills max_len
-    is dropped with everything after it (truncation would cut it anyway)."""
+    is dropped with everything after it (truncation would cut it anyway). on_replies(done, total): replies
+    finished of those the conversations still need, as they finish (datagen's bar and ETA move from the first)."""
     tok = target.tokenizer
     stop_ids = stop_token_ids(target)
     engine = engine_for(target, cfg)
@@ -388,6 +391,12 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
     msgs = [[dict(m) for m in c.messages] for c in convs]
     turns = [[i for i, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
     cut = [len(ms) for ms in msgs]  # messages kept per conversation
+    done, total = 0, sum(len(t) for t in turns)
+
+    def replies_done(n: int) -> None:
+        if on_replies:
+            on_replies(done + n, total)
+
     for r in range(max((len(t) for t in turns), default=0)):
         jobs: list[tuple[int, int, list[int]]] = []
         for ci, t in enumerate(turns):
@@ -398,6 +407,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
             if len(prompt) >= cfg.max_len:
                 cut[ci] = i
                 stats["turns_dropped_context_full"] += len(t) - r
+                total -= len(t) - r
                 continue
             jobs.append((ci, i, prompt))
         lens = [len(p) + min(cfg.max_new_tokens, cfg.max_len - len(p)) for _, _, p in jobs]
@@ -412,12 +422,15 @@ def regenerate(target: Target, convs: list[Conversation], cfg, stats: Counter, b
             seed = (cfg.seed * 1_000_003 + first_row * 1_009 + r) % (2**63)
             t0 = time.perf_counter()
             def report(n: int, toks: int, r=r, bi=bi, total=len(batch), t0=time.perf_counter()) -> None:
+                replies_done(n)
                 if on_progress:
                     on_progress(f"regen turn {r + 1} batch {bi + 1}: {n}/{total} replies, {toks} tok "
                                 f"({toks / max(time.perf_counter() - t0, 1e-9):.0f} tok/s)")
 
             replies = generate_replies(target, [jobs[j][2] for j in batch], cfg, seed, stop_ids, engine, report)
             stats["regen_ms"] += int(1000 * (time.perf_counter() - t0))
+            done += len(batch)
+            replies_done(0)
             for j, (reply, why) in zip(batch, replies, strict=True):
                 ci, i, _ = jobs[j]
                 msgs[ci][i] = {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=False)}
