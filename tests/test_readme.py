@@ -189,9 +189,10 @@ def _train_chain(code: str) -> tuple[str, list[list[str]]]:
     return target.group(1), chain
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_readme_train_your_own_draft(tmp_path):
+@pytest.fixture(scope="module")
+def example3(tmp_path_factory) -> tuple[Path, dict[str, tuple[list[str], subprocess.CompletedProcess]]]:
+    """Example 3's chain as written, tiny sizes put in: (its folder, each command's argv and result)."""
+    tmp_path = tmp_path_factory.mktemp("example3")
     target, chain = _train_chain(readme_blocks()["train"][1])
     assert target == "smollm2-135m", "the test runs the chain on the bundled target, as the README's block does"
     assert [argv[1] for argv in chain] == list(TRAIN_OVERRIDES), [argv[:2] for argv in chain]
@@ -203,7 +204,13 @@ def test_readme_train_your_own_draft(tmp_path):
         # A 4-step draft is untrained, so doctor exits 1 on its head check; every other command must succeed.
         assert done.returncode == (1 if command == "doctor" else 0), f"{shlex.join(argv)}: {done.stderr[-3000:]}"
         results[command] = (argv, done)
+    return tmp_path, results
 
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_readme_train_your_own_draft(example3):
+    tmp_path, results = example3
     data = Path(tmp_path, results["datagen"][0][results["datagen"][0].index("--out") + 1])
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["complete"] and manifest["counts"]["samples"] == 4
@@ -254,22 +261,19 @@ def test_readme_replay(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.asset
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_readme_export_prints_a_launch_command_vllm_serves(tmp_path, vllm_py):
-    """Example 3's export line (with the shipped draft), then the launch command it prints for vLLM's CPU build,
-    run with the vLLM that `make vllm` builds: it starts and answers a chat. Added for the test only: a free port,
-    and eager mode (vLLM's CPU torch.compile warm-up takes minutes)."""
+def test_readme_example3_draft_is_served_by_the_launch_command_export_prints(example3, vllm_py):
+    """Example 3 to its end: the launch command its own export printed, for vLLM's CPU build, run with the vLLM
+    that `make vllm` builds, serves the draft the chain trained and answers a chat. Added for the test only: a
+    free port, and eager mode (vLLM's CPU torch.compile warm-up takes minutes)."""
     import httpx
 
     from tests.test_doctor_serving import _stop, wait_up
 
-    line = next(ln for ln in command_lines(readme_blocks()["train"][1]) if ln.startswith("eyas export"))
-    argv = [("default" if a == "runs/my-train/draft" else a) for a in shlex.split(line)]
-    assert "default" in argv, f"the export line should name the trained draft: {line}"
-    done = subprocess.run(argv, cwd=tmp_path, env=eyas_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    tmp_path, results = example3
+    argv, done = results["export"]
+    assert "runs/my-train/draft" in argv, f"the export line should name the trained draft: {argv}"
     lines = [ln.strip() for ln in done.stdout.splitlines()]
     assert any(ln.startswith("vllm serve ") for ln in lines), done.stdout  # the command vLLM's own builds run
     # and the form the CPU build runs (its `vllm` command does not start), with that environment's python
@@ -291,5 +295,7 @@ def test_readme_export_prints_a_launch_command_vllm_serves(tmp_path, vllm_py):
             "model": model, "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "Name three colors."}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        spec = json.loads(serve[serve.index("--speculative-config") + 1])
+        assert spec["method"] == "eagle3" and Path(spec["model"]).is_relative_to(tmp_path), spec  # the chain's draft
     finally:
         _stop(p)
