@@ -71,7 +71,7 @@ class EngineRow:
     missing_weights: str  # "init" (left at their initial values, no error) | "refuse"
     weight_prefixes: tuple[str, ...]  # names its loader places (after `model.` is stripped)
     draft_tokens: str  # how its launch option counts drafted tokens
-    greedy_draft: bool  # drafts the argmax at any temperature (by default)
+    greedy_draft: bool | None  # drafts the argmax at any temperature (by default); None: not verified
     trees: str  # what draft shapes it runs
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -94,7 +94,7 @@ TABLE: tuple[EngineRow, ...] = (
         unknown_weights="skip", missing_weights="init",
         weight_prefixes=("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d", "embed_tokens."),
         draft_tokens="--speculative-num-draft-tokens N counts the root: N - 1 drafted tokens",
-        greedy_draft=False,  # drafts the top-k of the draft's distribution into a tree; not a sampled chain
+        greedy_draft=None,  # how its drafting behaves at temperature > 0 was not read in a stored source
         trees="trees: --speculative-eagle-topk k > 1 (a chain at topk 1)",
         notes=("--speculative-algorithm EAGLE (not EAGLE3) feeds the final 1 x H state: τ = 1.0",)),
     EngineRow(

@@ -212,3 +212,184 @@ def test_train_offers_fc_norm_and_records_it_as_part_of_the_trajectory():
 
     assert "--fc-norm" in CliRunner().invoke(app, ["train", "--help"], terminal_width=200).output
     assert "fc_norm" in TrainConfig.TRAJECTORY and TrainConfig(data=["x"], out="o").fc_norm is False
+
+
+# ---- each trap: planted, caught in one line with its fix; the clean case passes ------------------------------
+
+@pytest.fixture(scope="module")
+def exports31(tmp_path_factory, tiny31):
+    from eyas.draft import save_draft
+
+    tgt, ck = tiny31
+    root = tmp_path_factory.mktemp("exports31")
+    src = save_draft(root / "d", ck.model, ck.layout, extra={"target_source": "tiny"})
+    return {fmt: export_draft(src, fmt, root / fmt).path for fmt in ("sglang", "vllm")}
+
+
+def planted(tmp_path, export, config=None, weights=None):
+    """A copy of an export with its config.json edited and/or tensors changed (the manifest's file record dropped,
+    so the lint reads the planted weights instead of refusing a damaged folder)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "planted"
+    shutil.copytree(export, d)
+    if config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        config(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        sd = load_file(d / "model.safetensors")
+        weights(sd)
+        save_file(sd, d / "model.safetensors")
+        man = json.loads((d / "eyas_manifest.json").read_text())
+        man.pop("files", None)
+        (d / "eyas_manifest.json").write_text(json.dumps(man))
+    return d
+
+
+def test_eagle31_draft_in_an_sglang_that_ignores_fc_norm_is_caught(exports31):
+    sg, vl = exports31["sglang"], exports31["vllm"]
+    lint = lint_serve_command(sglang(sg), sg)
+    c = by_name(lint)["fusion_norm"]
+    assert c.status == "fail" and "never reads" in c.summary and "τ near 1" in c.summary and "vLLM >= 0.32" in c.fix
+    assert not lint.ok
+    lint = lint_serve_command(vllm(vl), vl)  # vLLM 0.32 reads fc_norm: the clean case
+    assert lint.ok, [(c.name, c.status, c.summary) for c in lint.checks if c.status != "pass"]
+    assert by_name(lint)["fusion_norm"].summary == "fc_norm read by vllm 0.32"
+
+
+def test_fusion_norm_weights_without_their_key_and_the_key_without_weights(tmp_path, exports31, target):
+    d = planted(tmp_path, exports31["vllm"], config=lambda c: c.pop("fc_norm"))
+    lint = lint_serve_command(vllm(d), d)
+    assert by_name(lint)["fusion_norm"].fix == 'set "fc_norm": true in the draft\'s config.json'
+    w = by_name(lint)["weights"]
+    assert w.status == "fail" and "refuses them at load" in w.summary and "fc_norm.0.weight" in w.summary
+    plain = export_draft(make_draft(tmp_path / "p", target, LAYOUT), "vllm", tmp_path / "plain").path
+    d2 = planted(tmp_path / "b", plain, config=lambda c: c.update(fc_norm=True))
+    lint = lint_serve_command(vllm(d2), d2)
+    assert "adds a norm the draft was not trained with" in by_name(lint)["fusion_norm"].summary
+    assert "fc_norm.0.weight" in by_name(lint)["weights"].summary  # and leaves it at its initial value
+
+
+def test_a_norm_vllm_drops_without_a_word(tmp_path, exports31):
+    # llama_eagle3.py load_weights maps input_norm. to None unless norm_before_fc: the tensor vanishes
+    d = planted(tmp_path, exports31["vllm"], weights=lambda sd: sd.update({"input_norm.weight": torch.ones(96)}))
+    w = by_name(lint_serve_command(vllm(d), d))["weights"]
+    assert w.status == "fail" and "drops them without a word" in w.summary and "input_norm.weight" in w.summary
+
+
+def test_norm_output_in_an_eyas_config_is_caught(tmp_path, exports31):
+    d = planted(tmp_path, exports31["vllm"], config=lambda c: c.update(norm_output=True))
+    c = by_name(lint_serve_command(vllm(d), d))["fusion_norm"]
+    assert c.status == "fail" and "post-norm" in c.summary and c.fix == 'set "norm_output": false'
+
+
+def test_missing_d2t_with_a_smaller_draft_vocabulary_is_caught(tmp_path, target):
+    out = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "x").path
+    d = planted(tmp_path, out, weights=lambda sd: sd.pop("d2t"))
+    for argv in (vllm(d), sglang(d)):
+        w = by_name(lint_serve_command(argv, d))["weights"]
+        assert w.status == "fail" and "(e.g. d2t)" in w.summary and "initial values" in w.summary
+
+
+def test_vllm_drafts_greedily_at_temperature_unless_told(tmp_path, target):
+    out = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "x").path
+    assert by_name(lint_serve_command(vllm(out), out))["draft_sampling"].status == "pass"
+    argv = [*vllm(out), "--override-generation-config", '{"temperature": 0.7}']
+    lint = lint_serve_command(argv, out)
+    c = by_name(lint)["draft_sampling"]
+    assert c.status == "warn" and "argmax" in c.summary and c.fix == '"draft_sample_method": "probabilistic"'
+    fixed = json.loads(lint.corrected[lint.corrected.index("--speculative-config") + 1])
+    assert fixed["draft_sample_method"] == "probabilistic"
+    assert lint_serve_command([*argv[:-2], "--override-generation-config", '{"temperature": 0.7}'][:4] + [
+        json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3,
+                    "draft_sample_method": "probabilistic"}), *argv[5:]], out).ok
+
+
+def test_vllm_032_has_no_draft_tree(tmp_path, target):
+    out = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "x").path
+    lint = lint_serve_command(vllm(out, speculative_token_tree="[(0,), (1,), (0, 0)]"), out)
+    c = by_name(lint)["speculative_config"]
+    assert c.status == "fail" and "chains only" in c.summary and "speculative_token_tree" in c.fix
+    assert "speculative_token_tree" not in json.loads(lint.corrected[lint.corrected.index("--speculative-config")
+                                                                     + 1])
+
+
+# ---- vLLM 0.32 serves an EAGLE 3.1 export, and refuses its tensors without the key -----------------------------
+
+@pytest.mark.vllm
+@pytest.mark.integration
+@pytest.mark.slow
+def test_vllm_032_serves_an_eagle31_export(tmp_path, smollm2_tokenizer_dir, vllm_py):
+    """A tiny Llama target (the bundled tokenizer) and a random fc_norm draft exported by eyas: vLLM 0.32 starts,
+    drafts and answers; the same export without "fc_norm": true is refused at load in vLLM's own words (its loader
+    has no fc_norm module then), which shows it is the key that makes vLLM build the norms."""
+    import shutil
+    from dataclasses import replace
+
+    import httpx
+    import transformers as tf
+
+    from eyas.draft import Eagle3Draft, random_draft, save_draft
+    from eyas.target.load import load_target
+    from tests.test_doctor_serving import _start, _stop, wait_up
+
+    folder = tmp_path / "target"
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # head_dim 64: vLLM CPU's
+    torch.manual_seed(0)
+    m = tf.LlamaForCausalLM(cfg).eval()
+    m.config.architectures = ["LlamaForCausalLM"]
+    m.save_pretrained(folder)
+    for f in smollm2_tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.suffix == ".jinja":
+            shutil.copy(f, folder / f.name)
+    ck = random_draft(load_target(str(folder)), draft_vocab=1024, seed=1)
+    d = Eagle3Draft(replace(ck.model.config, fc_norm=True))
+    d.load_state_dict(ck.model.state_dict(), strict=False)
+    with torch.no_grad():
+        for n in d.fc_norm:
+            n.weight.uniform_(0.5, 1.5)
+    src = save_draft(tmp_path / "draft", d, ck.layout, extra={"target_source": str(folder)})
+    out = export_draft(src, "vllm", tmp_path / "export", target=str(folder)).path
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3}
+    assert lint_serve_command(vllm(out), out).ok
+    log = tmp_path / "serve.log"
+    p, url = _start(vllm_py, folder, spec, log)
+    try:
+        wait_up(p, url, log)
+        r = httpx.post(url + "/v1/completions", json={"model": str(folder), "prompt": "Hello there", "max_tokens": 24,
+                                                      "temperature": 0}, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        drafts = [x for x in metrics.splitlines() if x.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0, metrics[-2000:]
+    finally:
+        _stop(p)
+    # the same folder without the key: vLLM has no fc_norm module and refuses the tensors at start
+    cfgj = json.loads((out / "config.json").read_text())
+    cfgj.pop("fc_norm")
+    (out / "config.json").write_text(json.dumps(cfgj))
+    assert not lint_serve_command(vllm(out), out).ok
+    p, url = _start(vllm_py, folder, spec, log)
+    try:
+        p.wait(timeout=900)
+    finally:
+        _stop(p)
+    text = log.read_text()
+    said = [line for line in text.splitlines() if "There is no module or parameter named" in line]
+    assert said and "fc_norm" in said[-1], "\n".join(x for x in text.splitlines() if "Error" in x)[-3000:]
+    print(f"\nvLLM's own words: {said[-1].strip()[:200]}")
+
+
+def test_d2t_of_absolute_ids_instead_of_offsets_is_caught(tmp_path, target):
+    # both engines compute target = draft id + d2t (SGLang hot_token_id, vLLM 0.32 compute_logits)
+    out = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "vllm", tmp_path / "x").path
+    assert by_name(lint_serve_command(vllm(out), out))["vocab_map"].status == "pass"
+    d = planted(tmp_path, out, weights=lambda sd: sd.update(d2t=sd["d2t"] + torch.arange(sd["d2t"].numel())))
+    for argv in (vllm(d), sglang(d)):
+        c = by_name(lint_serve_command(argv, d))["vocab_map"]
+        assert c.status == "fail" and "absolute target ids" in c.summary and "offsets" in c.fix

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from ..conventions import config_fix, default_aux_indices, engine_views, off_by_one_note
 from ..engines import NORM_KEYS, EngineRow, canonical, draft_sizes, flag, loader_misfit, num_aux
 from .checklist import Check
@@ -103,6 +105,42 @@ def _rename_fix(unread: list[str], row: EngineRow) -> str:
         return 'add the norm\'s key to config.json ("fc_norm": true for fc_norm.*, "norm_before_fc": true for ' \
                'input_norm.*), or serve with an engine that reads it'
     return f"remove or rename them to the names {row.label()} loads ({', '.join(row.weight_prefixes)})"
+
+
+# ---- the vocabulary map ------------------------------------------------------------------------------------
+
+def vocab_map_check(info: DraftInfo) -> Check:
+    """d2t holds offsets: both engines add the draft id (SGLang llama_eagle3.py hot_token_id = d2t + arange, vLLM
+    0.32 compute_logits targets = arange + draft_id_to_target_id). A d2t of absolute target ids maps draft id i to
+    i + id: every drafted token is wrong, silently (or past the vocabulary). Reads the one small tensor."""
+    name = next((n for n in info.weight_names or [] if canonical(n) == "d2t"), None)
+    if name is None:
+        return Check("vocab_map", "skip", "no d2t tensor: nothing to check")
+    from safetensors import safe_open
+
+    d2t = torch.zeros(0, dtype=torch.long)
+    for f in sorted(info.path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            if name in fh.keys():  # safe_open has no __contains__
+                d2t = fh.get_tensor(name).long()
+                break
+    if d2t.numel() == 0:
+        return Check("vocab_map", "skip", "d2t is empty: nothing to check")
+    ids = d2t + torch.arange(d2t.numel())
+    vocab = draft_sizes(info.config).get("vocab_size") or info.target_vocab
+    absolute = bool((d2t[1:] > d2t[:-1]).all()) and int(d2t[0]) >= 0 and d2t.numel() > 1 and \
+        (vocab is not None and int(ids.max()) >= vocab)
+    if absolute:
+        return Check("vocab_map", "fail", f"d2t holds absolute target ids (strictly increasing, {int(d2t[0])}.."
+                     f"{int(d2t[-1])}), but the engines add the draft id to it: draft id i would become i + d2t[i], "
+                     f"past the vocabulary of {vocab}", fix="store offsets: d2t[i] = target_id[i] - i")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        return Check("vocab_map", "fail", f"d2t maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
+                     f"outside the vocabulary 0..{vocab - 1}", fix="re-export the draft (eyas export)")
+    if ids.unique().numel() != ids.numel():
+        return Check("vocab_map", "fail", f"d2t maps {ids.numel()} draft ids onto {ids.unique().numel()} target ids",
+                     fix="re-export the draft (eyas export)")
+    return Check("vocab_map", "pass", f"d2t: {d2t.numel()} offsets onto distinct target ids")
 
 
 # ---- EAGLE 3.1 fusion norms ----------------------------------------------------------------------------
