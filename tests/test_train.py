@@ -22,7 +22,7 @@ from eyas.target.load import load_target
 from eyas.train.config import TrainConfig, TrainError
 from eyas.train.loop import train
 from eyas.train.sources import Item, ShardSource, plan_epoch
-from eyas.train.step import lr_at
+from eyas.train.step import lr_at, schedule_step
 from eyas.vocab import DraftVocab, VocabError, count_tokens, select_draft_vocab, stale_vocab_warning, vocab_hash
 from tests.tiny import tiny_model
 
@@ -165,6 +165,27 @@ def test_lr_schedule():
     lrs = [lr_at(s, 100, cfg) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False)) and lrs[-1] < 0.01
+
+
+def test_schedule_step_follows_a_time_budget_when_it_is_ahead():
+    assert schedule_step(10, 100, 500.0, None) == 10  # no budget: the step count
+    assert schedule_step(10, 100, 30.0, 60.0) == 50  # half the budget spent: half-way through the schedule
+    assert schedule_step(70, 100, 30.0, 60.0) == 70  # the steps are further along
+    cfg = TrainConfig(data=[], out="", lr=1.0, warmup_ratio=0.1)
+    assert lr_at(schedule_step(3, 100, 60.0, 60.0), 100, cfg) < 1e-3  # the budget spent: annealed
+
+
+def test_max_time_ends_the_run_at_the_step_that_uses_it_up(world):
+    root, target = world
+    res = train(_cfg(root, "timed", max_steps=50, max_time=1e-6, eval_every=1000), target=target)
+    assert res.step == 1
+    out = root / "timed"
+    manifest = json.loads((out / "draft" / "eyas_manifest.json").read_text())
+    assert manifest["step"] == 1 and manifest["total_steps"] == 1  # saved as the run's last step
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [1] and "heldout_acc" in evals[0]  # and evaluated
+    with pytest.raises(TrainError, match="--max-time must be a positive number"):
+        train(_cfg(root, "untimed", max_steps=5, max_time=0.0), target=target)
 
 
 # ---- training -------------------------------------------------------------------------------------

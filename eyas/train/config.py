@@ -36,6 +36,11 @@ class TrainConfig:
     ttt_steps: int = option("--ttt-steps", "training-time-test steps (the draft's own tokens fed back)", 7)
     epochs: float = option("--epochs", "passes over the training samples", 1.0)
     max_steps: int | None = option("--max-steps", "optimizer steps (overrides --epochs)")
+    # a time budget: the step that uses it up is the run's last (evaluated and saved); the learning rate anneals by
+    # the share of the budget spent when that is ahead of the steps (eyas.train.step.schedule_step)
+    max_time: float | None = option("--max-time", "seconds of training steps, then the run ends as if at its last "
+                                    "step; the learning rate anneals within them (with --epochs or --max-steps: "
+                                    "whichever ends first)")
     lr: float = option("--lr", "peak learning rate", 1e-4)
     warmup_ratio: float = option("--warmup-ratio", "share of the steps warming the learning rate up", 0.05)
     min_lr_ratio: float = 0.0

@@ -42,7 +42,7 @@ from .config import OPT_FILE, RNG_FILE, TrainConfig, TrainError, init_dist
 from .prepare import build_draft, check_options, make_optimizer, open_data
 from .progress import Report, print_done, write_curves
 from .sources import Item, plan_epoch
-from .step import StepStats, Window, lr_at, train_step
+from .step import StepStats, Window, lr_at, schedule_step, train_step
 from .step import evaluate as heldout_metrics
 
 OnStep = Callable[[int], None]
@@ -102,6 +102,8 @@ class Trainer:
         self.at = Cursor()
         self.last_eval: dict[str, Any] | None = None  # the metrics the next checkpoint's manifest records
         self.resume()
+        self.out_of_time()  # a resumed run whose --max-time is spent trains no further
+        self.lr = lr_at(0, self.total, cfg)  # the rate of the last step taken (what an evaluation logs)
         self.write_run()
         self.norm, self.head = self.data.target.final_norm(), self.data.target.lm_head()
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
@@ -191,8 +193,10 @@ class Trainer:
                     report.table(self.evaluate(), f"step 0 (--init-from {cfg.init_from})")
                 self.draft.train()
                 for refs in self.batches():
-                    lr = lr_at(self.at.step, self.total, cfg)
+                    self.lr = lr = lr_at(schedule_step(self.at.step, self.total, self.at.train_time_s,
+                                                       cfg.max_time), self.total, cfg)
                     stats = self.step(refs, lr)
+                    self.out_of_time()
                     self.log(stats, lr, report)
                     if self.due(cfg.eval_every) and (m := self.evaluate()) is not None:
                         self.last_eval = m
@@ -232,6 +236,11 @@ class Trainer:
             at.batch_in_epoch += 1
             yield [train[i] for i in plan[at.batch_in_epoch - 1]]
 
+    def out_of_time(self) -> None:
+        """With --max-time spent, the step just taken becomes the run's last: evaluated, saved, and the loop ends."""
+        if self.cfg.max_time and self.at.train_time_s >= self.cfg.max_time and self.at.step < self.total:
+            self.total = self.at.step
+
     def due(self, every: int) -> bool:
         return bool(every and self.at.step % every == 0) or self.at.step == self.total
 
@@ -242,6 +251,8 @@ class Trainer:
         stats = train_step(self.draft, self.opt, self.data.source, refs, lr, self.cfg, self.dd, self.device,
                            self.norm, self.head, self.autocast)
         dt = time.perf_counter() - t0
+        if self.cfg.max_time and self.dd.world > 1:  # every rank must anneal by, and stop at, the same time
+            dt = float(self.dd.sum_(torch.tensor([dt], device=self.device))) / self.dd.world
         self.at.step += 1
         self.at.train_time_s += dt
         self.at.tokens_seen += stats.tokens
@@ -271,7 +282,7 @@ class Trainer:
             m.update(heldout_replay(self.draft, d.layout, d.source, d.heldout, d.target, self.cfg.replay_k,
                                     self.cfg.replay_samples))
         m = {"step": at.step, "epoch": at.epoch, "tokens_seen": at.tokens_seen, **self.win.metrics(), **m,
-             "tokens_per_s": round(self.win.tokens_per_s, 1), "lr": lr_at(max(at.step - 1, 0), self.total, self.cfg),
+             "tokens_per_s": round(self.win.tokens_per_s, 1), "lr": self.lr,
              "elapsed_s": round(at.train_time_s, 2)}
         self.win = Window.empty(self.cfg.ttt_steps)
         if self.dd.main:

@@ -26,6 +26,8 @@ from .step import init_draft
 def check_options(cfg: TrainConfig) -> None:
     if cfg.ttt_steps < 1:
         raise TrainError(f"--ttt-steps must be >= 1, got {cfg.ttt_steps}")
+    if cfg.max_time is not None and cfg.max_time <= 0:
+        raise TrainError(f"--max-time must be a positive number of seconds, got {cfg.max_time}")
     if cfg.batch_tokens < cfg.max_len:
         raise TrainError(f"--batch-tokens {cfg.batch_tokens} < --max-len {cfg.max_len}: a full-length sample "
                          "would not fit one batch; raise --batch-tokens or lower --max-len")

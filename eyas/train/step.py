@@ -53,6 +53,14 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0))))
 
 
+def schedule_step(step: int, total: int, spent_s: float, max_time: float | None) -> int:
+    """The step lr_at takes the rate at: `step`, or under a time budget the share of it spent (counted in the run's
+    steps) when that is further along, so a run the budget ends early still warms up and anneals within it."""
+    if not max_time:
+        return step
+    return max(step, int(total * spent_s / max_time))
+
+
 # ---- one step ----------------------------------------------------------------------------------
 
 @dataclass
