@@ -393,3 +393,18 @@ def test_d2t_of_absolute_ids_instead_of_offsets_is_caught(tmp_path, target):
     for argv in (vllm(d), sglang(d)):
         c = by_name(lint_serve_command(argv, d))["vocab_map"]
         assert c.status == "fail" and "absolute target ids" in c.summary and "offsets" in c.fix
+
+
+def test_a_specforge_eagle31_config_imports(tmp_path, tiny31, exports31):
+    """SpecForge's configs/qwen3-30B-A3B-eagle3.1.json: "fc_norm": true and "norm_output": true, where its
+    norm_output means the usual norm before lm_head (llama3_eagle.py compute_logits), which eyas's draft has."""
+    from eyas.interop.importer import import_draft
+
+    tgt, ck = tiny31
+    d = planted(tmp_path, exports31["sglang"], config=lambda c: c.update(norm_output=True))
+    (d / "eyas_manifest.json").unlink()
+    back = import_draft(d, tgt, tmp_path / "back", fmt="specforge", infer=False)
+    assert back.checkpoint.model.config.fc_norm
+    assert any("SpecForge's" in n for n in back.info["notes"])
+    for a, b in zip(ck.model.fc_norm, back.checkpoint.model.fc_norm, strict=True):
+        assert torch.equal(a.weight, b.weight)
