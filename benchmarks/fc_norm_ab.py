@@ -3,8 +3,8 @@ steps and options, one with --fc-norm; then τ (tokens per target forward after 
 default tree and at the reference tree (depth 6, topk 10, 60 tokens), on MT-bench and on long prompts (eyas's own
 docs, >= 2k tokens each, to summarise).
 
-    .venv/bin/python benchmarks/fc_norm_ab.py --data runs/table-data --steps 200 --limit 8 --long 2 \\
-        --max-new-tokens 64 --out runs/fcnorm-ab
+    .venv/bin/python benchmarks/fc_norm_ab.py --data runs/table-data --steps 80 --limit 8 --long 2 \\
+        --max-new-tokens 64 --train-args "--ttt-steps 3 --batch-tokens 2048 --lr 1e-3" --out runs/fcnorm-ab
 
 Both drafts decode losslessly, so their outputs must be token-identical: the script checks it. Writes
 OUT/results.json and prints one row per (draft, tree, prompt set) with the CPU's name.
@@ -40,7 +40,7 @@ def train(a: argparse.Namespace, name: str, extra: list[str]) -> Path:
         return out / "draft"
     cmd = [sys.executable, "-m", "eyas", "train", *sum((["--data", d] for d in a.data), []), "--out", str(out),
            "--max-steps", str(a.steps), "--seed", "0", "--threads", str(a.threads), "--eval-every", str(a.steps),
-           "--save-every", str(a.steps), "--quiet", *extra]
+           "--save-every", str(a.steps), "--quiet", *a.train_args.split(), *extra]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -75,6 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", action="append", required=True, help="shard folder (repeatable)")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--train-args", default="", help="more `eyas train` options, the same for both drafts")
     ap.add_argument("--limit", type=int, default=8, help="MT-bench prompts")
     ap.add_argument("--long", type=int, default=2, help="long prompts (>= 2k tokens)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
