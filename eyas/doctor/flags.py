@@ -294,9 +294,9 @@ def _folder_checks(info: DraftInfo, row: EngineRow, semantics: str | None = None
     """What the engine version makes of the folder: sizes, weight names, fusion norms, aux states."""
     reads_sem = None if row.engine != "vllm" else SEMANTICS_KEY not in row.ignores
     ids, edit = ids_check(info, row.engine, semantics, reads_sem)
-    return [size_check(info, row.engine), weights_check(info, row), vocab_map_check(info), norm_check(info, row),
-            ids], \
-        [edit] if edit else []
+    checks = [size_check(info, row.engine), weights_check(info, row), vocab_map_check(info), norm_check(info, row)]
+    edits = [c.fix for c in checks if c.status == "fail" and c.fix.startswith("set ")]  # config.json edits
+    return checks + [ids], edits + ([edit] if edit else [])
 
 
 def _temperature(argv: list[str]) -> float | None:
