@@ -376,7 +376,7 @@ def test_draft_vocab_size_that_disagrees_with_the_weights_fails(tmp_path, vd):
         c = by_name(lint)["sizes"]
         assert c.status == "fail" and not lint.ok
         assert f"draft_vocab_size {vd} but lm_head.weight has 16" in c.summary
-        assert c.fix == 'set "draft_vocab_size": 16 in the draft\'s config.json'
+        assert c.fix == 'set "draft_vocab_size": 16 in the draft\'s config.json' and c.fix in lint.config_edits
 
 
 def test_hidden_and_head_sizes_are_checked_against_the_shapes(tmp_path):
