@@ -408,3 +408,12 @@ def test_a_specforge_eagle31_config_imports(tmp_path, tiny31, exports31):
     assert any("SpecForge's" in n for n in back.info["notes"])
     for a, b in zip(ck.model.fc_norm, back.checkpoint.model.fc_norm, strict=True):
         assert torch.equal(a.weight, b.weight)
+
+
+def test_norm_before_residual_sglang_never_reads(tmp_path, target):
+    out = export_draft(make_draft(tmp_path / "d", target, LAYOUT), "sglang", tmp_path / "x").path
+    assert by_name(lint_serve_command(sglang(out), out))["residual"].status == "pass"
+    d = planted(tmp_path, out, config=lambda c: c.update(norm_before_residual=True))
+    c = by_name(lint_serve_command(sglang(d), d))["residual"]
+    assert c.status == "fail" and "never reads" in c.summary
+    assert by_name(lint_serve_command(vllm(d), d))["residual"].status == "pass"  # vLLM 0.32 reads it

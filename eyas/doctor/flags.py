@@ -22,7 +22,7 @@ from ..engines import ENGINE_NAMES, EngineRow, engine_row
 from ..errors import EyasError
 from .checklist import Check, render_checks, render_fixes
 from .draft_dir import DraftInfo, read_draft_dir
-from .traps import ids_check, norm_check, size_check, vllm_spec_checks, vocab_map_check, weights_check
+from .traps import ids_check, norm_check, residual_check, size_check, vllm_spec_checks, vocab_map_check, weights_check
 
 
 class FlagsError(EyasError):
@@ -294,7 +294,8 @@ def _folder_checks(info: DraftInfo, row: EngineRow, semantics: str | None = None
     """What the engine version makes of the folder: sizes, weight names, fusion norms, aux states."""
     reads_sem = None if row.engine != "vllm" else SEMANTICS_KEY not in row.ignores
     ids, edit = ids_check(info, row.engine, semantics, reads_sem)
-    checks = [size_check(info, row.engine), weights_check(info, row), vocab_map_check(info), norm_check(info, row)]
+    checks = [size_check(info, row.engine), weights_check(info, row), vocab_map_check(info), norm_check(info, row),
+              residual_check(info, row)]
     edits = [c.fix for c in checks if c.status == "fail" and c.fix.startswith("set ")]  # config.json edits
     return checks + [ids], edits + ([edit] if edit else [])
 

@@ -176,6 +176,23 @@ def norm_check(info: DraftInfo, row: EngineRow) -> Check:
     return Check("fusion_norm", "pass", what)
 
 
+def residual_check(info: DraftInfo, row: EngineRow) -> Check:
+    """norm_before_residual (the residual is the normed hidden): vLLM 0.32 reads it, and reads a speculators config
+    without it as true (transformers_utils/configs/speculators/algos.py update_eagle3); SGLang never reads it and
+    always keeps the raw hidden as residual (llama_eagle3.py)."""
+    cfg = info.config
+    on = bool(cfg.get("norm_before_residual"))
+    if on and "norm_before_residual" in row.ignores:
+        return Check("residual", "fail", f"norm_before_residual: true, which {row.label()} never reads: it keeps "
+                     "the raw hidden as the residual, not the normed one the draft was trained with",
+                     fix="serve this draft with vLLM >= 0.32")
+    if row.engine == "vllm" and cfg.get("speculators_model_type") and "norm_before_residual" not in cfg:
+        return Check("residual", "warn", "a speculators config without norm_before_residual: vLLM 0.32 reads it as "
+                     "true (the residual is the normed hidden)", fix='write "norm_before_residual" explicitly '
+                     "(false for a draft trained with the raw hidden as residual, as eyas's)")
+    return Check("residual", "pass", f"residual: the {'normed' if on else 'raw'} hidden, as {row.label()} reads it")
+
+
 # ---- aux states: what the engine concatenates vs what fc was trained on ----------------------------------
 
 def ids_check(info: DraftInfo, engine: str, semantics: str | None = None,
