@@ -154,7 +154,7 @@ def engine_row(engine: str, version: str | None, exported_for: str | None = None
     v = parse_version(asked)
     fits = [r for r in rows if r.min_version <= v]
     row = fits[-1] if fits else rows[0]
-    if row.min_version == v[:len(row.min_version)]:
+    if _trim(row.min_version) == _trim(v):  # 0.32.0 is 0.32; 0.5.14 is not the 0.5 row's sources
         return RowChoice(row, f"{engine} {asked} ({how}): {row.label()}")
     side = "older than" if not fits else "beyond"
     return RowChoice(row, f"{engine} {asked} ({how}) is {side} the verified {row.label()}: judged as that version")
@@ -231,3 +231,9 @@ def loader_misfit(names: list[str], cfg: dict[str, Any], row: EngineRow) -> tupl
     unread = unread_weights(names, row, cfg)
     have = {canonical(n) for n in names if n not in unread}
     return unread, [k for k in expected_weights(cfg, row.engine) if k not in have]
+
+
+def _trim(v: tuple[int, ...]) -> tuple[int, ...]:
+    while len(v) > 1 and v[-1] == 0:
+        v = v[:-1]
+    return v

@@ -48,6 +48,7 @@ def test_versions_parse_and_pick_the_nearest_verified_row():
     c = engine_row("vllm", None, exported_for="0.32")
     assert "the version the export targets" in c.why
     assert "beyond the verified" in engine_row("vllm", "0.40").why
+    assert "beyond the verified sglang 0.5" in engine_row("sglang", "0.5.14").why
     assert "older than the verified" in engine_row("vllm", "0.10").why
     assert {r.engine for r in TABLE} == {"sglang", "vllm"}
 
