@@ -216,6 +216,14 @@ def test_serve_prefill_chunk_reaches_the_engine(files, monkeypatch):
         r = CliRunner().invoke(app, ["serve", "--target", str(files / "llama"), "--draft", "none", *argv])
         assert r.exit_code == 0, r.output
         assert served[-1].state.config.prefill_chunk == want and served[-1].state.worker.engine.prefill_chunk == want
+    opt = next(o for o in typer.main.get_command(app).commands["serve"].params if "--max-long-prompts" in o.opts)
+    assert opt.default == srv.MAX_LONG_PROMPTS and "503" in opt.help
+    r = CliRunner().invoke(app, ["serve", "--target", str(files / "llama"), "--draft", "none", "--max-long-prompts",
+                                 "3", "--prefill-chunk", "64"])
+    assert r.exit_code == 0, r.output
+    assert (served[-1].state.worker.max_long, served[-1].state.worker.long_prompt) == (3, 64)
+    r = CliRunner().invoke(app, ["serve", "--target", str(files / "llama"), "--max-long-prompts", "0"])
+    assert r.exit_code == 2 and "--max-long-prompts must be >= 1, got 0" in r.output, r.output
 
 
 def _one_error(r) -> str:

@@ -546,6 +546,7 @@ def test_shutdown_answers_queued_503_and_ends_stream(smollm2_tokenizer):
     [DONE], queued requests get a JSON 503, and neither waits out uvicorn's graceful-shutdown timeout."""
     srv = EndlessServer(smollm2_tokenizer)
     worker = srv.app.state.worker
+    worker.max_short = 1  # one short request runs at a time: the next two wait to start
     body = {"model": MODEL, "prompt": "go", "max_tokens": 1000}
     events: list[str] = []
     results: dict[int, httpx.Response] = {}
@@ -610,6 +611,30 @@ def test_tokenizing_does_not_wait_for_the_engine(smollm2_tokenizer):
 
 
 # ---- concurrency ----------------------------------------------------------------------------------
+
+def test_interleaved_long_and_short_prompts_match_engine(served, monkeypatch):
+    """Long prompts prefilled in chunks of 16 while short ones start between their chunks and all of them decode
+    in turn, greedy and seeded: each answer is the one Engine.generate gives the request alone."""
+    served.wait_idle()
+    monkeypatch.setattr(served.engine, "prefill_chunk", 16)
+    monkeypatch.setattr(served.app.state.worker, "long_prompt", 16)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    texts = [" ".join(words[(i + j) % 10] for j in range(n)) for i, n in enumerate((90, 70, 60, 3, 2, 4))]
+    temps = [0.0, 0.8, 0.0, 0.8, 0.0, 0.0]
+
+    def ask(i: int):
+        return served.client.completions.create(model=MODEL, prompt=texts[i], max_tokens=12, temperature=temps[i],
+                                                seed=i)
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        answers = list(pool.map(ask, range(len(texts))))
+    assert served.metric("eyas_generations_started_total") > 0
+    for i, r in enumerate(answers):
+        ids = served.target.tokenizer.encode(texts[i])
+        ref = served.reference(ids, 12, temperature=temps[i], seed=i)
+        assert (r.choices[0].text, r.usage.prompt_tokens) == (ref.text, len(ids)), f"request {i}"
+    assert max(len(served.target.tokenizer.encode(t)) for t in texts) > 3 * 16  # the long ones took chunks
+
 
 @pytest.mark.slow
 def test_load_50_requests_8_clients_match_engine(served):
@@ -679,8 +704,9 @@ def test_load_50_requests_8_clients_match_engine(served):
     assert served.metric('eyas_spec_proposed_tokens_total{depth="1"}') > 0
 
 
-def test_disconnect_cancels_generation(served):
+def test_disconnect_cancels_generation(served, monkeypatch):
     """A client that leaves mid-stream stops its generation at the next round; a queued one never starts."""
+    monkeypatch.setattr(served.app.state.worker, "max_short", 1)  # the second request waits behind the first
     served.wait_idle()
     cancelled0 = served.metric('eyas_requests_finished_total{endpoint="/v1/completions",finish_reason="cancelled"}')
     started0, tokens0 = served.metric("eyas_generations_started_total"), served.metric("eyas_worker_tokens_total")

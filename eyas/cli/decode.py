@@ -109,6 +109,9 @@ def serve(
     prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="prompt tokens per prefill forward (>= 16; 0 = "
                                       "whole prompts): other requests run between a long prompt's chunks, so a "
                                       "short request's first token waits about one chunk"),
+    max_long_prompts: int = typer.Option(8, "--max-long-prompts", help="prompts longer than one prefill chunk held "
+                                         "at once (they interleave chunk by chunk with everything else); the next "
+                                         "gets a 503 with Retry-After"),
     model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -129,7 +132,8 @@ def serve(
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
     with user_errors():
         cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
-                              max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
+                              max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                              max_long_prompts=max_long_prompts)
         cfg.check()  # bad flags fail before the model loads
         opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree),
                              ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,

@@ -31,7 +31,7 @@ from . import openai_schema as oai
 from .bounds import read_body
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
-from .worker import Job, Worker
+from .worker import MAX_LONG_PROMPTS, PREFILL_CHUNK, Job, Worker
 
 log = logging.getLogger("eyas.server")
 API_KEY_ENV = "EYAS_API_KEY"
@@ -42,8 +42,7 @@ class ServeError(EyasError):
 
 
 # a short request waits about one chunk of a long prompt's prefill for its first token; each chunk is one
-# forward, so tiny chunks multiply the long prompt's forwards
-PREFILL_CHUNK = 256
+# forward, so tiny chunks multiply the long prompt's forwards (PREFILL_CHUNK, the default, is the worker's)
 MIN_PREFILL_CHUNK = 16
 
 
@@ -56,6 +55,8 @@ class ServeConfig:
     context_length: int | None = None  # the target's position limit: prompt + completion must fit
     # prompt tokens per prefill forward: other requests start between a long prompt's chunks (0: whole prompts)
     prefill_chunk: int = PREFILL_CHUNK
+    # prompts longer than one chunk held at once (running or waiting to start); the next gets a 503 + Retry-After
+    max_long_prompts: int = MAX_LONG_PROMPTS
 
     def check(self) -> None:
         if self.max_prompt_tokens < 1:
@@ -64,6 +65,10 @@ class ServeConfig:
             raise ServeError(f"--prefill-chunk must be >= {MIN_PREFILL_CHUNK} tokens (or 0: whole prompts), got "
                              f"{self.prefill_chunk}; smaller chunks add a forward per few tokens for no fairness "
                              f"gain. The default is {PREFILL_CHUNK}")
+        if self.max_long_prompts < 1:
+            raise ServeError(f"--max-long-prompts must be >= 1, got {self.max_long_prompts}; it is how many prompts "
+                             f"longer than one prefill chunk the server interleaves at once (default "
+                             f"{MAX_LONG_PROMPTS})")
         if self.max_new_tokens < 1:
             raise ServeError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not self.model_name:
@@ -81,6 +86,8 @@ CHARS_PER_TOKEN = 16
 
 def _error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    if e.retry_after is not None:
+        headers = {"Retry-After": str(e.retry_after)}
     if e.status in (408, 413) or e.code == "ambiguous_framing":  # the body was not read to its end (or its
         # end is ambiguous): this connection cannot carry another request
         headers = {"Connection": "close"}
@@ -199,7 +206,8 @@ def create_app(engine: Any, tokenizer: Any, cfg: ServeConfig) -> FastAPI:
     metrics = Metrics()
     # separate tokenizer copies: the event loop encodes while the worker decodes
     enc_tok = copy.deepcopy(tokenizer)
-    worker = Worker(engine, copy.deepcopy(tokenizer), metrics)
+    worker = Worker(engine, copy.deepcopy(tokenizer), metrics, max_long=cfg.max_long_prompts,
+                    long_prompt=cfg.prefill_chunk or PREFILL_CHUNK)
     enc_lock = threading.Lock()  # requests tokenize on worker threads; one tokenizer copy, one at a time
 
     def encode(req: GenRequest) -> list[int]:

@@ -36,9 +36,10 @@ class APIError(Exception):
     """An error answered to the client as OpenAI-style JSON."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 503 that a later retry may pass)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": _printable(self.message), "type": self.type,
