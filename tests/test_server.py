@@ -594,6 +594,76 @@ def test_shutdown_answers_queued_503_and_ends_stream(smollm2_tokenizer):
     assert ex.value.status == 503 and ex.value.code == "shutting_down"
 
 
+# a server process on a stub engine, started the way `eyas serve` starts one (exit_logged around launch.run)
+SERVER_SCRIPT = """
+from eyas.serve import launch
+from eyas.serve.app import ServeConfig, create_app
+
+class Tokenizer:  # what create_app needs of one without a target: a vocabulary size
+    def __len__(self):
+        return 100
+
+class Engine:
+    last_result = None
+
+    def stream(self, input_ids, params):
+        yield [1]
+
+with launch.exit_logged():
+    launch.run(create_app(Engine(), Tokenizer(), ServeConfig(model_name="stub")), "127.0.0.1", 0)
+"""
+
+
+def test_server_logs_its_exit_cause():
+    """SIGTERM: the log names the signal when it arrives and when the process ends (by that signal, after the
+    drain)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # blocks per line; the process prints its startup, then waits
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                break
+        assert any("Uvicorn running on" in x for x in lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == -signal.SIGTERM, log
+    assert "eyas serve: received SIGTERM: draining" in log and "eyas serve: stopped by SIGTERM" in log, log
+
+
+def test_exit_logged_names_errors_and_statuses(capsys):
+    """An exception: one line with its type, message and where it was raised (the traceback follows it); an
+    exit status; a plain stop. A native crash prints every thread's stack: faulthandler is on (capsys' stderr has
+    no file descriptor: it falls back to the real one)."""
+    import faulthandler
+
+    from eyas.serve.launch import exit_logged
+
+    faulthandler.disable()
+
+    def boom():
+        raise RuntimeError("engine exploded")
+
+    with pytest.raises(RuntimeError), exit_logged():
+        boom()
+    with pytest.raises(SystemExit), exit_logged():
+        raise SystemExit(3)
+    with exit_logged():
+        assert faulthandler.is_enabled()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3, err
+    assert err[0].startswith("eyas serve: stopped by an unexpected error: RuntimeError: engine exploded (at ") and \
+        "test_server.py:" in err[0] and err[0].endswith(" in boom)"), err[0]
+    assert err[1:] == ["eyas serve: exiting with status 3 (the error above)", "eyas serve: stopped"]
+
+
 def test_tokenizing_does_not_wait_for_the_engine(smollm2_tokenizer):
     """While the engine is busy with an endless generation, other requests still tokenize: a too-long prompt
     gets its 400 at once rather than after the running generation."""

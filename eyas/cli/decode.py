@@ -126,29 +126,30 @@ def serve(
     from ..serve import app as srv
     from ..serve import launch
 
-    key = launch.resolve_api_key(api_key)
-    warning = launch.exposure_warning(host, key)
-    if warning:
-        typer.secho(f"warning: {warning}", fg="yellow", err=True)
-    with user_errors():
-        cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
-                              max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                              max_long_prompts=max_long_prompts)
-        cfg.check()  # bad flags fail before the model loads
-        opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree),
-                             ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
-                             chat_template=chat_template).resolved()
-        engine, tgt = launch.build_engine(opts)
-        for w in launch.template_warnings(engine, tgt):
-            warn(w)
-        cfg.model_name = model_name or tgt.identity.name or target
-        cfg.context_length = launch.context_length_of(tgt)
-        app_ = srv.create_app(engine, tgt.tokenizer, cfg)
-    desc = f"{opts.method}, draft {opts.draft}" if engine.drafts else f"{opts.method}, no draft"
-    if engine.ngram is not None:
-        desc += f", n-gram table ({len(engine.ngram)} contexts)"
-    typer.echo(launch.startup_line(cfg, host, port, desc), err=True)
-    launch.run(app_, host, port, log_level=log_level)
+    with launch.exit_logged():  # every exit says why: a signal, an error and where, a native crash
+        key = launch.resolve_api_key(api_key)
+        warning = launch.exposure_warning(host, key)
+        if warning:
+            typer.secho(f"warning: {warning}", fg="yellow", err=True)
+        with user_errors():
+            cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
+                                  max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                                  max_long_prompts=max_long_prompts)
+            cfg.check()  # bad flags fail before the model loads
+            opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree),
+                                 ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
+                                 chat_template=chat_template).resolved()
+            engine, tgt = launch.build_engine(opts)
+            for w in launch.template_warnings(engine, tgt):
+                warn(w)
+            cfg.model_name = model_name or tgt.identity.name or target
+            cfg.context_length = launch.context_length_of(tgt)
+            app_ = srv.create_app(engine, tgt.tokenizer, cfg)
+        desc = f"{opts.method}, draft {opts.draft}" if engine.drafts else f"{opts.method}, no draft"
+        if engine.ngram is not None:
+            desc += f", n-gram table ({len(engine.ngram)} contexts)"
+        typer.echo(launch.startup_line(cfg, host, port, desc), err=True)
+        launch.run(app_, host, port, log_level=log_level)
 
 
 @config_options(BenchConfig, TreeSettings)

@@ -1,9 +1,18 @@
 """Starting `eyas serve`: the engine through the one assembly, the API key and exposure warning, the startup
-warnings and line, and uvicorn run so that shutdown drains the engine worker first (the app is eyas.serve.app)."""
+warnings and line, uvicorn run so that shutdown drains the engine worker first (the app is eyas.serve.app), and
+every way the process ends logged with its cause (exit_logged)."""
 
 from __future__ import annotations
 
+import faulthandler
+import io
 import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -68,11 +77,80 @@ def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
     worker: Worker = app.state.worker
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                say(f"received {signal.Signals(sig).name}: draining (waiting requests get a 503, running ones end "
+                    "at their next round) and stopping")
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None) -> None:
             worker.drain()
             await super().shutdown(sockets=sockets)
 
     return Server(uvicorn.Config(app, **{**server_limits(), **config}))
+
+
+def say(line: str) -> None:
+    """One line of the server's own log (stderr, beside uvicorn's)."""
+    print(f"eyas serve: {line}", file=sys.stderr, flush=True)
+
+
+def where(e: BaseException) -> str:
+    """The innermost frame an exception was raised in: 'file:line in function'."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "unknown place"
+
+
+class Signalled(BaseException):
+    """SIGINT or SIGTERM outside uvicorn's own handling (while the engine loads, or re-raised by uvicorn after its
+    graceful shutdown): unwinds to exit_logged, which says so and ends the process by that signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def enable_faulthandler() -> None:
+    """A native crash (segfault, abort in a kernel or library) prints every thread's Python stack to stderr."""
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr replaced by an object without a fd
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
+@contextmanager
+def exit_logged() -> Iterator[None]:
+    """Every way `eyas serve` ends leaves its cause in the log: a signal (which one; the process then ends by it,
+    as uvicorn lets it), an exception (its type, message and where; the traceback follows), an exit status, a
+    native crash (faulthandler's stacks), or a plain stop. SIGKILL alone leaves nothing: nothing runs."""
+    enable_faulthandler()
+    old: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        def on_signal(signum: int, _frame: Any) -> None:
+            raise Signalled(signum)
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except Signalled as e:
+        say(f"stopped by {e}")
+        for s, h in old.items():
+            signal.signal(s, h)
+        signal.signal(e.signum, signal.SIG_DFL)
+        signal.raise_signal(e.signum)  # end as that signal ends a process: exit status 128 + signum
+        raise
+    except BaseException as e:
+        code = e.code if isinstance(e, SystemExit) else getattr(e, "exit_code", None)  # click's Exit: exit_code
+        if code is not None:
+            say("stopped" if code == 0 else f"exiting with status {code} (the error above)")
+        else:
+            say(f"stopped by an unexpected error: {type(e).__name__}: {e} (at {where(e)})")
+        raise
+    else:
+        say("stopped")
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
