@@ -43,7 +43,9 @@ LOGS_CAP = 15 << 20
 REFERENCE_TREE = ["--depth", "6", "--topk", "10", "--tokens", "60", "--lookup", "0", "--ngram", "none",
                   "--min-prob", "0"]
 GRACE_S = 30  # after a stage's SIGINT, before SIGKILL
+MIN_STAGE_S = 10  # a stage is not started with less time than this left
 MARKER = ".eyas-sprint"
+PROMPTS_START = 8400  # as benchmarks/gpu_kit.py
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Settings:
     """Every size and budget, read from the environment (DEVICE=cpu, BUDGET_S=300, ...)."""
 
     device: str = "cuda"
-    budget_s: float = 510.0  # the whole sprint, install to packing; later stages shrink or are skipped to fit
+    budget_s: float = 540.0  # the whole sprint, install to packing; later stages shrink or are skipped to fit
     work: str = "/tmp/eyas-sprint"
     gen_tokens: int = 64
     check_limit: int = 2
@@ -62,7 +64,7 @@ class Settings:
     regen_tokens: int = 256
     gen_batch: int = 256
     max_len: int = 1024
-    train_s: float = 90.0
+    train_s: float = 75.0
     train_epochs: float = 4.0
     batch_tokens: int = 16384
     lr: float = 2e-4
@@ -71,10 +73,11 @@ class Settings:
     tau_limit: int = 8
     tau_tokens: int = 128
     threads: int = 0  # > 0: OMP_NUM_THREADS for every stage (1 on a busy CPU: spinning threads wait on each other)
+    shipped_tau: int = 1  # 0: no tau-reference-shipped (the shipped draft at the reference tree, for comparison)
     repeat_plain: int = 0  # 1: bench runs plain twice per prompt (its noise), at the cost of the time it takes
     # what the stages after datagen are expected to take: datagen stops early enough to leave it
-    tau_estimate_s: float = 60.0
-    train_overhead_s: float = 45.0
+    tau_estimate_s: float = 75.0
+    train_overhead_s: float = 40.0
     pack_reserve_s: float = 15.0
 
     @classmethod
@@ -102,7 +105,7 @@ class Stage:
 
 @dataclass
 class Sprint:
-    kit: Path
+    kit: Path | None  # None: eyas and its data packages are installed already (`make setup`), nothing to unpack
     out: Path
     s: Settings
     t0: float = field(default_factory=time.monotonic)
@@ -144,16 +147,22 @@ class Sprint:
                     os.killpg(proc.pid, signal.SIGKILL)
                     return proc.wait()
 
-    def last_line(self, name: str) -> str:
-        lines = [x for x in self.log(name).read_text(errors="replace").splitlines() if x.strip()]
-        return lines[-1][-300:] if lines else "(no output)"
-
-    def eyas(self, name: str, args: list[str], cap: float) -> tuple[bool, float]:
-        """One eyas command as a stage that must exit 0 within min(cap, what is left); (ok, its start time)."""
+    def eyas(self, name: str, args: list[str], cap: float) -> tuple[bool | None, float]:
+        """One eyas command as a stage that must exit 0 within min(cap, what is left): (ok, its start time); ok is
+        None when too little time is left to start it (the stage is skipped)."""
         t0 = time.monotonic()
         timeout = min(cap, self.left() - self.s.pack_reserve_s)
+        if timeout < MIN_STAGE_S:
+            self.log(name).write_text(f"not started: {self.left():.0f} s of BUDGET_S left\n")
+            return None, t0
         rc = self.call(name, ["-m", "eyas", *args], timeout)
         return rc == 0, t0
+
+    def line(self, name: str, key: str = "") -> str:
+        """The last line of a stage's log holding `key` (the last line at all when none does)."""
+        lines = [x for x in self.log(name).read_text(errors="replace").splitlines() if x.strip()]
+        hits = [x for x in lines if key in x] if key else []
+        return (hits or lines or ["(no output)"])[-1][-300:]
 
 
 # ---- install ---------------------------------------------------------------------------------------------------
@@ -174,10 +183,21 @@ def check(kit: Path) -> int:
     return 1 if bad else 0
 
 
+def stage_env(extra: dict[str, str], threads: int) -> dict[str, str]:
+    # PYTHONSAFEPATH: no current folder on the path, so a source tree there cannot shadow the installed eyas
+    return {**os.environ, **extra, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+
+
 def install(sp: Sprint) -> bool:
     """Put every item back under WORK/kit, pip-install the wheels into WORK/site with --no-index, and check that
-    eyas is imported from there (not from a source tree on the path)."""
+    eyas is imported from there (not from a source tree on the path). Without a kit: the eyas this python has."""
     t0 = time.monotonic()
+    if sp.kit is None:
+        sp.env = stage_env({}, sp.s.threads)
+        sp.record("install", None, t0, f"no kit: the eyas {sys.executable} has")
+        return True
     try:
         m = read_manifest(sp.kit)
         missing = [f"{c} ({p[0]})" for c, p in staged(sp.kit, m).items() if p]
@@ -197,11 +217,8 @@ def install(sp: Sprint) -> bool:
     sp.log("install").parent.mkdir(parents=True, exist_ok=True)
     sp.log("install").write_text(pip.stdout + pip.stderr)
     if pip.returncode != 0:
-        return sp.record("install", False, t0, f"pip: {sp.last_line('install')}")
-    # PYTHONSAFEPATH: no current folder on the path, so a source tree there cannot shadow the wheel
-    sp.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(unpacked / "pkgs")]),
-              "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-              "TOKENIZERS_PARALLELISM": "false", **({"OMP_NUM_THREADS": str(sp.s.threads)} if sp.s.threads else {})}
+        return sp.record("install", False, t0, f"pip: {sp.line('install')}")
+    sp.env = stage_env({"PYTHONPATH": os.pathsep.join([str(site), str(unpacked / "pkgs")])}, sp.s.threads)
     sp.results["kit"] = {k: m[k] for k in ("created", "eyas", "python_version", "carried_dists", "prompts")}
     return sp.record("install", True, t0, f"{len(wheels)} wheels, {len(m['items'])} items, eyas {m['eyas']['source']}")
 
@@ -221,16 +238,16 @@ def environment(sp: Sprint) -> bool:
                          timeout=120)
     sp.log("env").write_text(run.stdout + run.stderr)
     if run.returncode != 0:
-        return sp.record("env", False, t0, sp.last_line("env"))
+        return sp.record("env", False, t0, sp.line("env"))
     info = json.loads(run.stdout.strip().splitlines()[-1])
     sp.results["environment"] = info
     site = (sp.work / "site").resolve()
-    if not Path(info["eyas_file"]).resolve().is_relative_to(site):
+    if sp.kit is not None and not Path(info["eyas_file"]).resolve().is_relative_to(site):
         return sp.record("env", False, t0, f"eyas came from {info['eyas_file']}, not the kit's wheel in {site}")
     if sp.s.device.startswith("cuda") and not info["cuda"]:
         return sp.record("env", False, t0, f"torch {info['torch']} sees no CUDA device")
     return sp.record("env", True, t0, f"torch {info['torch']}, transformers {info['transformers']}, "
-                     f"{info['gpu'] or 'cpu'}, eyas {info['eyas']} from the kit")
+                     f"{info['gpu'] or 'cpu'}, eyas {info['eyas']} from {'the kit' if sp.kit else info['eyas_file']}")
 
 
 # ---- the CUDA check ----------------------------------------------------------------------------------------------
@@ -245,27 +262,32 @@ def bench_summary(folder: Path, draft: str, tree: str) -> dict[str, Any]:
 
 
 def bench_stage(sp: Sprint, name: str, draft: str, methods: str, limit: int, tokens: int,
-                tree: list[str] | None = None, cap: float = 240) -> bool:
+                tree: list[str] | None = None, cap: float = 240, need_lossless: bool = True) -> bool:
+    """One `eyas bench` run as a stage: PASS when it ran and (need_lossless) every method matched plain."""
     folder = sp.work / name
     ok, t0 = sp.eyas(name, ["bench", "--bench", "mt-bench", "--limit", str(limit), "--max-new-tokens", str(tokens),
                             "--methods", methods, "--draft", draft, "--device", sp.s.device, "--out", str(folder),
                             "--quiet", "--repeat-plain" if sp.s.repeat_plain else "--no-repeat-plain", *(tree or [])],
                      cap)
+    if ok is None:
+        return sp.record(name, None, t0, sp.line(name))
     if not ok or not (folder / "results.json").is_file():
-        return sp.record(name, False, t0, sp.last_line(name))
+        return sp.record(name, False, t0, sp.line(name))
     b = bench_summary(folder, draft, "reference" if tree else "default")
     sp.results.setdefault("benches", {})[name] = b
     text = ", ".join(f"{m} tau {v['tau']:.2f} {v['tok_s']:.1f} tok/s" for m, v in b["methods"].items())
-    return sp.record(name, True, t0, text + f"; lossless {'yes' if b['lossless'] else 'NO'}")
+    text += f"; lossless {'yes' if b['lossless'] else 'NO'}"
+    return sp.record(name, b["lossless"] or not need_lossless, t0, text)
 
 
 def cuda_check(sp: Sprint) -> None:
     s = sp.s
     ok, t0 = sp.eyas("generate", ["generate", "--prompt", "Give three tips for learning a new language.",
                                   "--max-new-tokens", str(s.gen_tokens), "--device", s.device], 240)
-    sp.record("generate", ok, t0, sp.last_line("generate"))
+    sp.record("generate", ok, t0, sp.line("generate", "tok/s"))
     t0 = time.monotonic()
-    if bench_stage(sp, "bench-check", "default", "plain,chain,tree", s.check_limit, s.check_tokens):
+    if bench_stage(sp, "bench-check", "default", "plain,chain,tree", s.check_limit, s.check_tokens,
+                   need_lossless=False):
         b = sp.results["benches"]["bench-check"]
         bad = [f"{m} {v['identical']}/{v['compared']}" for m, v in b["methods"].items()
                if m != "plain" and v["identical"] != v["compared"]]
@@ -282,9 +304,13 @@ def datagen(sp: Sprint) -> bool:
     time), capturing each chunk's features as it goes; SIGINT at the budget keeps every committed chunk."""
     s = sp.s
     after = s.train_s + s.train_overhead_s + 3 * s.tau_estimate_s + s.pack_reserve_s
-    budget = max(min(s.regen_s, sp.left() - after), 10.0)
+    budget = max(min(s.regen_s, sp.left() - after), min(s.regen_s, 10.0))
     out = sp.work / "data"
-    args = ["datagen", "--data", str(sp.work / "kit" / "data" / "prompts.jsonl"), "--out", str(out),
+    # the kit's prompts are ShareGPT rows from 8400 on (the shipped draft trained on rows before 8,327); without a
+    # kit the bundled ShareGPT from that row
+    data = ["--data", str(sp.work / "kit" / "data" / "prompts.jsonl")] if sp.kit else \
+        ["--data", "sharegpt", "--start-row", str(PROMPTS_START)]
+    args = ["datagen", *data, "--out", str(out),
             "--max-len", str(s.max_len), "--max-new-tokens", str(s.regen_tokens), "--max-turns", "1",
             "--gen-batch", str(s.gen_batch), "--shard-samples", str(s.gen_batch), "--device", s.device, "--quiet"]
     args += ["--num", str(s.regen_num)] if s.regen_num > 0 else []
@@ -293,7 +319,7 @@ def datagen(sp: Sprint) -> bool:
     try:
         c = json.loads((out / "manifest.json").read_text())["counts"]
     except (OSError, json.JSONDecodeError, KeyError):
-        return sp.record("datagen", False, t0, sp.last_line("datagen"))
+        return sp.record("datagen", False, t0, sp.line("datagen"))
     regen_s = c.get("regen_ms", 0) / 1000
     sp.results["datagen"] = {"exit_code": rc, "budget_s": round(budget, 1), "counts": c,
                              "regen_s": regen_s, "capture_s": round(c.get("seconds", 0) - regen_s, 1)}
@@ -308,17 +334,20 @@ def datagen(sp: Sprint) -> bool:
 def train(sp: Sprint) -> bool:
     s = sp.s
     out = sp.work / "train"
-    budget = max(min(s.train_s, sp.left() - s.train_overhead_s - 3 * s.tau_estimate_s - s.pack_reserve_s), 5.0)
+    budget = max(min(s.train_s, sp.left() - s.train_overhead_s - 3 * s.tau_estimate_s - s.pack_reserve_s),
+                 min(s.train_s, 5.0))
     args = ["train", "--data", str(sp.work / "data"), "--out", str(out), "--init-from", "default", "--ttt-steps",
             str(s.ttt_steps), "--epochs", str(s.train_epochs), "--max-time", str(budget), "--lr", str(s.lr),
             "--batch-tokens", str(s.batch_tokens), "--max-len", str(s.max_len), "--eval-every", "1000000",
             "--save-every", "1000000", "--replay-samples", "8", "--device", s.device, "--quiet"]
     ok, t0 = sp.eyas("train", args + (["--bf16"] if s.bf16 else []), budget + s.train_overhead_s + 60)
+    if ok is None:
+        return sp.record("train", None, t0, sp.line("train"))
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()] \
         if (out / "metrics.jsonl").is_file() else []
     ok = ok and (out / "draft" / "model.safetensors").is_file() and bool(metrics)
     if not ok:
-        return sp.record("train", False, t0, sp.last_line("train"))
+        return sp.record("train", False, t0, sp.line("train"))
     first, last = metrics[0], metrics[-1]
     sp.results["train"] = {"budget_s": round(budget, 1), "bf16": bool(s.bf16), "first": first, "last": last}
     acc = "/".join(f"{a:.3f}" for a in last.get("heldout_acc", []))
@@ -338,7 +367,7 @@ def doctor(sp: Sprint, have_draft: bool) -> None:
     ok, t0 = sp.eyas("doctor", ["doctor", "--target", "smollm2-135m", "--draft", draft, "--data",
                                 str(sp.work / "data"), "--samples", str(sp.s.doctor_samples), "--device",
                                 sp.s.device], 2 * sp.s.tau_estimate_s)
-    sp.record("doctor", ok, t0, ("new draft: " if have_draft else "shipped draft: ") + sp.last_line("doctor"))
+    sp.record("doctor", ok, t0, ("new draft: " if have_draft else "shipped draft: ") + sp.line("doctor"))
 
 
 def tau(sp: Sprint, have_draft: bool) -> None:
@@ -350,6 +379,8 @@ def tau(sp: Sprint, have_draft: bool) -> None:
         t0 = time.monotonic()
         if draft == new and not have_draft:
             sp.record(name, None, t0, "no new draft")
+        elif name.endswith("shipped") and not s.shipped_tau:
+            sp.record(name, None, t0, "SHIPPED_TAU=0")
         elif name.endswith("shipped") and sp.left() < s.tau_estimate_s + s.pack_reserve_s:
             sp.record(name, None, t0, f"{sp.left():.0f} s left")
         else:
@@ -395,9 +426,10 @@ def fresh_work(work: Path) -> None:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / MARKER).write_text("benchmarks/gpu_sprint.py\n")
+    (work / "logs").mkdir()
 
 
-def run(kit: Path, out: Path, s: Settings) -> int:
+def run(kit: Path | None, out: Path, s: Settings) -> int:
     sp = Sprint(kit=kit, out=out, s=s)
     fresh_work(sp.work)
     print(f"gpu_sprint: DEVICE={s.device} BUDGET_S={s.budget_s:.0f} WORK={sp.work}", flush=True)
@@ -422,13 +454,14 @@ def main() -> int:
     c = sub.add_parser("check", help="what is staged of the kit (every part's digest checked)")
     c.add_argument("kit")
     r = sub.add_parser("run", help="install the kit and run every stage")
-    r.add_argument("kit")
+    r.add_argument("kit", nargs="?", help="the kit folder (none: use the eyas this python has, after `make setup`)")
     r.add_argument("--out", default=os.environ.get("OUT") or "sprint-out", help="where the results go ($OUT)")
     args = ap.parse_args()
     try:
         if args.cmd == "check":
             return check(Path(args.kit))
-        return run(Path(args.kit).resolve(), Path(args.out).resolve(), Settings.from_env(dict(os.environ)))
+        return run(Path(args.kit).resolve() if args.kit else None, Path(args.out).resolve(),
+                   Settings.from_env(dict(os.environ)))
     except KitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

