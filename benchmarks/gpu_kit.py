@@ -44,6 +44,7 @@ from gpu_parts import (  # noqa: E402 - the folder of this script, put on the pa
     sha256_file,
     write_manifest,
 )
+from gpu_sprint import Settings  # noqa: E402
 from gpu_wheels import (  # noqa: E402
     H200_HAVE,
     ROOT,
@@ -204,8 +205,9 @@ def print_plan(kit: Path, manifest: dict[str, Any], tree: int) -> list[dict[str,
     for c in calls:
         print(f"  {c['call']}. run(carry={json.dumps(c['carry'])}, timeout_s={c['timeout_s']},\n"
               f"        command={json.dumps(c['command'])})")
+    budget = Settings().budget_s
     print(f"\nDevice time: a machine start (1-3 min), about 30 s for each staging call, then the sprint (BUDGET_S, "
-          f"510 s by default): about {2 + 0.5 * (len(calls) - 1) + 8.5:.0f} min of the 15.\n"
+          f"{budget:.0f} s by default): about {2 + 0.5 * (len(calls) - 1) + budget / 60:.0f} min of the 15.\n"
           "A staging call prints what is staged; if one says a call folder is missing or damaged, carry it again.\n"
           "Back under $OUT: results.json, logs.tar.gz and the new draft as draft.tar.partK; then:\n"
           "  .venv/bin/python benchmarks/gpu_kit.py collect FILES_AT runs/gpu-result [--bench]")
