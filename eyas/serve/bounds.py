@@ -5,7 +5,7 @@ hold its socket forever) and the size of the request head however it arrives (h1
 incomplete, so one that arrives whole in one read passed at any size).
 
 The connection protocol also answers a client that half-closes (shuts down its sending side after a complete
-request, as `curl -T`-style and netcat clients do): uvicorn takes the end of input for a disconnect, closes the
+request, as `nc -N` and some scripted clients do): uvicorn takes the end of input for a disconnect, closes the
 socket and the request is cancelled unanswered; here the request runs on and its answer is sent.
 
 The limits are module constants read at call time, so a test can lower them.
