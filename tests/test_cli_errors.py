@@ -169,6 +169,15 @@ def _cases(r: Path) -> dict[str, tuple[list[str], str]]:
         "inspect: broken template file": (["inspect", ll, "--chat-template", str(r / "unclosed.jinja")],
                                           "not a valid Jinja template"),
         "serve: unknown template name": (["serve", "--target", ll, "--chat-template", "vicuna"], "chatml, gemma"),
+        # a draft on another target: one line naming both, before any work (README's first hour)
+        "export: draft for another target": (["export", "--draft", "default", "--format", "vllm", "--target", ll,
+                                              "--out", str(r / "e4")], "trained for smollm2-135m"),
+        "bench: draft for another target": (["bench", "--target", ll, "--draft", "default", "--limit", "1",
+                                             "--methods", "tree"], "trained for smollm2-135m"),
+        "doctor: draft for another target": (["doctor", "--target", ll, "--draft", "default", "--quick"],
+                                             "trained for smollm2-135m"),
+        "serve: draft for another target": (["serve", "--target", ll, "--draft", "default"],
+                                            "trained for smollm2-135m"),
         # checked before the model loads
         "serve: prefill chunk below 16": (["serve", "--target", ll, "--prefill-chunk", "8"],
                                           "--prefill-chunk must be >= 16 tokens (or 0: whole prompts), got 8"),

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..conventions import default_aux_indices, engine_views, to_engine_ids
-from ..draft import DraftCheckpoint
+from ..draft import DraftCheckpoint, check_draft_for_target, draft_misfit
 from ..errors import LayoutError
 from ..probe import (
     EvalSample,
@@ -255,6 +255,12 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     for the serving path (tests, tiny targets); else `num_samples` conversations of `source` (default: the
     training source, held-out rows only; else bundled ShareGPT). quick: identity and config checks only.
     weights: the engine forward's mode for the serving path (eyas.engine.weights.engine_model)."""
+    # a draft recorded for another model (its architecture, layers, widths or vocabulary) is refused in one line, as
+    # every command does; the same model with changed weights (the fingerprint alone), or a draft whose own shapes
+    # are off, is what the checks below report on
+    if any(p.startswith(("aux stream indices", "target.")) and not p.startswith("target.fingerprint ")
+           for p in draft_misfit(ckpt, target)):
+        check_draft_for_target(ckpt, target)
     checks = check_identity(target, ckpt, quick)
     man = ckpt.manifest or {}
     training = man.get("training") or {}

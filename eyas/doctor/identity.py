@@ -29,7 +29,8 @@ def _check_target_identity(target, ckpt: DraftCheckpoint, quick: bool = False) -
     if lay.target is None:
         return Check("target_identity", "warn", "the draft records no target identity; cannot tell which target "
                      "it was trained for", fix="retrain or import it with this eyas (`eyas import`)")
-    diffs = [d for d in layout_diff(lay, target.default_layout(lay.aux_indices)) if d[0].startswith("target.")]
+    # the target fields only: the recorded aux ids may not even fit this target (checked below)
+    diffs = [d for d in layout_diff(lay, target.default_layout()) if d[0].startswith("target.")]
     nums = {"recorded": lay.target.to_dict(), "now": now.to_dict()}
     bad = [k for k in lay.aux_indices if not 0 <= k <= now.num_layers]
     if bad:
