@@ -30,7 +30,10 @@ from eyas.engine.prompt import chat_input_ids
 from eyas.target.load import load_target
 
 TREES = {"cpu-default": SpecParams("tree", **{k: v for k, v in TREE_DEFAULTS["cpu"].items() if k != "steps"}),
-         "reference-6/10/60": SpecParams("tree", depth=6, topk=10, tokens=60, lookup=0, min_prob=0.0)}
+         "reference-6/10/60": SpecParams("tree", depth=6, topk=10, tokens=60, lookup=0, min_prob=0.0),
+         # the CPU default's shape without its context lookup: the drafts alone
+         "cpu-default-no-lookup": SpecParams("tree", **{k: v for k, v in TREE_DEFAULTS["cpu"].items()
+                                                        if k not in ("steps", "lookup")}, lookup=0)}
 DRAFTS = {"eagle3": [], "eagle3.1": ["--fc-norm"]}
 
 
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/fcnorm-ab")
+    ap.add_argument("--trees", default="cpu-default,reference-6/10/60", help=f"comma list of {', '.join(TREES)}")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     drafts = {name: train(a, name, extra) for name, extra in DRAFTS.items()}
@@ -90,7 +94,8 @@ def main() -> None:
     rows, outputs = [], {}
     for name, path in drafts.items():
         ck = load_draft(path)
-        for tree, spec in TREES.items():
+        for tree in a.trees.split(","):
+            spec = TREES[tree]
             eng = Engine(target, ck, spec)
             for set_name, prompts in sets.items():
                 new = rounds = 0
@@ -111,7 +116,8 @@ def main() -> None:
               "max_new_tokens": a.max_new_tokens, "heldout": {n: heldout(p) for n, p in drafts.items()},
               "rows": rows}
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "results.json").write_text(json.dumps(result, indent=2))
+    name = "results.json" if a.trees == ap.get_default("trees") else f"results-{a.trees.replace('/', '-')}.json"
+    (Path(a.out) / name).write_text(json.dumps(result, indent=2))
     print(f"CPU: {result['cpu']}; held-out: {result['heldout']}")
 
 
