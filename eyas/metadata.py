@@ -93,9 +93,11 @@ BY_KIND = {"eyas-shards": SHARD_MANIFEST, "eyas-draft": DRAFT_MANIFEST, "eyas-ex
 SCHEMAS = (SHARD_MANIFEST, DRAFT_MANIFEST, CHECKPOINT_MANIFEST, EXPORT_MANIFEST, TRAINER_STATE, DRAFT_CONFIG)
 
 
-def read_metadata(path: str | Path, schema: Schema, error: type[EyasError], fix: str) -> dict[str, Any]:
+def read_metadata(path: str | Path, schema: Schema, error: type[EyasError], fix: str,
+                  kind: str | None = None) -> dict[str, Any]:
     """The JSON object in `path`, checked against `schema`; anything else raises `error` naming the file, the
-    field and `fix`."""
+    field and `fix`. kind: the "kind" the file must declare, checked first (another tool's file of the same name
+    is named as such, not as a damaged one)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -109,6 +111,8 @@ def read_metadata(path: str | Path, schema: Schema, error: type[EyasError], fix:
         raise error(f"{path} is not valid JSON ({e}); {fix}") from e
     if not isinstance(data, dict):
         raise error(f"{path} holds a JSON {type(data).__name__}, expected the {schema.what} as an object; {fix}")
+    if kind is not None and data.get("kind") != kind:
+        raise error(f"{path}: kind {data.get('kind')!r}, expected {kind!r}: not the {schema.what} eyas writes")
     problem = check_fields(data, schema.fields, "")
     if problem:
         raise error(f"{path}: {problem}; {fix}")

@@ -323,7 +323,8 @@ def run_recipe(cfg: RecipeConfig, log=print) -> dict[str, Any]:
                 result = run(cfg, log)
         except (Interrupted, StoppedNow) as e:
             # the stage's own line, less its resume command (the recipe's is the one to rerun)
-            inner = f" ({str(e).split(' Resume with:')[0].rstrip('.')})" if isinstance(e, Interrupted) else ""
+            inner = f" ({str(e).split(' Resume with:')[0].rstrip('.')})" if isinstance(e, Interrupted) else \
+                f" (stopped by {e.signal_name}: nothing of the stage's current step was kept)"
             raise Interrupted(f"eyas recipe: stopped in stage {stage}{inner}. Rerun the recipe to resume (the stages "
                               f"done are kept, {stage} continues from what it saved): {portable_command()}") from None
         done[stage] = {"seconds": round(time.perf_counter() - t0, 1), "result": str(result) if result else None}

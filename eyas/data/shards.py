@@ -105,9 +105,7 @@ def load_manifest(folder: str | Path) -> dict[str, Any]:
     if not p.exists():
         raise ShardError(f"{folder} has no {MANIFEST}: not an eyas shard folder (make one with `eyas datagen`)")
     fix = f"the folder's manifest is damaged: rerun the `eyas datagen` that wrote {folder} into a new --out"
-    m = read_metadata(p, SHARD_MANIFEST, ShardError, fix)
-    if m["kind"] != KIND:
-        raise ShardError(f"{p}: kind {m['kind']!r}, expected {KIND!r}")
+    m = read_metadata(p, SHARD_MANIFEST, ShardError, fix, kind=KIND)
     if m["format_version"] != FORMAT_VERSION:
         raise ShardError(f"{p}: format_version {m['format_version']} but this eyas reads {FORMAT_VERSION}")
     return m
