@@ -315,6 +315,6 @@ def test_a_speedup_inside_plains_spread_against_itself_is_flagged():
             "tree": {"speedup_vs_plain": 1.6}}
     noise_lines(summ, {**noise, "same": 0}, con)
     out = con.file.getvalue()
-    assert "plain against itself: 1.25x over 1 prompts" in out and "±25%" in out
+    assert "plain against itself: 1.250x over 1 prompts" in out and "±25.0%" in out
     assert "other tokens on 1 prompt(s)" in out
     assert "lookup's 0.85x vs plain lies within" in out and "tree's" not in out

@@ -171,12 +171,12 @@ def noise_lines(summ: dict[str, Any], noise: dict[str, Any] | None, con) -> None
         return
     same = "" if noise["same"] == noise["prompts"] else \
         f"; [red]its repeat gave other tokens on {noise['prompts'] - noise['same']} prompt(s)[/red]"
-    con.print(f"plain against itself: {noise['ratio']:.2f}x over {noise['prompts']} prompts: this run's noise is "
-              f"±{noise['spread']:.0%}{same}")
+    con.print(f"plain against itself: {noise['ratio']:.3f}x over {noise['prompts']} prompts: this run's noise is "
+              f"±{noise['spread']:.1%}{same}")
     for m, s in summ.items():
         if m != "plain" and within_noise(s.get("speedup_vs_plain"), noise):
             con.print(f"[yellow]warning: {m}'s {s['speedup_vs_plain']:.2f}x vs plain lies within plain's spread "
-                      f"against itself (±{noise['spread']:.0%}): not a measured difference; rerun on a quiet "
+                      f"against itself (±{noise['spread']:.1%}): not a measured difference; rerun on a quiet "
                       "machine or with more prompts[/yellow]")
 
 
