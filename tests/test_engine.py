@@ -55,9 +55,14 @@ def prompts_for_training(n: int, seed: int = 7) -> list[list[int]]:
             for _ in range(n)]
 
 
-def train_draft(target: Target, steps: int = 80, ttt_steps: int = 3) -> DraftCheckpoint:
-    """Fit a draft with eyas.ttt on the target's own greedy continuations (few seconds)."""
+def train_draft(target: Target, steps: int = 80, ttt_steps: int = 3, fc_norm: bool = False) -> DraftCheckpoint:
+    """Fit a draft with eyas.ttt on the target's own greedy continuations (few seconds); fc_norm: an EAGLE 3.1
+    draft (one RMSNorm per aux state before fc)."""
+    from dataclasses import replace
+
     ck = random_draft(target, draft_vocab=VOCAB, seed=2)  # full vocab: every target token is reachable
+    if fc_norm:
+        ck.model = Eagle3Draft(replace(ck.model.config, fc_norm=True))
     ck.model.set_vocab_map(torch.arange(VOCAB))
     plain = Engine(target, None, SpecParams(method="plain"))
     seqs = []

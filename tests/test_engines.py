@@ -124,49 +124,13 @@ def test_fc_norm_is_one_rmsnorm_per_aux_state_before_fc():
     assert "fc_norm" not in DraftConfig(**{**cfg.to_dict(), "fc_norm": False}).hf_config(None)
 
 
-def train_fc_norm_draft(target, steps: int = 60):
-    """A draft with fc_norm fitted by eyas's TTT on the target's own greedy continuations (tests/test_engine.py's
-    recipe, a few seconds)."""
-    from dataclasses import replace
-
-    from eyas.draft import Eagle3Draft, random_draft
-    from eyas.engine.decode import Engine
-    from eyas.engine.params import SamplingParams, SpecParams
-    from eyas.target.capture import capture
-    from eyas.train.ttt import ttt_forward
-    from tests.test_engine import PROMPTS, VOCAB, prompts_for_training
-
-    ck = random_draft(target, draft_vocab=VOCAB, seed=2)
-    ck.model = Eagle3Draft(replace(ck.model.config, fc_norm=True))
-    ck.model.set_vocab_map(torch.arange(VOCAB))
-    plain = Engine(target, None, SpecParams(method="plain"))
-    seqs = [p + plain.generate(p, SamplingParams(max_new_tokens=40)).token_ids
-            for p in PROMPTS + prompts_for_training(28)]
-    S = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    mask = torch.zeros(len(seqs), S, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
-    cap = capture(target.model, ids, ck.layout)
-    d = ck.model
-    d.set_embeddings(target.embed_tokens().weight)
-    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
-    d.train()
-    for _ in range(steps):
-        out = ttt_forward(d, cap.aux, cap.final_prenorm, ids, mask, target.final_norm(), target.lm_head(), 3)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    d.eval()
-    return ck
-
-
 @pytest.fixture(scope="module")
 def tiny31():
     from tests.test_engine import make_target as engine_target
+    from tests.test_engine import train_draft
 
     tgt = engine_target()
-    return tgt, train_fc_norm_draft(tgt)
+    return tgt, train_draft(tgt, steps=60, fc_norm=True)
 
 
 def test_fc_norm_draft_trains_and_decodes_losslessly_in_torch_and_q8(tiny31):
