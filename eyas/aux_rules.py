@@ -181,8 +181,9 @@ def capture(rules: AuxRules, architecture: str | None, ids: list[int] | None, nu
                        f"{rules.label()} ({source}): the server refuses EAGLE3 for this target")
     if ids is None:
         layers = [2, L // 2, L - 3]
-        note = (f"no eagle_config ids: {rules.label()} uses [2, L//2, L-3] = {layers}"
-                + (" with no log line" if rules.silent_default else ""))
+        note = (f"no eagle_config ids: {rules.label()} uses layers [2, L//2, L-3] = {layers}"
+                + (" with no log line" if rules.silent_default else "")
+                + f" (the SGLang default {[x - 1 for x in layers]} as +1 ids)")
     else:
         layers = apply_kind(kind, list(ids), L)
         note = f"{kind}: ids {list(ids)} -> layers {layers}"
@@ -200,3 +201,53 @@ def invert(rules: AuxRules, architecture: str, streams: list[int], num_layers: i
         if c.status == "ok" and c.streams == want and not c.lost and all(x >= 0 for x in cand):
             return cand
     return None
+
+
+def newest(engine: str) -> AuxRules:
+    """The newest release read for `engine`: what an export writes ids for."""
+    return [r for r in ROWS if r.engine == engine][-1]
+
+
+def rules_for(engine: str, version: str | None) -> AuxRules:
+    """The row whose release is `version`, else the newest read row at or below it, else the oldest."""
+    from .engines import parse_version
+
+    rows = [r for r in ROWS if r.engine == engine]
+    if version is None:
+        return rows[-1]
+    v = parse_version(version)
+    below = [r for r in rows if parse_version(r.release) <= v]
+    return below[-1] if below else rows[0]
+
+
+def sglang_ids(streams: list[int], num_layers: int, architecture: str | None) -> tuple[list[int], list[str]]:
+    """The eagle_config ids that the newest SGLang read captures as `streams` on this target, and a note for each
+    read release that would capture other streams from them (what to pin). Raises LayoutError when the newest
+    release cannot capture them at all. An architecture no row lists gets the +1 ids of the llama-family rule,
+    said in the notes."""
+    from .engines import parse_version
+
+    row = newest("sglang")
+    want = sorted(streams)
+    if architecture not in row.rules:
+        ids = [k - 1 for k in want]
+        return ids, [f"target architecture {architecture or '(unknown)'}: no SGLang release read lists its rule; "
+                     f"ids {ids} are written for the +1 rule of the llama family (check with `eyas doctor flags`)"]
+    ids = invert(row, architecture, want, num_layers)
+    if ids is None:
+        kind = row.rules[architecture][0]
+        raise LayoutError(f"{row.label()} cannot capture streams {want} on a {architecture} target (its rule: "
+                          f"{kind}, {row.rules[architecture][1]}); serve with vLLM (ids as they are) or retrain "
+                          "with other --aux-indices")
+    notes = []
+    for other in ROWS:
+        if other.engine != "sglang" or other is row:
+            continue
+        c = capture(other, architecture, ids, num_layers)
+        if c.streams != want or c.lost:
+            got = "refuses EAGLE3 on it" if c.status == "refused" else f"captures streams {c.streams}" + (
+                f" (layers {c.lost} never met)" if c.lost else "")
+            pin = min((row.release, *row.also_read), key=parse_version)
+            notes.append(f"SGLang {other.release} {got} from these ids, not {want}: pin sglang>={pin} (read in "
+                         f"{', '.join((row.release, *row.also_read))})")
+    return ids, notes

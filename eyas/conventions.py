@@ -7,16 +7,10 @@ for facts only; no code copied):
 
 eyas        stream index k in 0..L (eyas/layout.py): 0 = embedding output, i = output of layer i-1 =
             input of layer i, L = last layer output before the final norm.
-SGLang      draft config `eagle_config.eagle_aux_hidden_state_layer_ids` only; a top-level list is never
-            read (python/sglang/srt/model_executor/model_runner.py ModelRunner.__init__: `eagle_config[
-            "eagle_aux_hidden_state_layer_ids"]`, None when eagle_config or the key is absent). The target then
-            does `layers_to_capture = [x + 1 for x in ids]` and captures the residual stream entering
-            layer i inside its layer loop (python/sglang/srt/models/llama.py, qwen2.py, ...
-            `set_eagle3_layers_to_capture`): id x = output of layer x = stream x+1, expressible stream
-            1..L-1; no ids -> stream [2, L//2, L-3]. `eagle_config.use_aux_hidden_state` false = no aux
-            capture (sglang/srt/speculative/eagle_worker.py, default true). SGLang's newer deepseek path
-            shifts only when ids[0] == 1 (model-specific); eyas targets the llama-family path above, which is
-            what LlamaForCausalLMEagle3 drafts run with.
+SGLang      draft config `eagle_config.eagle_aux_hidden_state_layer_ids` only; a top-level list is never read. What
+            the ids mean depends on the release and the TARGET's model class (eyas/aux_rules.py, read in each
+            release's files): +1 on the llama family (id x = output of layer x = stream x+1, 1..L-1), +1 only
+            when ids[0] == 1 on deepseek_v2 since 0.5.14; no ids -> stream [2, L//2, L-3], silently.
 SpecForge   trains and saves in SGLang's convention (configs/*-eagle3.json: `eagle_config` ids, default
             output-of ids [1, L//2-1, L-4]).
 vLLM        top-level `eagle_aux_hidden_state_layer_ids` first; if absent some builds fall back to
@@ -159,10 +153,17 @@ def engine_ids_table(indices: list[int], num_layers: int) -> dict[str, list[int]
 
 # ---- writing ids into a draft config -------------------------------------------------------------
 
-def sglang_config_ids(indices: list[int], num_layers: int) -> dict[str, Any]:
-    """The config entry SGLang (and SpecForge) read: eagle_config ids, output-of. Raises LayoutError when
-    SGLang cannot express the layout."""
-    return {"eagle_config": {IDS_KEY: to_engine_ids(indices, "sglang", num_layers), "use_aux_hidden_state": True}}
+def sglang_config_ids(indices: list[int], num_layers: int, architecture: str | None = None) -> dict[str, Any]:
+    """The config entry SGLang (and SpecForge) read: eagle_config ids, written so that the newest SGLang read
+    captures `indices` on an `architecture` target (its rule: eyas/aux_rules.py); output-of (+1) ids when no
+    release read lists the architecture. Raises LayoutError when SGLang cannot express the layout."""
+    from .aux_rules import newest, sglang_ids
+
+    if architecture in newest("sglang").rules:
+        ids = sglang_ids(indices, num_layers, architecture)[0]
+    else:
+        ids = to_engine_ids(indices, "sglang", num_layers)
+    return {"eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True}}
 
 
 def vllm_config_ids(indices: list[int], num_layers: int, semantics: bool = True) -> dict[str, Any]:
@@ -234,6 +235,7 @@ class EngineView:
     indices: list[int] | None
     source: str  # how the engine arrived at them
     when: str = ""  # the engine versions this applies to ('' = all)
+    unknown: bool = False  # the engine's rule for this target is not known: indices is None, not "no capture"
 
 
 def _ids(x: Any) -> list[int] | None:
@@ -248,17 +250,19 @@ def _view_ids(ids: list[int], eng: str, L: int, what: str) -> tuple[list[int] | 
         return None, f"{what}: {str(e).split(';')[0]} — the engine fails to start or captures garbage"
 
 
-def engine_views(cfg: dict[str, Any], engine: str, num_layers: int,
-                 semantics: str | None = None, reads_semantics: bool | None = None) -> list[EngineView]:
+def engine_views(cfg: dict[str, Any], engine: str, num_layers: int, semantics: str | None = None,
+                 reads_semantics: bool | None = None, architecture: str | None = None,
+                 release: str | None = None) -> list[EngineView]:
     """Read a draft config.json as `engine` does. More than one view means engine versions disagree.
     semantics: vLLM's `eagle_aux_layer_semantics` given in --speculative-config (overrides config.json's).
     reads_semantics: whether the vLLM version reads that key (eyas/engines.py; 0.32 does not); None = unknown,
-    so both readings are shown."""
+    so both readings are shown. architecture, release: the target's model class and the SGLang release, whose
+    rule decides what SGLang's ids mean (eyas/aux_rules.py; default: the newest release read)."""
     if _eagle_config(cfg).get("use_aux_hidden_state") is False:
         return [EngineView(engine, None, "eagle_config.use_aux_hidden_state is false: no aux capture, the "
                                          "draft gets the final 1xH state")]
     if engine == "sglang":
-        return _sglang_views(cfg, num_layers)
+        return _sglang_views(cfg, num_layers, architecture, release)
     if engine == "vllm":
         if reads_semantics is False:  # the key is never read: the ids are taken as they are
             cfg, semantics = {k: v for k, v in cfg.items() if k != SEMANTICS_KEY}, None
@@ -267,15 +271,31 @@ def engine_views(cfg: dict[str, Any], engine: str, num_layers: int,
     raise LayoutError(f"engine {engine!r}: expected 'sglang' or 'vllm'")
 
 
-def _sglang_views(cfg: dict[str, Any], L: int) -> list[EngineView]:
+def _sglang_views(cfg: dict[str, Any], L: int, architecture: str | None, release: str | None) -> list[EngineView]:
+    from .aux_rules import capture, rules_for
+
+    rules = rules_for("sglang", release)
     nested = _ids(_eagle_config(cfg).get(IDS_KEY))
-    if nested is not None:
-        idx, src = _view_ids(nested, "sglang", L, f"eagle_config.{IDS_KEY} {nested} (+1)")
-        return [EngineView("sglang", idx, src)]
     top = _ids(cfg.get(IDS_KEY))
-    ignored = f" (the top-level ids {top} are vLLM's; SGLang never reads them)" if top is not None else ""
-    return [EngineView("sglang", default_aux_indices(L), f"no eagle_config ids: SGLang default "
-                                                         f"{default_ids('sglang', L)} (output-of){ignored}")]
+    ignored = f" (the top-level ids {top} are vLLM's; SGLang never reads them)" if top is not None and \
+        nested is None else ""
+    c = capture(rules, architecture, nested, L)
+    if c.status == "unknown":
+        # the architecture's rule was not read: a reading every read rule agrees on is no guess
+        oks = [x for x in (capture(rules, a, nested, L) for a in rules.rules) if x.status == "ok"]
+        if len({(tuple(x.streams or ()), tuple(x.lost)) for x in oks}) != 1:
+            return [EngineView("sglang", None, f"{c.note}; {rules.label()}'s rules read these ids differently "
+                               "per architecture", unknown=True)]
+        c = oks[0]
+        c.source = f"{architecture or 'target architecture unknown'}: every {rules.label()} rule reads them alike"
+    if c.status == "refused":
+        return [EngineView("sglang", None, c.note)]
+    what = (f"eagle_config.{IDS_KEY} {nested} ({c.note.split(':')[0]}, {c.source})" if nested is not None
+            else f"{c.note} ({c.source}){ignored}")
+    if c.lost:
+        what += (f"; layers {c.lost} are outside what the target's forward captures, so they are never captured "
+                 f"and fc gets {len(c.streams or [])} states")
+    return [EngineView("sglang", [x for x in c.layers or [] if x not in c.lost], what)]  # as listed
 
 
 def _vllm_views(cfg: dict[str, Any], L: int, semantics: str | None) -> list[EngineView]:
@@ -307,16 +327,18 @@ def _vllm_views(cfg: dict[str, Any], L: int, semantics: str | None) -> list[Engi
     return views
 
 
-def config_fix(engine: str, layout: list[int], num_layers: int) -> str:
-    """The config.json edit that pins `layout` for `engine` (ids in that engine's own convention)."""
+def config_fix(engine: str, layout: list[int], num_layers: int, architecture: str | None = None) -> str:
+    """The config.json edit that pins `layout` for `engine` (ids in that engine's own convention; SGLang's as
+    the newest release read maps them on an `architecture` target)."""
     if engine == "sglang":
         try:
-            ids = to_engine_ids(layout, "sglang", num_layers)
+            ids = sglang_config_ids(layout, num_layers, architecture)["eagle_config"][IDS_KEY]
         except LayoutError:
             return (f"SGLang cannot capture stream {layout} (its ids mean output-of, so neither the embedding 0 nor "
                     f"the final state {num_layers} is expressible): serve this draft with vLLM or eyas, or retrain")
+        how = "output-of: stream - 1" if ids == [k - 1 for k in layout] else f"as the {architecture} rule reads them"
         return (f'set "eagle_config": {{"{IDS_KEY}": {ids}, "use_aux_hidden_state": true}} '
-                f"in the draft's config.json (SGLang ids mean output-of: stream {layout} - 1)")
+                f"in the draft's config.json (SGLang ids {how})")
     return (f'set top-level "{IDS_KEY}": {to_engine_ids(layout, "vllm", num_layers)} '
             f'and "{SEMANTICS_KEY}": "vllm" in the draft\'s config.json (vLLM ids mean input-of = eyas '
             'stream indices; the explicit semantics keeps newer vLLM from adding 1)')

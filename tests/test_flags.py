@@ -12,7 +12,8 @@ from eyas.doctor.flags import FlagsError, lint_serve_command, parse_serve_comman
 L = 30  # a SmolLM2-sized target: the EAGLE-3 default is stream [2, 15, 27] = SGLang ids [1, 14, 26]
 
 
-def draft_dir(tmp_path, config: dict | None = None, layout=(2, 15, 27), manifest: bool = True):
+def draft_dir(tmp_path, config: dict | None = None, layout=(2, 15, 27), manifest: bool = True,
+              arch: str | None = "LlamaForCausalLM"):
     d = tmp_path / "draft"
     d.mkdir(exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 576, "target_hidden_size": 576,
@@ -24,7 +25,8 @@ def draft_dir(tmp_path, config: dict | None = None, layout=(2, 15, 27), manifest
     if manifest:
         (d / "eyas_manifest.json").write_text(json.dumps({
             "kind": "eyas-draft", "layout": {"convention": "eyas-stream-v1", "aux_indices": list(layout),
-                                             "target": {"num_layers": L, "hidden_size": 576}}}))
+                                             "target": {"num_layers": L, "hidden_size": 576,
+                                                        **({"architecture": arch} if arch else {})}}}))
     return d
 
 
@@ -297,12 +299,14 @@ def test_sglang_launch_on_layers0_weights_fails(tmp_path):
     # SGLang's LlamaForCausalLMEagle3.load_weights drops names it has no parameter for: layers.0.* would leave
     # the draft layer random while the server starts fine
     d = tiny_draft(tmp_path, tiny_shapes("layers.0."))
-    lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
+    lint = lint_serve_command(sglang(d, *SGLANG_OK), d, engine_version="0.5.6")
     c = by_name(lint)["weights"]
     assert c.status == "fail" and "layers.0" in c.summary and "without a word" in c.summary and not lint.ok
     assert "midlayer" in c.fix
-    # the same folder in vLLM is fine (it loads layers.0.* and renames midlayer.* itself)
+    # the same folder in vLLM is fine (it loads layers.0.* and renames midlayer.* itself), and in SGLang 0.5.23,
+    # whose load_weights renames midlayer to layers.0 and places both
     assert lint_serve_command(vllm_spec(d), d).ok
+    assert by_name(lint_serve_command(sglang(d, *SGLANG_OK), d, engine_version="0.5.23"))["weights"].status == "pass"
     _weights(d, tiny_shapes())
     lint = lint_serve_command(sglang(d, *SGLANG_OK), d)
     assert by_name(lint)["weights"].status == "pass" and lint.ok, [(c.name, c.summary) for c in lint.checks]

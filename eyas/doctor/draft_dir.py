@@ -28,6 +28,8 @@ class DraftInfo:
     weight_shapes: dict[str, list[int]] | None = None  # their shapes, from the same headers
     target_vocab: int | None = None  # the target's vocabulary (eyas manifest)
     engine_versions: dict[str, str] | None = None  # the engine versions an eyas export targets (its manifest)
+    target_arch: str | None = None  # the target's model class (the manifest's, or the launch's --model-path config)
+    target_arch_from: str = ""  # where target_arch was read
 
 
 def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasError]) -> DraftInfo:
@@ -38,7 +40,7 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
         raise error(f"--draft {p}: no config.json there. Expected a draft folder (an eyas draft, or an "
                          "SGLang/vLLM EAGLE-3 checkpoint) — the engines read their aux ids from that file.")
     cfg = read_metadata(cfg_path, DRAFT_CONFIG, error, "the draft folder is corrupt — re-export or re-save it")
-    layout = None
+    layout = arch = None
     target_hidden = target_vocab = None
     versions = None
     man = p / "eyas_manifest.json"
@@ -57,6 +59,7 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
             num_layers = int(t["num_layers"])
         target_hidden = t.get("hidden_size")
         target_vocab = t.get("vocab_size")
+        arch = t.get("architecture") if isinstance(t.get("architecture"), str) else None
         versions = m.get("engine_versions") if isinstance(m.get("engine_versions"), dict) else None
     archs = [str(a) for a in cfg.get("architectures") or []]
     is_eagle3 = (man.is_file() or any("eagle3" in a.lower() for a in archs) or has_aux_ids(cfg)
@@ -64,7 +67,8 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
     shapes = weight_shapes(p, error)
     return DraftInfo(path=p, config=cfg, layout=layout, num_layers=num_layers, target_hidden=target_hidden,
                      is_eagle3=is_eagle3, weight_names=None if shapes is None else list(shapes),
-                     weight_shapes=shapes, target_vocab=target_vocab, engine_versions=versions)
+                     weight_shapes=shapes, target_vocab=target_vocab, engine_versions=versions, target_arch=arch,
+                     target_arch_from="the draft's eyas manifest" if arch else "")
 
 
 def weight_shapes(folder: Path, error: type[EyasError]) -> dict[str, list[int]] | None:
@@ -87,3 +91,23 @@ def weight_shapes(folder: Path, error: type[EyasError]) -> dict[str, list[int]] 
         shapes.update({k: [int(x) for x in v.get("shape", [])] for k, v in header.items()
                        if k != "__metadata__" and isinstance(v, dict)})
     return shapes
+
+
+def launch_target_arch(info: DraftInfo, model: str | None) -> str | None:
+    """Take the target's model class from the launch's --model-path when it is a local folder (what the server
+    loads decides the engine's aux-id rule); a note when it differs from the draft's manifest, else None."""
+    cfg_path = Path(model) / "config.json" if model else None
+    if cfg_path is None or not cfg_path.is_file():
+        return None
+    try:
+        archs = json.loads(cfg_path.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not archs or not isinstance(archs[0], str):
+        return None
+    note = None
+    if info.target_arch and info.target_arch != archs[0]:
+        note = (f"the launch's target {model} is a {archs[0]}, the draft was trained on a {info.target_arch} "
+                f"({info.target_arch_from}): judged as the launch's")
+    info.target_arch, info.target_arch_from = archs[0], str(cfg_path)
+    return note

@@ -21,7 +21,7 @@ from ..conventions import SEMANTICS_KEY
 from ..engines import ENGINE_NAMES, EngineRow, engine_row
 from ..errors import EyasError
 from .checklist import Check, render_checks, render_fixes
-from .draft_dir import DraftInfo, read_draft_dir
+from .draft_dir import DraftInfo, launch_target_arch, read_draft_dir
 from .traps import ids_check, norm_check, residual_check, size_check, vllm_spec_checks, vocab_map_check, weights_check
 
 
@@ -293,8 +293,8 @@ def lint_serve_command(argv: list[str], draft_dir: str | Path, num_layers: int |
 def _folder_checks(info: DraftInfo, row: EngineRow, semantics: str | None = None) -> tuple[list[Check], list[str]]:
     """What the engine version makes of the folder: sizes, weight names, fusion norms, aux states."""
     reads_sem = None if row.engine != "vllm" else SEMANTICS_KEY not in row.ignores
-    ids, edit = ids_check(info, row.engine, semantics, reads_sem)
-    checks = [size_check(info, row.engine), weights_check(info, row), vocab_map_check(info), norm_check(info, row),
+    ids, edit = ids_check(info, row.engine, semantics, reads_sem, row.versions.split(" ")[0])
+    checks = [size_check(info, row), weights_check(info, row), vocab_map_check(info), norm_check(info, row),
               residual_check(info, row)]
     edits = [c.fix for c in checks if c.status == "fail" and c.fix.startswith("set ")]  # config.json edits
     return checks + [ids], edits + ([edit] if edit else [])
@@ -383,7 +383,10 @@ def _lint_sglang(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint
                             numbers=nums))
     # 3. draft path vs the folder linted
     _path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
-    # 4. the folder as this SGLang version loads it: sizes, weight names, fusion norms, aux ids (eyas/engines.py)
+    # 4. the folder as this SGLang version loads it: sizes, weight names, fusion norms, aux ids (eyas/engines.py);
+    # the target's model class picks the id rule (eyas/aux_rules.py)
+    note = launch_target_arch(info, cmd.opts.get("model"))
+    checks += [Check("target", "warn", note)] if note else []
     folder, edits = _folder_checks(info, row)
     return FlagLint("sglang", checks + folder, argv, edits)
 

@@ -17,7 +17,7 @@ from .draft_dir import DraftInfo
 
 # ---- sizes ------------------------------------------------------------------------------------------
 
-def size_check(info: DraftInfo, engine: str) -> Check:
+def size_check(info: DraftInfo, row: EngineRow) -> Check:
     """Every size key against the tensors' shapes: both engines build each parameter from config.json and then
     refuse (or mis-place) a tensor of another shape, so a wrong draft_vocab_size, hidden_size, ... never serves."""
     if not info.weight_shapes:
@@ -29,7 +29,8 @@ def size_check(info: DraftInfo, engine: str) -> Check:
     hd = hd or (H // nh if H and nh else None)
     vd = c.get("draft_vocab_size") or c.get("vocab_size")  # both engines fall back to vocab_size
     ht = c.get("target_hidden_size") or H
-    n = num_aux(info.config, engine)
+    engine = row.engine
+    n = num_aux(info.config, row)
     # (config key, its value, tensor, axis, expected size, the value the tensor implies)
     rules: list[tuple[str, Any, str, int, Any, Any]] = [
         ("draft_vocab_size", vd, "lm_head.weight", 0, vd, None),
@@ -155,9 +156,9 @@ def norm_check(info: DraftInfo, row: EngineRow) -> Check:
         return Check("fusion_norm", "fail", f"the draft turns on {', '.join(ignored)} (EAGLE 3.1), which "
                      f"{row.label()} never reads: it serves the draft without its fusion norm, acceptance "
                      "collapses (τ near 1) with no error", numbers={"keys": on},
-                     fix="serve this draft with vLLM >= 0.32 (reads fc_norm and norm_before_fc), or with an SGLang "
-                         "build that reads fc_norm; or train a plain EAGLE-3 draft (without --fc-norm)")
-    if row.engine == "sglang" and flag(info.config, "norm_output"):
+                     fix="serve this draft with SGLang >= 0.5.21 or vLLM >= 0.32 (both read fc_norm and "
+                         "norm_before_fc); or train a plain EAGLE-3 draft (without --fc-norm)")
+    if row.engine == "sglang" and flag(info.config, "norm_output") and "norm_output" in row.ignores:
         return Check("fusion_norm", "fail", f"norm_output: true (the post-norm state fed back), which "
                      f"{row.label()} never reads: it feeds back the pre-norm state", fix="serve with vLLM >= 0.32")
     if row.engine == "vllm" and flag(info.config, "norm_output") and info.layout is not None:
@@ -196,7 +197,7 @@ def residual_check(info: DraftInfo, row: EngineRow) -> Check:
 # ---- aux states: what the engine concatenates vs what fc was trained on ----------------------------------
 
 def ids_check(info: DraftInfo, engine: str, semantics: str | None = None,
-              reads_semantics: bool | None = None) -> tuple[Check, str | None]:
+              reads_semantics: bool | None = None, release: str | None = None) -> tuple[Check, str | None]:
     """The aux states `engine` concatenates (config.json read as it reads it; both engines capture each layer once,
     in layer order, whatever order the ids are listed in) against the ones the draft's fc was trained on, in the
     order fc takes them (the eyas manifest's layout)."""
@@ -205,7 +206,12 @@ def ids_check(info: DraftInfo, engine: str, semantics: str | None = None,
         return Check("aux_ids", "warn", f"cannot tell which layers {engine} captures: the target's layer count "
                      "is unknown (no eyas manifest in the draft folder)",
                      fix="pass --num-layers L (the target's num_hidden_layers)"), None
-    views = engine_views(info.config, engine, L, semantics, reads_semantics)
+    views = engine_views(info.config, engine, L, semantics, reads_semantics, info.target_arch, release)
+    if any(v.unknown for v in views):
+        return Check("aux_ids", "warn", f"cannot tell which streams {engine} captures: " + views[0].source,
+                     numbers={"views": [asdict(v) for v in views], "trained": info.layout, "num_layers": L},
+                     fix="give the launch's --model-path as a local folder (its config.json names the target's "
+                         "architecture), or export the draft with eyas, whose manifest records it"), None
     concat = [None if v.indices is None else sorted(set(v.indices)) for v in views]
     nums: dict[str, Any] = {"views": [asdict(v) for v in views], "concatenated": concat, "trained": info.layout,
                             "num_layers": L}
@@ -228,7 +234,7 @@ def ids_check(info: DraftInfo, engine: str, semantics: str | None = None,
                      f"draft's fc was trained on the concatenation {trained}: every block of fc reads the wrong "
                      "layer", numbers=nums, details=lines, fix="export it with `eyas export`, which permutes fc's "
                      "input blocks into layer order (exact)"), None
-    fix = config_fix(engine, sorted(trained), L)
+    fix = config_fix(engine, sorted(trained), L, info.target_arch if engine == "sglang" else None)
     why = []
     for v, c in bad:
         if c is None:

@@ -222,7 +222,7 @@ def self_check(names: list[str], config: dict[str, Any], fmt: str) -> list[str]:
     engine = "sglang" if fmt == "sglang" else "vllm"
     row = next(r for r in TABLE if r.engine == engine and r.versions.split(" ")[0] == EXPORT_TARGETS[engine])
     warnings = []
-    if engine == "sglang" and flag(config, "fc_norm"):
+    if engine == "sglang" and flag(config, "fc_norm") and "fc_norm" in row.ignores:
         # SpecForge's names and key; SGLang as verified here ignores both (eyas doctor flags says so at launch)
         row = _reading_fc_norm(row)
         warnings.append(f"{EXPORT_TARGETS['sglang']}-era SGLang never reads fc_norm (llama_eagle3.py as stored): "
