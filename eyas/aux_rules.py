@@ -236,9 +236,16 @@ def sglang_ids(streams: list[int], num_layers: int, architecture: str | None) ->
     ids = invert(row, architecture, want, num_layers)
     if ids is None:
         kind = row.rules[architecture][0]
+        why = []
+        if 0 in want and kind == "plus1":
+            why.append("the embedding (stream 0) would need id -1, which the forward never meets")
+        if num_layers in want and architecture not in row.final:
+            why.append(f"the final pre-norm state (stream {num_layers}) is never captured by this model's forward")
+        if want and want[0] == 1 and kind == "plus1_if_first_is_1":
+            why.append("stream 1 first: id 0 is taken as it is and id 1 is shifted to 2")
         raise LayoutError(f"{row.label()} cannot capture streams {want} on a {architecture} target (its rule: "
-                          f"{kind}, {row.rules[architecture][1]}); serve with vLLM (ids as they are) or retrain "
-                          "with other --aux-indices")
+                          f"{kind}, {row.rules[architecture][1]}" + (f": {'; '.join(why)}" if why else "")
+                          + "); serve with vLLM (ids as they are) or retrain with other --aux-indices")
     notes = []
     for other in ROWS:
         if other.engine != "sglang" or other is row:

@@ -281,9 +281,10 @@ def _sglang_views(cfg: dict[str, Any], L: int, architecture: str | None, release
         nested is None else ""
     c = capture(rules, architecture, nested, L)
     if c.status == "unknown":
-        # the architecture's rule was not read: a reading every read rule agrees on is no guess
+        # an architecture named but not listed is unknown; none named: a reading every read rule agrees on is
+        # no guess
         oks = [x for x in (capture(rules, a, nested, L) for a in rules.rules) if x.status == "ok"]
-        if len({(tuple(x.streams or ()), tuple(x.lost)) for x in oks}) != 1:
+        if architecture is not None or len({(tuple(x.streams or ()), tuple(x.lost)) for x in oks}) != 1:
             return [EngineView("sglang", None, f"{c.note}; {rules.label()}'s rules read these ids differently "
                                "per architecture", unknown=True)]
         c = oks[0]

@@ -119,7 +119,8 @@ class DraftConfig:
             try:
                 # both engines' entries: each reads only its own (eyas/conventions.py), and without vLLM's some
                 # vLLM builds use SGLang's eagle_config ids as-is (off by one) and others the target default
-                out.update(sglang_config_ids(layout.aux_indices, layout.target.num_layers))
+                out.update(sglang_config_ids(layout.aux_indices, layout.target.num_layers,
+                                             layout.target.architecture))
                 out.update(vllm_config_ids(layout.aux_indices, layout.target.num_layers, semantics=False))
             except LayoutError:
                 pass  # not expressible in SGLang; the eyas manifest still holds the truth

@@ -241,6 +241,11 @@ def ids_check(info: DraftInfo, engine: str, semantics: str | None = None,
             why.append(f"{v.when or engine}: {v.source}")
             continue
         kind = off_by_one_note(engine, c, sorted(trained))
+        rule = next((r for r in ("plus1_if_first_is_1", "as_is_if_max_is_L") if r in v.source), None)
+        if kind and rule and [k + 1 for k in c] == sorted(trained):
+            # the founding fault, 2026 form: +1 ids on a target whose rule takes them as they are
+            kind = (f" — off by one: ids written for the llama family's +1 rule, but this target's rule ({rule}) "
+                    "takes them as they are")
         if not kind and c == default_aux_indices(L):
             kind = " — the engine default, not what the draft was trained on"
         if len(c) != len(trained):

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..conventions import engine_ids_table, read_ids, to_engine_ids
+from ..aux_rules import sglang_ids
+from ..conventions import IDS_KEY, engine_ids_table, read_ids, to_engine_ids
 from ..draft import MANIFEST, DraftCheckpoint, load_draft
 from ..engines import EXPORT_TARGETS, TABLE, EngineRow, flag, loader_misfit
 from ..errors import EyasError
@@ -176,6 +177,9 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
                                     architecture, speculative_tokens=launch.steps)
     sd = export_weights(ckpt, order, fmt, dtype, embeddings)
     warnings = self_check(list(sd), config, fmt)
+    if fmt in ("sglang", "vllm") and "eagle_config" in config and IDS_KEY in config["eagle_config"]:
+        # the SGLang releases read that would capture other streams from the ids written (what to pin)
+        warnings += sglang_ids(layout.aux_indices, L, layout.target.architecture)[1]
     launch_cmd = launch_command(fmt, serve_as, str(out.resolve()), launch)
     src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
     manifest = {
@@ -260,7 +264,10 @@ def export_layout(layout: Layout, fmt: str) -> tuple[Layout, list[int]]:
         layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
                         target=layout.target, norms=dict(layout.norms))
     try:
-        to_engine_ids(layout.aux_indices, fmt, L)  # refuses what the engine cannot express, with why
+        if fmt == "sglang":  # what SGLang can capture depends on the release and the target's model class
+            sglang_ids(layout.aux_indices, L, layout.target.architecture)
+        else:
+            to_engine_ids(layout.aux_indices, fmt, L)  # refuses what the engine cannot express, with why
     except LayoutError as e:
         raise ExportError(f"cannot export to {fmt}: {e}") from e
     if fmt in ("sglang", "vllm") and layout.num_aux != 3:

@@ -112,6 +112,11 @@ def _rope(cfg: DraftConfig) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
 
 
+def _arch(layout: Layout) -> str | None:
+    """The target's model class: SGLang's id rule depends on it (eyas/aux_rules.py)."""
+    return layout.target.architecture if layout.target is not None else None
+
+
 def sglang_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any]:
     """SGLang/SpecForge config: ids output-of in eagle_config (what SGLang reads). The same layout is also
     written top-level in vLLM's input-of convention: vLLM reads the top level first, so a user who points
@@ -119,7 +124,7 @@ def sglang_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any
     L = _layers(layout)
     out = cfg.hf_config(None)
     out.update(_rope(cfg))
-    out.update(sglang_config_ids(layout.aux_indices, L))
+    out.update(sglang_config_ids(layout.aux_indices, L, _arch(layout)))
     out.update(vllm_config_ids(layout.aux_indices, L))  # with the explicit semantics: newer vLLM must not add 1
     out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
     return out
@@ -134,7 +139,7 @@ def vllm_config(cfg: DraftConfig, layout: Layout, dtype: str) -> dict[str, Any]:
     out.update(vllm_config_ids(layout.aux_indices, L))
     out["norm_before_residual"] = False  # vLLM's draft layer reads this flag; eyas's residual is the raw h
     try:
-        out.update(sglang_config_ids(layout.aux_indices, L))
+        out.update(sglang_config_ids(layout.aux_indices, L, _arch(layout)))
     except LayoutError:  # e.g. stream 0: SGLang cannot capture it; the manifest records why
         out["eagle_config"] = {"use_aux_hidden_state": True}
     out["torch_dtype"] = out["dtype"] = TORCH_DTYPE_NAMES[dtype]
