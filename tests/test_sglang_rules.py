@@ -46,8 +46,8 @@ def deepseek() -> Target:
 def gpt_oss() -> Target:
     cfg = tf.GptOssConfig(vocab_size=128, hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=16, intermediate_size=32, num_local_experts=4,
-                          num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 3,
-                          max_position_embeddings=256)
+                          num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256,
+                          layer_types=["sliding_attention", "full_attention"] * 3)
     return _target(tf.GptOssForCausalLM(cfg).eval())
 
 
