@@ -208,10 +208,13 @@ def newest(engine: str) -> AuxRules:
     return [r for r in ROWS if r.engine == engine][-1]
 
 
-def rules_for(engine: str, version: str | None) -> AuxRules:
-    """The row whose release is `version`, else the newest read row at or below it, else the oldest."""
+def rules_for(engine: str, version: str | AuxRules | None) -> AuxRules:
+    """The row whose release is `version`, else the newest read row at or below it, else the oldest (rules
+    derived from an installed engine pass through)."""
     from .engines import parse_version
 
+    if isinstance(version, AuxRules):
+        return version
     rows = [r for r in ROWS if r.engine == engine]
     if version is None:
         return rows[-1]

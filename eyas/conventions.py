@@ -252,7 +252,7 @@ def _view_ids(ids: list[int], eng: str, L: int, what: str) -> tuple[list[int] | 
 
 def engine_views(cfg: dict[str, Any], engine: str, num_layers: int, semantics: str | None = None,
                  reads_semantics: bool | None = None, architecture: str | None = None,
-                 release: str | None = None) -> list[EngineView]:
+                 release: Any = None) -> list[EngineView]:
     """Read a draft config.json as `engine` does. More than one view means engine versions disagree.
     semantics: vLLM's `eagle_aux_layer_semantics` given in --speculative-config (overrides config.json's).
     reads_semantics: whether the vLLM version reads that key (eyas/engines.py; 0.32 does not); None = unknown,
@@ -271,7 +271,7 @@ def engine_views(cfg: dict[str, Any], engine: str, num_layers: int, semantics: s
     raise LayoutError(f"engine {engine!r}: expected 'sglang' or 'vllm'")
 
 
-def _sglang_views(cfg: dict[str, Any], L: int, architecture: str | None, release: str | None) -> list[EngineView]:
+def _sglang_views(cfg: dict[str, Any], L: int, architecture: str | None, release: Any) -> list[EngineView]:
     from .aux_rules import capture, rules_for
 
     rules = rules_for("sglang", release)

@@ -168,14 +168,17 @@ class RowChoice:
     why: str  # how the row was chosen (said to the user)
 
 
-def engine_row(engine: str, version: str | None, exported_for: str | None = None) -> RowChoice:
-    """The table row for `engine` at `version`; without a version, the one the export targets (its manifest's
-    record), else the newest verified row. A version older than every row, or newer than the newest, gets the
-    nearest verified row and says so."""
+def engine_row(engine: str, version: str | None, exported_for: str | None = None,
+               installed: str | None = None) -> RowChoice:
+    """The table row for `engine` at `version`; without a version, the engine installed here, else the one the
+    export targets (its manifest's record), else the newest verified row. A version older than every row, or newer
+    than the newest, gets the nearest verified row and says so."""
     rows = sorted((r for r in TABLE if r.engine == engine), key=lambda r: r.min_version)
     if not rows:
         raise ValueError(f"engine {engine!r}: expected one of {ENGINE_NAMES}")
     asked, how = version, "--engine-version"
+    if asked is None and installed:
+        asked, how = installed, "the version installed here"
     if asked is None and exported_for:
         asked, how = exported_for, "the version the export targets"
     if asked is None:

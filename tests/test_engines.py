@@ -73,7 +73,9 @@ def test_engine_flag_is_checked_against_the_command(tmp_path, target):
     with pytest.raises(FlagsError, match="not a version"):
         lint_serve_command(vllm(out), out, engine_version="newest")
     lint = lint_serve_command(vllm(out), out, engine="vllm")
-    assert lint.ok and "the version the export targets" in by_name(lint)["engine_version"].summary
+    # with vLLM installed here (`make vllm`) its version decides, else the version the export targets
+    said = by_name(lint)["engine_version"].summary
+    assert lint.ok and ("the version installed here" in said or "the version the export targets" in said), said
     assert json.loads((out / "eyas_manifest.json").read_text())["engine_versions"]["vllm"] == "0.32"
 
 

@@ -162,3 +162,62 @@ def test_unknown_architecture_is_named_not_guessed(tmp_path, deepseek):
     (res.path / "eyas_manifest.json").write_text(json.dumps(man))
     c, _ = _aux(res.path, "0.5.23")
     assert c.status == "warn" and "FalconH1ForCausalLM" in c.summary and "rule for it was not read" in c.summary
+
+
+def _planted_sglang(root: Path, version: str = "0.5.24") -> Path:
+    """A stand-in SGLang release whose deepseek_v2.py adds 1 to every id again (a rule eyas's table does not
+    have): written here, as a site-packages folder, for eyas to read as it reads an installed engine."""
+    models = root / "sglang" / "srt" / "models"
+    models.mkdir(parents=True)
+    (models / "deepseek_v2.py").write_text(
+        "class DeepseekV2ForCausalLM:\n"
+        "    def set_eagle3_layers_to_capture(self, layer_ids=None):\n"
+        "        if layer_ids is None:\n"
+        "            self.model.layers_to_capture = [2, 4, 5]\n"
+        "        else:\n"
+        "            self.model.layers_to_capture = [v + 1 for v in layer_ids]\n\n\n"
+        "class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):\n    pass\n")
+    meta = root / f"sglang-{version}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Name: sglang\nVersion: {version}\n")
+    return root
+
+
+def test_installed_engine_decides_over_the_table(tmp_path, deepseek, monkeypatch):
+    res = export(make_draft(tmp_path / "d", deepseek, [3, 4, 6]), "sglang", tmp_path / "sg", deepseek)
+    monkeypatch.delenv("EYAS_SGLANG_SOURCE", raising=False)
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", "M", "--speculative-draft-model-path",
+            str(res.path), *SG]
+    lint = lint_serve_command(argv, res.path)
+    src = next(c for c in lint.checks if c.name == "engine_source")
+    if src.summary.startswith("no sglang installed"):  # the table, and which wheel it was read from
+        assert "sglang 0.5.23 rules (read from the sglang-0.5.23 wheel" in src.summary
+    monkeypatch.setenv("EYAS_SGLANG_SOURCE", str(_planted_sglang(tmp_path / "site")))
+    lint = lint_serve_command(argv, res.path)
+    src = next(c for c in lint.checks if c.name == "engine_source")
+    assert src.status == "warn" and "sglang 0.5.24 (installed" in src.summary
+    assert "unlike the table's sglang 0.5.23 (plus1_if_first_is_1): plus1" in src.summary
+    assert "using what the installed engine does" in src.summary
+    c = next(c for c in lint.checks if c.name == "aux_ids")
+    assert c.status == "fail" and "stream [4, 5, 7]" in c.details[0]  # the installed rule, not the table's
+    assert "the version installed here" in next(c for c in lint.checks if c.name == "engine_version").summary
+    # export where that SGLang is installed writes the ids it maps right, and says why
+    res2 = export(make_draft(tmp_path / "d2", deepseek, [3, 4, 6]), "sglang", tmp_path / "sg2", deepseek)
+    assert _ids(res2.path) == [2, 3, 5]
+    assert any("sglang 0.5.24 installed here maps ids for DeepseekV3ForCausalLM" in w for w in res2.warnings)
+
+
+def test_installed_real_release_agrees_with_the_table(tmp_path, deepseek, monkeypatch):
+    from eyas.engine_source import SourceError, download_wheel
+
+    try:
+        wheel = download_wheel("sglang", "0.5.23")
+    except SourceError as e:
+        pytest.skip(f"sglang 0.5.23's wheel is not available here: {e}")
+    monkeypatch.setenv("EYAS_SGLANG_SOURCE", str(wheel))
+    res = export(make_draft(tmp_path / "d", deepseek, [3, 4, 6]), "sglang", tmp_path / "sg", deepseek)
+    assert _ids(res.path) == [3, 4, 6]
+    c, lint = _aux(res.path, "0.5.23")
+    src = next(x for x in lint.checks if x.name == "engine_source")
+    assert src.status == "pass" and "as the table's sglang 0.5.23 does (plus1_if_first_is_1" in src.summary
+    assert c.status == "pass"

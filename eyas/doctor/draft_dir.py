@@ -14,6 +14,7 @@ from ..conventions import has_aux_ids
 from ..errors import EyasError
 from ..files import check_file, note_unverified
 from ..metadata import DRAFT_CONFIG, EXPORT_MANIFEST, read_metadata
+from .checklist import Check
 
 
 @dataclass
@@ -30,6 +31,7 @@ class DraftInfo:
     engine_versions: dict[str, str] | None = None  # the engine versions an eyas export targets (its manifest)
     target_arch: str | None = None  # the target's model class (the manifest's, or the launch's --model-path config)
     target_arch_from: str = ""  # where target_arch was read
+    aux_rules: Any = None  # the installed engine's aux-id rules when they differ from the table (AuxRules)
 
 
 def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasError]) -> DraftInfo:
@@ -111,3 +113,14 @@ def launch_target_arch(info: DraftInfo, model: str | None) -> str | None:
                 f"({info.target_arch_from}): judged as the launch's")
     info.target_arch, info.target_arch_from = archs[0], str(cfg_path)
     return note
+
+
+def path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: str) -> None:
+    if path is None:
+        checks.append(Check("draft_path", "fail", f"no {flag}: the server has no draft to load",
+                            fix=f"{flag} {info.path}"))
+    elif Path(path).exists() and Path(path).resolve() != info.path.resolve():
+        checks.append(Check("draft_path", "warn", f"the command loads {path}, but the folder linted is {info.path}; "
+                            "the config.json findings below are about the latter", fix=f"{flag} {info.path}"))
+    else:
+        checks.append(Check("draft_path", "pass", f"draft {path}"))

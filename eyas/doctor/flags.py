@@ -21,7 +21,8 @@ from ..conventions import SEMANTICS_KEY
 from ..engines import ENGINE_NAMES, EngineRow, engine_row
 from ..errors import EyasError
 from .checklist import Check, render_checks, render_fixes
-from .draft_dir import DraftInfo, launch_target_arch, read_draft_dir
+from .draft_dir import DraftInfo, launch_target_arch, path_check, read_draft_dir
+from .installed import installed_check, installed_source
 from .traps import ids_check, norm_check, residual_check, size_check, vllm_spec_checks, vocab_map_check, weights_check
 
 
@@ -279,21 +280,29 @@ def lint_serve_command(argv: list[str], draft_dir: str | Path, num_layers: int |
         raise FlagsError(f"--engine {engine} but the command starts {cmd.engine}: pass the {engine} launch command, "
                          f"or --engine {cmd.engine}")
     info = read_draft_dir(draft_dir, num_layers, FlagsError)
+    installed = installed_source(cmd.engine)  # its own files decide over the table (eyas/doctor/installed.py)
     try:
-        choice = engine_row(cmd.engine, engine_version, (info.engine_versions or {}).get(cmd.engine))
+        choice = engine_row(cmd.engine, engine_version, (info.engine_versions or {}).get(cmd.engine),
+                            installed.version if installed else None)
     except ValueError as e:
         raise FlagsError(f"--engine-version: {e}") from e
-    head = Check("engine_version", "pass", choice.why, numbers={"row": choice.row.label(),
-                                                                "source": choice.row.source})
+    head = [Check("engine_version", "pass", choice.why, numbers={"row": choice.row.label(),
+                                                                 "source": choice.row.source})]
+    # the target's model class picks SGLang's id rule (eyas/aux_rules.py): the launch's --model-path folder first
+    note = launch_target_arch(info, cmd.opts.get("model"))
+    head += [Check("target", "warn", note)] if note else []
+    src_check, info.aux_rules = installed_check(cmd.engine, installed if engine_version is None or (
+        installed and installed.version == engine_version) else None, info.target_arch,
+        choice.row.versions.split(" ")[0])
     lint = _lint_sglang(cmd, info, choice.row) if cmd.engine == "sglang" else _lint_vllm(cmd, info, choice.row)
-    lint.checks.insert(0, head)
+    lint.checks[:0] = head + [src_check]
     return lint
 
 
 def _folder_checks(info: DraftInfo, row: EngineRow, semantics: str | None = None) -> tuple[list[Check], list[str]]:
     """What the engine version makes of the folder: sizes, weight names, fusion norms, aux states."""
     reads_sem = None if row.engine != "vllm" else SEMANTICS_KEY not in row.ignores
-    ids, edit = ids_check(info, row.engine, semantics, reads_sem, row.versions.split(" ")[0])
+    ids, edit = ids_check(info, row.engine, semantics, reads_sem, info.aux_rules or row.versions.split(" ")[0])
     checks = [size_check(info, row), weights_check(info, row), vocab_map_check(info), norm_check(info, row),
               residual_check(info, row)]
     edits = [c.fix for c in checks if c.status == "fail" and c.fix.startswith("set ")]  # config.json edits
@@ -382,24 +391,10 @@ def _lint_sglang(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint
         checks.append(Check("draft_shape", "pass", f"steps {steps}, topk {topk}, draft tokens {ntok}: consistent",
                             numbers=nums))
     # 3. draft path vs the folder linted
-    _path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
-    # 4. the folder as this SGLang version loads it: sizes, weight names, fusion norms, aux ids (eyas/engines.py);
-    # the target's model class picks the id rule (eyas/aux_rules.py)
-    note = launch_target_arch(info, cmd.opts.get("model"))
-    checks += [Check("target", "warn", note)] if note else []
+    path_check(checks, cmd.opts.get("draft_path"), info, "--speculative-draft-model-path")
+    # 4. the folder as this SGLang version loads it: sizes, weight names, fusion norms, aux ids (eyas/engines.py)
     folder, edits = _folder_checks(info, row)
     return FlagLint("sglang", checks + folder, argv, edits)
-
-
-def _path_check(checks: list[Check], path: str | None, info: DraftInfo, flag: str) -> None:
-    if path is None:
-        checks.append(Check("draft_path", "fail", f"no {flag}: the server has no draft to load",
-                            fix=f"{flag} {info.path}"))
-    elif Path(path).exists() and Path(path).resolve() != info.path.resolve():
-        checks.append(Check("draft_path", "warn", f"the command loads {path}, but the folder linted is {info.path}; "
-                            "the config.json findings below are about the latter", fix=f"{flag} {info.path}"))
-    else:
-        checks.append(Check("draft_path", "pass", f"draft {path}"))
 
 
 def _lint_vllm(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint:
@@ -446,7 +441,7 @@ def _lint_vllm(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint:
         checks.append(Check("num_speculative_tokens", "warn", "no num_speculative_tokens: vLLM takes it from the "
                             "draft config (n_predict) or refuses to start", fix='"num_speculative_tokens": 3'))
         spec["num_speculative_tokens"] = 3
-    _path_check(checks, model or None, info, '"model" in --speculative-config')
+    path_check(checks, model or None, info, '"model" in --speculative-config')
     if not model:
         spec["model"] = str(info.path)
     spec_checks = vllm_spec_checks(spec, row, _temperature(cmd.argv))

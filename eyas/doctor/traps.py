@@ -197,7 +197,7 @@ def residual_check(info: DraftInfo, row: EngineRow) -> Check:
 # ---- aux states: what the engine concatenates vs what fc was trained on ----------------------------------
 
 def ids_check(info: DraftInfo, engine: str, semantics: str | None = None,
-              reads_semantics: bool | None = None, release: str | None = None) -> tuple[Check, str | None]:
+              reads_semantics: bool | None = None, release: Any = None) -> tuple[Check, str | None]:
     """The aux states `engine` concatenates (config.json read as it reads it; both engines capture each layer once,
     in layer order, whatever order the ids are listed in) against the ones the draft's fc was trained on, in the
     order fc takes them (the eyas manifest's layout)."""

@@ -180,6 +180,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     if fmt in ("sglang", "vllm") and "eagle_config" in config and IDS_KEY in config["eagle_config"]:
         # the SGLang releases read that would capture other streams from the ids written (what to pin)
         warnings += sglang_ids(layout.aux_indices, L, layout.target.architecture)[1]
+        warnings += installed_sglang_ids(config, layout)
     launch_cmd = launch_command(fmt, serve_as, str(out.resolve()), launch)
     src_manifest = ckpt.path / MANIFEST if ckpt.path is not None else None
     manifest = {
@@ -216,6 +217,29 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
 
     atomic_folder(out, write)
     return ExportResult(path=out, format=fmt, config=config, manifest=manifest, launch=launch_cmd, warnings=warnings)
+
+
+def installed_sglang_ids(config: dict[str, Any], layout: Layout) -> list[str]:
+    """Where SGLang is installed here ($EYAS_SGLANG_SOURCE, or importable), its own rule for the target decides the
+    eagle_config ids when it differs from the table's (rewritten in `config`); the lines to print."""
+    from ..aux_rules import invert, newest
+    from ..doctor.installed import derived_rules, installed_source
+
+    src, arch, L = installed_source("sglang"), layout.target.architecture, layout.target.num_layers
+    if src is None or not arch:
+        return []
+    mine = derived_rules(src, arch, newest("sglang"))
+    if mine.rules[arch][0] == newest("sglang").rules.get(arch, ("",))[0]:
+        return []
+    ids = invert(mine, arch, layout.aux_indices, L) if mine.rules[arch][0] not in ("none", "other") else None
+    if ids is None:
+        return [f"sglang {src.version} installed here ({src.where}) cannot capture streams {layout.aux_indices} on "
+                f"a {arch} target by its own rule ({mine.rules[arch][1]}); the ids written are the table's "
+                f"{newest('sglang').label()}'s"]
+    config["eagle_config"][IDS_KEY] = ids
+    return [f"sglang {src.version} installed here maps ids for {arch} unlike the table's {newest('sglang').label()} "
+            f"({mine.rules[arch][0]}, {mine.rules[arch][1]}): wrote eagle_config ids {ids}, which it captures as "
+            f"streams {sorted(layout.aux_indices)}"]
 
 
 def self_check(names: list[str], config: dict[str, Any], fmt: str) -> list[str]:

@@ -35,6 +35,12 @@ def _candidates(given: str | None) -> list[tuple[str, Path]]:
     return [(f"{r / VENV}", r / VENV / "bin" / "python") for r in dict.fromkeys(roots)]
 
 
+def vllm_python_path(given: str | None = None) -> Path | None:
+    """The python of a vLLM environment where one exists, without importing vLLM there (seconds saved): for
+    reading its files, not for running it."""
+    return next((py for _, py in _candidates(given) if py.is_file() and os.access(py, os.X_OK)), None)
+
+
 def vllm_python(given: str | None = None, needed_for: str = "this command") -> Path:
     """The python of a vLLM environment; a VllmError naming `make vllm` when there is none."""
     tried = []
