@@ -459,3 +459,35 @@ def vllm_tapped(src: Source, architecture: str, ids: list[int], num_layers: int)
         t = vllm_tapped(src, inner, list(lm.calls[0]), num_layers)
         return Tapped(t.layers, f"{where} -> {t.source}", t.final, t.note)
     return Tapped(sorted({int(x) for x in holder.aux_hidden_state_layers}), where, final=True)
+
+
+# ---- SGLang's launch-time facts ------------------------------------------------------------------------
+
+_IDS_READERS = ("sglang/srt/model_executor/model_runner.py",
+                "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
+_TOPK_FILES = ("sglang/srt/server_args.py", "sglang/srt/arg_groups/speculative_hook.py")
+
+
+def sglang_silent_default(src: Source) -> tuple[bool, str] | None:
+    """Whether a draft config without eagle_config ids is caught silently: the `try` that reads
+    eagle_config["eagle_aux_hidden_state_layer_ids"] and whose handler sets None without a call (no log line).
+    (silent, file), or None when no such reader is found."""
+    for rel in _IDS_READERS:
+        mod = _parse(src, rel)
+        for node in ast.walk(mod) if mod else []:
+            if not isinstance(node, ast.Try):
+                continue
+            reads = any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
+                        and n.slice.value == "eagle_aux_hidden_state_layer_ids" for b in node.body for n in ast.walk(b))
+            if reads and node.handlers:
+                calls = [n for h in node.handlers for b in h.body for n in ast.walk(b) if isinstance(n, ast.Call)]
+                return not calls, rel
+    return None
+
+
+def sglang_topk1_rewrite(src: Source) -> str | None:
+    """The file where topk 1 rewrites num_draft_tokens to steps + 1 with a warning, or None."""
+    for rel in _TOPK_FILES:
+        if "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1" in (src.read(rel) or ""):
+            return rel
+    return None

@@ -20,7 +20,9 @@ from eyas.engine_source import (
     download_wheel,
     find_class,
     open_source,
+    sglang_silent_default,
     sglang_tapped,
+    sglang_topk1_rewrite,
     vllm_config_ids,
     vllm_tapped,
 )
@@ -79,8 +81,12 @@ def test_sglang_rows_equal_their_wheels(release):
         assert config_keys(src, "sglang/srt/models/kimi_k25_eagle3.py") & set(aux_rules.KEYS) == rules.mla_draft_keys
     fields = class_fields(src, "sglang/srt/entrypoints/openai/protocol.py", "SpecTokensDetails")
     assert (tuple(fields) if fields else None) == rules.spec_fields
-    # the silent default: a config without ids -> [2, L//2, L-3] on the llama path
+    # the silent default: a config without ids -> [2, L//2, L-3] on the llama path, caught without a log line
     assert sglang_tapped(src, "LlamaForCausalLM", None, 30).layers == [2, 15, 27]
+    silent = sglang_silent_default(src)
+    assert silent is not None and silent[0] == rules.silent_default
+    # topk 1: num_draft_tokens rewritten to steps + 1 with only a warning
+    assert (sglang_topk1_rewrite(src) is not None) == rules.topk1_rewrite
 
 
 def test_sglang_0523_live_table():
