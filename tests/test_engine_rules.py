@@ -125,6 +125,18 @@ def test_vllm_row_equals_the_installed_engine():
     assert vllm_config_ids(src, {}) is None
 
 
+@pytest.mark.slow
+def test_vllm_033_gpu_wheel_reads_as_the_row():
+    """vLLM 0.33.0, the GPU release (a 336 MB wheel, read, never installed): the same rules as 0.32."""
+    try:
+        src = open_source(download_wheel("vllm", "0.33.0"), "vllm")
+    except SourceError as e:
+        pytest.skip(f"vllm 0.33.0's wheel is not available here: {e}")
+    rules = aux_rules.release_rules("vllm", "0.33.0")
+    _check_row(src, rules)
+    assert vllm_config_ids(src, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}) == [1, 14, 26]
+
+
 def test_a_planted_wrong_rule_fails_the_pin(monkeypatch):
     """deepseek_v2 given the llama rule (+1 always, what eyas believed before 0.5.23 was read): the pin fails."""
     rules = aux_rules.release_rules("sglang", "0.5.23")
