@@ -98,12 +98,14 @@ def weight_shapes(folder: Path, error: type[EyasError]) -> dict[str, list[int]] 
 def launch_target_arch(info: DraftInfo, model: str | None) -> str | None:
     """Take the target's model class from the launch's --model-path when it is a local folder (what the server
     loads decides the engine's aux-id rule); a note when it differs from the draft's manifest, else None."""
+    from ..target.family import TargetError, read_config
+
     cfg_path = Path(model) / "config.json" if model else None
     if cfg_path is None or not cfg_path.is_file():
         return None
     try:
-        archs = json.loads(cfg_path.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
+        archs = read_config(cfg_path.parent).get("architectures") or []
+    except TargetError:  # an unreadable target config: the server fails on it itself; the manifest's class stands
         return None
     if not archs or not isinstance(archs[0], str):
         return None
