@@ -1,4 +1,4 @@
-"""eyas doctor (eyas/doctor): the measured checks, and its subcommands flags, trace and serving."""
+"""eyas doctor (eyas/doctor): the measured checks, and its subcommands flags, trace, serving and streams."""
 
 from __future__ import annotations
 
@@ -100,6 +100,40 @@ def doctor_seal(
                f"{folder}: every tensor file already has a digest record; nothing to do")
 
 
+@doctor_app.command("streams")
+def doctor_streams(
+    url: str = typer.Option(..., "--url", help="the SGLang server, started with --enable-return-aux-hidden-states "
+                            "--speculative-algorithm EAGLE3 [--return-aux-hidden-state-layer-ids ...]"),
+    target: str = TargetOpt,
+    draft: str = typer.Option(None, "--draft", help="eyas draft folder (or 'default'): PASS when the served streams "
+                              "are the ones it was trained on"),
+    prompts: int = typer.Option(4, "--prompts", help="prompts to send (1..8)"),
+    max_new_tokens: int = typer.Option(8, "--max-new-tokens", help="max_new_tokens per request"),
+    api_key: str = typer.Option(None, "--api-key", help="sent as 'Authorization: Bearer KEY'"),
+    timeout: float = typer.Option(120.0, "--timeout", help="seconds per HTTP request"),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """Which streams a live SGLang server feeds the draft: its returned aux states matched against the target's own
+    streams (eyas stream indices). Exit 0 when every slot is named (and, with --draft, they are the trained ones)."""
+    from ..doctor.aux_probe import probe_streams, render_streams, server_facts
+    from ..draft import load_draft
+    from ..target.open import TargetChoice
+
+    with user_errors():
+        server_facts(url, timeout, api_key)  # an unreachable URL fails before anything loads
+        trained = list(load_draft(draft, device="cpu").layout.aux_indices) if draft else None
+        tgt = TargetChoice(target, dtype, device, template_required=False).open()
+        rep = probe_streams(url, tgt, trained, num_prompts=prompts, max_new_tokens=max_new_tokens, timeout=timeout,
+                            api_key=api_key, log=None if json_out else (lambda m: typer.echo(m, err=True)))
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        render_streams(rep, typer.echo)
+    raise typer.Exit(0 if rep.ok else 1)
+
+
 @doctor_app.command("trace")
 def doctor_trace(
     target: str = TargetOpt,
@@ -141,14 +175,17 @@ def doctor_trace(
 
 @doctor_app.command("serving", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def doctor_serving(
-    url: str = typer.Option(..., "--url", help="the running vLLM server, e.g. http://127.0.0.1:8000"),
+    url: str = typer.Option(..., "--url", help="the running vLLM or SGLang server, e.g. http://127.0.0.1:8000"),
     draft: str = typer.Option(..., "--draft", help="the eyas draft the server's export was made from (or 'default')"),
     target: str = TargetOpt,
     rows_dir: Path = typer.Option(None, "--rows", help="replay rows (`eyas replay capture`) of this target; default: "
                                   "captured by eyas's engine on --bench / --prompts once, then cached"),
     export: Path = typer.Option(None, "--export", help="the folder the server loads as its draft: its d2t and weights "
                                 "are checked directly, its config by `doctor flags`"),
-    k: int = typer.Option(None, "--k", help="the server's num_speculative_tokens (default: read from its /metrics)"),
+    k: int = typer.Option(None, "--k", help="vLLM: the server's num_speculative_tokens (default: read from its "
+                          "/metrics)"),
+    sglang_shape: str = typer.Option(None, "--sglang", help="SGLang: its STEPS,TOPK,NUM_DRAFT_TOKENS (default: "
+                                     "from its /server_info, else the launch command after --)"),
     prompts: int = typer.Option(4, "--prompts", help="MT-bench questions to send (first turn, stratified)"),
     bench_set: str = typer.Option("mt-bench", "--bench", help="mt-bench | humaneval | a JSONL of prompts"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="max_tokens per request (and for the replay)"),
@@ -156,29 +193,24 @@ def doctor_serving(
     timeout: float = typer.Option(120.0, "--timeout", help="seconds per HTTP request"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
     device: str = DeviceOpt,
-    command: list[str] = typer.Argument(None, help="after --: the server's launch command (vllm serve ...), linted "
-                                        "by `doctor flags` first"),
+    command: list[str] = typer.Argument(None, help="after --: the server's launch command (vllm serve ..., python "
+                                        "-m sglang.launch_server ...), linted by `doctor flags` first"),
 ) -> None:
-    """Live check of a vLLM server: its spec-decode acceptance per position vs the replay of the same draft on the
-    same prompts and chain length; a failure names the cause. Exit 0 on pass, 1 on fail."""
+    """Live check of a vLLM or SGLang server (which one is asked first): its speculative acceptance per position
+    (vLLM's /metrics counters, SGLang's per-request counts) vs the replay of the same draft on the same prompts and
+    draft shape; a failure names the cause. Exit 0 on pass, 1 on fail."""
     import sys
 
     from ..doctor.checklist import jsonable
-    from ..doctor.server import ServerClient
     from ..doctor.serving import check_server, render_serving
     from ..replay.rows import load_rows
     from ..target.open import TargetChoice
 
     with user_errors():
-        probe = ServerClient(url, api_key, timeout)  # a bad or unreachable URL fails before anything loads
-        try:
-            found = probe.counters()
-        finally:
-            probe.close()
-        if k is not None and k != found.k:
-            fail(f"--k {k}, but the server drafts {found.k} tokens per round (its per-position counters); drop --k "
-                 f"or pass --k {found.k}")
+        answer = _probe_engine(url, api_key, timeout, k, sglang_shape)
         say = None if json_out else (lambda m: typer.echo(m, err=True))
+        if say:
+            say(f"{url}: {answer.line()}")
         if rows_dir is not None:
             rows = load_rows(rows_dir)
             rows.head(prompts)
@@ -187,14 +219,44 @@ def doctor_serving(
         else:
             rows, tgt = _fresh_rows(target, draft, bench_set, prompts, max_new_tokens, device, say)
             m = max_new_tokens
-        rep = check_server(url, tgt, draft, rows, k=k, max_new_tokens=m, api_key=api_key, timeout=timeout,
-                           export=export, command=list(command or []) or None, log=say)
+        if answer.name == "sglang":
+            from ..doctor.sglang_counts import check_sglang
+
+            rep = check_sglang(url, tgt, draft, rows, answer, sglang_shape, max_new_tokens=m, api_key=api_key,
+                               timeout=timeout, export=export, command=list(command or []) or None, log=say)
+        else:
+            rep = check_server(url, tgt, draft, rows, k=k, max_new_tokens=m, api_key=api_key, timeout=timeout,
+                               export=export, command=list(command or []) or None, log=say)
     if json_out:
         typer.echo(json.dumps(jsonable(rep.to_dict()), indent=2))
     else:
         render_serving(rep, typer.echo)
     sys.stdout.flush()
     raise typer.Exit(0 if rep.ok else 1)
+
+
+def _probe_engine(url: str, api_key: str | None, timeout: float, k: int | None, sglang_shape: str | None):
+    """Which engine answers (a bad or unreachable URL fails before anything loads), and for vLLM its counters
+    read once so a wrong --k is refused now; the options of the other engine are refused in one line."""
+    from ..doctor.server import ServerClient
+
+    probe = ServerClient(url, api_key, timeout)
+    try:
+        answer = probe.engine()
+        if answer.name == "sglang":
+            if k is not None:
+                fail(f"--k is vLLM's num_speculative_tokens, but {url} is SGLang: give --sglang STEPS,TOPK,"
+                     "NUM_DRAFT_TOKENS or nothing (read from its /server_info)")
+            return answer
+        found = probe.counters()
+    finally:
+        probe.close()
+    if sglang_shape is not None:
+        fail(f"--sglang is for an SGLang server, but {url} is vLLM ({answer.line()}); drop it")
+    if k is not None and k != found.k:
+        fail(f"--k {k}, but the server drafts {found.k} tokens per round (its per-position counters); drop --k "
+             f"or pass --k {found.k}")
+    return answer
 
 
 def _fresh_rows(target: str, draft: str, bench_set: str, prompts: int, max_new_tokens: int, device: str, say):

@@ -279,7 +279,7 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
     draft = prepare_draft(ckpt.model, target)
     L, recorded = target.num_layers, list(ckpt.layout.aux_indices)
     evs, shard_set = _eval_samples(target, man, data, samples, source, num_samples, max_len, pct, meta)
-    configured = _configured_layouts(ckpt, L, recorded)
+    configured = _configured_layouts(ckpt, L, recorded, target.identity.architecture)
     cands = layout_candidates(recorded, L, draft.config.num_aux, configured)
     serving = Serving(target, weights)
     meta["serving_path"] = serving.path
@@ -342,14 +342,15 @@ def _eval_samples(target, man: dict[str, Any], data: Sequence[str | Path] | None
     return evs, shard_set
 
 
-def _configured_layouts(ckpt: DraftCheckpoint, L: int, recorded: list[int]) -> dict[str, list[int]]:
+def _configured_layouts(ckpt: DraftCheckpoint, L: int, recorded: list[int],
+                        architecture: str | None) -> dict[str, list[int]]:
     """The layouts engines would configure from the draft's config.json (other than the recorded one), as extra
     bases for the candidates."""
     configured: dict[str, list[int]] = {}
     cfg = read_config(ckpt)
     if cfg is not None:
         for eng in ("sglang", "vllm"):
-            for v in engine_views(cfg, eng, L):
+            for v in engine_views(cfg, eng, L, architecture=architecture):
                 if v.indices is not None and v.indices != recorded and len(v.indices) == len(recorded):
                     configured[f"{eng} config.json" + (f" ({v.when})" if v.when else "")] = v.indices
     return configured

@@ -161,14 +161,15 @@ def _check_engine_config(target, ckpt: DraftCheckpoint) -> list[Check]:
                        numbers=nums, fix=f'set "target_hidden_size": {Ht} (or use the draft\'s own target)')
     else:
         hidden = Check("config_hidden", "pass", f"config.json target_hidden_size {th} = target hidden", numbers=nums)
-    return [hidden, _check_config_ids(cfg, ckpt.layout.aux_indices, target.num_layers)]
+    return [hidden, _check_config_ids(cfg, ckpt.layout.aux_indices, target.num_layers, target.identity.architecture)]
 
 
-def _check_config_ids(cfg: dict[str, Any], trained: list[int], L: int) -> Check:
+def _check_config_ids(cfg: dict[str, Any], trained: list[int], L: int, architecture: str | None) -> Check:
+    """architecture: the target's model class, whose rule decides what SGLang's ids mean (eyas/aux_rules.py)."""
     lines, worst, fixes = [], "pass", []
     views_out: dict[str, Any] = {}
     for eng in ("sglang", "vllm"):
-        views = engine_views(cfg, eng, L)
+        views = engine_views(cfg, eng, L, architecture=architecture)
         views_out[eng] = [{"indices": v.indices, "source": v.source, "when": v.when} for v in views]
         bad = [v for v in views if v.indices != list(trained)]
         for v in views:
@@ -178,7 +179,7 @@ def _check_config_ids(cfg: dict[str, Any], trained: list[int], L: int) -> Check:
         if bad:
             sev = "fail" if len(bad) == len(views) or any(v.indices is None for v in bad) else "warn"
             worst = "fail" if "fail" in (worst, sev) else sev
-            fixes.append(config_fix(eng, list(trained), L))
+            fixes.append(config_fix(eng, list(trained), L, architecture))
     nums = {"trained": list(trained), "views": views_out}
     if worst == "pass":
         return Check("config_ids", "pass", f"SGLang and vLLM both capture the trained stream {list(trained)} from "

@@ -10,8 +10,12 @@ summed here). SpecDecodingStats.observe_draft counts position i as accepted when
 were accepted — eyas's GenStats.accepted_per_depth[i].
 
 SGLang (python/sglang/srt/metrics/collector.py) exports `sglang:spec_accept_length` / `sglang:spec_accept_rate`
-as gauges averaged over its last logging interval, with no per-position counter, so a difference over one
-check's traffic cannot be taken: it is refused in one line.
+as gauges averaged over its last logging interval, with no per-position counter, so its /metrics cannot give one
+check's counts; its responses carry per-request counts instead (eyas.doctor.sglang_counts). Which engine answers
+is asked first (ServerClient.engine): SGLang serves GET /server_info (0.5.23: entrypoints/http_server.py
+`server_info`, the resolved server args flat, with `version`; `/get_server_info` is its deprecated alias and
+older releases' only name), vLLM GET /version (vllm/entrypoints/serve/instrumentator/basic.py `show_version`)
+and /server_info only in its dev mode, as {"vllm_config": ...}.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import EyasError
 
@@ -34,6 +39,14 @@ MAX_BODY = 32 << 20  # bytes read from one GET at most
 
 class ServingError(EyasError):
     """The server cannot be checked (unreachable, not vLLM, no spec-decode metrics); the message says why."""
+
+
+class HttpStatusError(ServingError):
+    """The server answered an HTTP error status (kept, so an engine probe can tell 404 from 401)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 # ---- Prometheus text ------------------------------------------------------------------------------
@@ -111,9 +124,9 @@ def spec_counters(text: str, url: str = "the server") -> SpecCounters:
         raise ServingError(f"{url}/metrics is not Prometheus text (no samples in {len(text)} bytes): not a vLLM "
                            "server, or a proxy answering for it; point --url at vLLM's own address")
     if any(n.startswith("sglang:") for n in s):
-        raise ServingError(f"{url} is an SGLang server: SGLang exports acceptance only as gauges averaged over its "
-                           "last log interval (sglang:spec_accept_length), with no per-position counter, so eyas "
-                           "doctor serving supports vLLM only for now; check the flags with `eyas doctor flags`")
+        raise ServingError(f"{url}/metrics is an SGLang server's, but it did not answer GET /server_info or "
+                           "/get_server_info, where eyas learns its draft shape; SGLang's /metrics holds only "
+                           "averaged gauges (sglang:spec_accept_length), so point --url at SGLang itself, not a proxy")
     if not any(n.startswith("vllm:") for n in s):
         raise ServingError(f"{url}/metrics has no vllm:* metrics ({len(s)} other series, e.g. {sorted(s)[0]}): not a "
                            "vLLM server; point --url at a `vllm serve` address")
@@ -131,6 +144,27 @@ def spec_counters(text: str, url: str = "the server") -> SpecCounters:
                            "metrics layout")
     return SpecCounters(drafts, dtok, acc, [per[i] for i in range(len(per))], _total(s, PROMPT_TOKENS),
                         _total(s, GENERATION_TOKENS))
+
+
+# ---- which engine ---------------------------------------------------------------------------------
+
+def _is_sglang_info(d: dict[str, Any]) -> bool:
+    """SGLang's /server_info: its server args as one flat object (0.5.23 utils/common.py build_server_info ->
+    ServerArgs.resolved_dict; older releases dataclasses.asdict), always with the speculative fields."""
+    return "speculative_algorithm" in d and ("model_path" in d or "version" in d)
+
+
+@dataclass
+class EngineAnswer:
+    name: str  # sglang | vllm | unknown
+    version: str | None
+    info: dict[str, Any] | None  # SGLang's /server_info object
+    how: str  # which request told
+
+    def line(self) -> str:
+        if self.name == "unknown":
+            return f"engine not identified ({self.how}); read as vLLM by its /metrics"
+        return f"{'SGLang' if self.name == 'sglang' else 'vLLM'} {self.version or '(version not given)'} ({self.how})"
 
 
 # ---- the server -----------------------------------------------------------------------------------
@@ -167,7 +201,7 @@ class ServerClient:
                     body += chunk
                     if len(body) > MAX_BODY:
                         raise ServingError(f"{self.url}{path} sent more than {MAX_BODY >> 20} MiB: not a vLLM "
-                                           "metrics page; point --url at the vLLM server itself")
+                                           "or SGLang page; point --url at the server itself")
                 return body.decode("utf-8", errors="replace")
         except httpx.TimeoutException as e:
             raise ServingError(f"{self.url}{path} did not answer within --timeout {self.timeout:g} s; is the server "
@@ -177,14 +211,64 @@ class ServerClient:
                                "the server running at that address and port?") from e
 
     def _status(self, r, path: str, body: str = "") -> None:
-        if r.status_code in (401, 403):
-            raise ServingError(f"{self.url}{path} answered {r.status_code} (unauthorized): pass the server's key "
-                               "with --api-key")
-        if r.status_code == 404:
-            raise ServingError(f"{self.url}{path} answered 404: not an OpenAI-compatible vLLM server (vLLM serves "
-                               f"{path} by default), or --url points below its root")
-        if r.status_code >= 400:
-            raise ServingError(f"{self.url}{path} answered HTTP {r.status_code}: {body[:200]!r}")
+        c = r.status_code
+        if c in (401, 403):
+            raise HttpStatusError(f"{self.url}{path} answered {c} (unauthorized): pass the server's key with "
+                                  "--api-key", c)
+        if c == 404:
+            raise HttpStatusError(f"{self.url}{path} answered 404: not an OpenAI-compatible vLLM server (vLLM "
+                                  f"serves {path} by default), or --url points below its root", c)
+        if c >= 400:
+            raise HttpStatusError(f"{self.url}{path} answered HTTP {c}: {body[:200]!r}", c)
+
+    def _probe_json(self, path: str) -> Any:
+        """GET path as JSON, or None where the server has no such page (any error status but 401/403, or a body
+        that is not JSON): a probe, so only an unreachable server or a missing key ends the check here."""
+        try:
+            text = self._get(path)
+        except HttpStatusError as e:
+            if e.status in (401, 403):
+                raise
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+
+    def engine(self) -> EngineAnswer:
+        """Which engine answers at the URL: SGLang by its /server_info (or /get_server_info), vLLM by /version."""
+        for path in ("/server_info", "/get_server_info"):
+            d = self._probe_json(path)
+            if isinstance(d, dict) and "vllm_config" in d:
+                break  # vLLM in dev mode; its version comes from /version
+            if isinstance(d, dict) and _is_sglang_info(d):
+                v = d.get("version")
+                return EngineAnswer("sglang", str(v) if v else None, d, f"GET {path}")
+        d = self._probe_json("/version")
+        if isinstance(d, dict) and isinstance(d.get("version"), str):
+            return EngineAnswer("vllm", d["version"], None, "GET /version")
+        return EngineAnswer("unknown", None, None, "neither /server_info nor /version answered")
+
+    def post_json(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+        """POST a JSON body; the JSON object answered. what: the request in words, for the timeout message."""
+        import httpx
+
+        try:
+            r = self.http.post(path, json=body)
+        except httpx.TimeoutException as e:
+            raise ServingError(f"{self.url}{path} did not finish {what} within --timeout {self.timeout:g} s; raise "
+                               "--timeout or lower --max-new-tokens") from e
+        except httpx.HTTPError as e:
+            raise ServingError(f"{self.url}{path} failed ({type(e).__name__}: {str(e)[:120]}); the server may have "
+                               "crashed on the request: read its log") from e
+        self._status(r, path, r.text)
+        try:
+            out = r.json()
+        except ValueError as e:
+            raise ServingError(f"{self.url}{path} answered something other than JSON: {r.text[:200]!r}") from e
+        if not isinstance(out, dict):
+            raise ServingError(f"{self.url}{path} answered JSON that is not an object: {r.text[:200]!r}")
+        return out
 
     def counters(self) -> SpecCounters:
         return spec_counters(self._get("/metrics"), self.url)
@@ -199,23 +283,13 @@ class ServerClient:
 
     def complete(self, model: str, ids: list[int], max_tokens: int, stop_ids: list[int]) -> list[int]:
         """One greedy completion of a token-id prompt; the new token ids (vLLM's return_token_ids)."""
-        import httpx
-
         body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
                 "stop_token_ids": stop_ids, "return_token_ids": True, "skip_special_tokens": False}
+        out = self.post_json("/v1/completions", body, f"a {max_tokens}-token completion")
         try:
-            r = self.http.post("/v1/completions", json=body)
-        except httpx.TimeoutException as e:
-            raise ServingError(f"{self.url}/v1/completions did not finish a {max_tokens}-token completion within "
-                               f"--timeout {self.timeout:g} s; raise --timeout or lower --max-new-tokens") from e
-        except httpx.HTTPError as e:
-            raise ServingError(f"{self.url}/v1/completions failed ({type(e).__name__}: {str(e)[:120]}); the server "
-                               "may have crashed on the request: read its log") from e
-        self._status(r, "/v1/completions", r.text)
-        try:
-            choice = r.json()["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise ServingError(f"{self.url}/v1/completions answered without choices: {r.text[:200]!r}") from e
+            choice = out["choices"][0]
+        except (KeyError, IndexError, TypeError) as e:
+            raise ServingError(f"{self.url}/v1/completions answered without choices: {str(out)[:200]!r}") from e
         toks = choice.get("token_ids")
         if not isinstance(toks, list):
             raise ServingError(f"{self.url}/v1/completions returned no token_ids (return_token_ids): a vLLM too old "

@@ -231,6 +231,8 @@ class ServingReport:
     export: dict[str, Any] | None
     seconds: dict[str, float]
     notes: list[str]
+    engine: str = "vllm"  # which engine answered: vllm | sglang
+    sglang: dict[str, Any] | None = None  # SGLang: its version and the draft shape it runs (eyas.doctor.sglang_counts)
 
     @property
     def ok(self) -> bool:
@@ -375,8 +377,12 @@ def check_server(url: str, target, draft_spec: str, rows: ReplayRows, k: int | N
 
 
 def render_serving(rep: ServingReport, echo: Callable[[str], None] = print) -> None:
-    echo(f"server {rep.url} (model {rep.model}), k = {rep.k}, {rep.prompts} prompts x {rep.max_new_tokens} tokens; "
+    shape = "SGLang" if rep.engine == "sglang" else f"vLLM, k = {rep.k}"
+    echo(f"server {rep.url} ({shape}, model {rep.model}), {rep.prompts} prompts x {rep.max_new_tokens} tokens; "
          f"rows {rep.rows.get('path') or '(captured now)'} ({rep.rows.get('numerics')})")
+    if rep.engine == "sglang":
+        for line in sglang_lines(rep):
+            echo(line)
     for c in rep.flags:
         if c["status"] != "pass":
             echo(f"  flags {c['status']}: {c['name']}: {c['summary']}")
@@ -392,7 +398,25 @@ def render_serving(rep: ServingReport, echo: Callable[[str], None] = print) -> N
         echo(f"  greedy tokens equal to the rows' on {rep.same_tokens}/{rep.prompts} prompts")
     for name, c in rep.plants.items():
         mark = "  <- reproduces the server's counts" if name == rep.reproduced_by else ""
-        echo(f"  planted {name}: {c['per_pos']} over {c['rounds']}{mark}")
+        hist = f" (histogram {c['histogram']})" if "histogram" in c else ""
+        echo(f"  planted {name}: {c['per_pos']} over {c['rounds']}{hist}{mark}")
     for n in rep.notes:
         echo(f"  note: {n}")
     echo(f"{rep.verdict.status.upper()}: {rep.verdict.line}")
+
+
+def sglang_lines(rep: ServingReport) -> list[str]:
+    """The report's SGLang-only lines: the shape it runs and the histograms side by side."""
+    g = rep.sglang or {}
+    out = [f"  SGLang {g.get('version') or '?'}: steps {g.get('steps')}, topk {g.get('topk')}, num_draft_tokens "
+           f"{g.get('num_draft_tokens')} (from {g.get('shape_from')}); counts per request from "
+           "sglext.spec_tokens_details, so other traffic does not touch them"]
+    s, e = rep.server, rep.replay
+    if s:
+        out.append(f"  server: histogram {s['histogram']} (rounds accepting j = 0.. drafts), spec_verify_ct "
+                   f"{s['verify_ct']}, spec_num_correct_drafts {s['num_correct_drafts']}, spec_num_proposed_drafts "
+                   f"{s['num_proposed_drafts']}")
+    if e:
+        out.append(f"  replay: histogram {e['histogram']}, rounds {e['rounds']}, correct {e['num_correct_drafts']}, "
+                   f"proposed {e['num_proposed_drafts']}")
+    return out
