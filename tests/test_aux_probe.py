@@ -18,8 +18,8 @@ answers /generate in 0.5.23's exact format, read in its source (python/sglang/sr
   the last token is always computed);
 - /server_info carries the resolved server args and the version (http_server.py:863, utils/common.py:3584),
   /model_info the architectures (http_server.py:812).
-The table matched is the live evidence in eyas/doctor/aux_probe.py (SGLang 0.5.23, CPU, bf16): llama ids +1, deepseek_v2 +1 only when the
-first id is 1 (so [0, 2] taps the embedding), qwen3_moe +1.
+The table matched is the live evidence in eyas/doctor/aux_probe.py (SGLang 0.5.23, CPU, bf16): llama ids +1,
+deepseek_v2 +1 only when the first id is 1 (so [0, 2] taps the embedding), qwen3_moe +1.
 """
 
 from __future__ import annotations
