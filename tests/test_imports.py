@@ -20,7 +20,7 @@ list to the files.
            engine assembly
   data     eyas/data: conversations, regen, shards, datagen_config, capture, chunks, manifest, datagen_vllm,
            datagen, ngrams -- needs the target to capture
-  replay   eyas/replay: rows, recorded, run, plants, heldout -- same rank as data: captured rows, the recorded
+  replay   eyas/replay: rows, recorded, run, served, plants, heldout -- same rank as data: captured rows, the recorded
            target, the replay on the engine, planted faults
   train    eyas/train: config, sources, checkpoint, ttt, step, prepare, progress, loop -- reads shards
   probe    eyas/probe: samples, streams, scoring, candidates, ranking, inference -- layout inference (the draft's

@@ -87,39 +87,74 @@ def run(
     sglang: str = typer.Option(None, "--sglang", help="SGLang's flags as STEPS,TOPK,NUM_DRAFT_TOKENS (e.g. 3,4,8): "
                                "the accept length a correctly wired SGLang should log"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="reply tokens (default: the rows')"),
+    export: Path = typer.Option(None, "--export", help="with --k (vLLM) or --sglang: the folder the server loads; "
+                                "its config.json is read as that engine reads it on the rows' target, and the "
+                                "streams it would tap are replayed beside the trained ones"),
+    engine_version: str = typer.Option(None, "--engine-version", help="with --export: the engine release whose "
+                                       "id rule applies (default: the newest eyas read)"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
 ) -> None:
     """Replay a draft's greedy speculative decoding on rows: per-position accepted counts, drafts and τ, counted
     as vLLM's spec-decode metrics count them."""
+    from ..draft import load_draft
     from ..replay import run as rr
     from ..replay.rows import load_rows
+    from ..replay.served import served_streams
     from ..target.load import load_target
+
+    with user_errors():
+        spec = _serving_spec(k, sglang, depth, topk, tokens, lookup, min_prob)
+        if export is None and engine_version is not None:
+            fail("--engine-version applies to --export (the release whose id rule reads its config.json); add "
+                 "--export DIR or drop --engine-version")
+        if export is not None and k is None and sglang is None:
+            fail("--export reads the folder as a server reads it: give --k N (vLLM) or --sglang S,K,N (SGLang)")
+        rows = load_rows(rows_dir)
+        tgt = load_target(target or rows.source.get("target") or "smollm2-135m", dtype="fp32", load_weights=False)
+        ck = load_draft(draft, device="cpu")
+        res = rr.replay(rows, tgt, ck, spec, max_new_tokens)
+        served, res_served = None, None
+        if export is not None:
+            trained = list(ck.layout.aux_indices)
+            served = served_streams(export, "sglang" if sglang is not None else "vllm", tgt.num_layers,
+                                    tgt.identity.architecture, engine_version, trained)
+            if served.streams != trained:
+                res_served = rr.replay(rows, tgt, ck, spec, max_new_tokens,
+                                       plant=lambda c, L: setattr(c.layout, "aux_indices", list(served.streams)))
+    if json_out:
+        extra = {} if served is None else {"served": {"streams": served.streams, "reading": served.line,
+                                                      **(res_served or res).to_dict()}}
+        typer.echo(json.dumps({"rows": str(rows_dir), "draft": draft, "config": spec.describe(),
+                               **res.to_dict(), **extra}, indent=2))
+        return
+    _render_run(spec, rows, res, sglang, served, res_served)
+
+
+def _serving_spec(k, sglang, depth, topk, tokens, lookup, min_prob):
+    """The one serving configuration given: a vLLM chain, an SGLang shape or an eyas tree."""
+    from ..replay import run as rr
     from ..text import parse_int_list
 
     given = [x is not None for x in (k, sglang)] + [depth is not None or topk is not None or tokens is not None]
     if sum(given) != 1:
         fail("give one serving configuration: --k N (vLLM chain), --depth/--topk/--tokens (eyas tree) or --sglang "
              "STEPS,TOPK,NUM_DRAFT_TOKENS")
-    with user_errors():
-        if k is not None:
-            spec = rr.chain(k)
-        elif sglang is not None:
-            v = parse_int_list(sglang, "--sglang") or []
-            if len(v) != 3:
-                fail(f"--sglang {sglang!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS, e.g. 3,4,8")
-            spec = rr.sglang(*v)
-        else:
-            if None in (depth, topk, tokens):
-                fail("an eyas tree needs --depth, --topk and --tokens")
-            spec = rr.tree(depth, topk, tokens, lookup, min_prob)
-        spec.check()
-        rows = load_rows(rows_dir)
-        tgt = load_target(target or rows.source.get("target") or "smollm2-135m", dtype="fp32", load_weights=False)
-        res = rr.replay(rows, tgt, draft, spec, max_new_tokens)
-    if json_out:
-        typer.echo(json.dumps({"rows": str(rows_dir), "draft": draft, "config": spec.describe(),
-                               **res.to_dict()}, indent=2))
-        return
+    if k is not None:
+        spec = rr.chain(k)
+    elif sglang is not None:
+        v = parse_int_list(sglang, "--sglang") or []
+        if len(v) != 3:
+            fail(f"--sglang {sglang!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS, e.g. 3,4,8")
+        spec = rr.sglang(*v)
+    else:
+        if None in (depth, topk, tokens):
+            fail("an eyas tree needs --depth, --topk and --tokens")
+        spec = rr.tree(depth, topk, tokens, lookup, min_prob)
+    spec.check()
+    return spec
+
+
+def _render_run(spec, rows, res, sglang, served, res_served) -> None:
     typer.echo(f"{spec.describe()} on {len(res.rows)} rows x {res.max_new_tokens} tokens ({rows.numerics})")
     typer.echo(f"  drafts {res.rounds}, accepted per position {res.per_pos}, rate "
                f"[{', '.join(f'{r:.2f}' for r in res.rates)}]")
@@ -130,3 +165,8 @@ def run(
         typer.echo(f"  a correctly wired SGLang with --speculative-num-steps {s[0]} --speculative-eagle-topk {s[1]} "
                    f"--speculative-num-draft-tokens {s[2]} should log an accept length near {res.tau:.2f} on these "
                    "prompts at temperature 0")
+    if served is not None:
+        typer.echo(f"  served: {served.line}")
+        if res_served is not None:
+            typer.echo(f"  as served: accepted per position {res_served.per_pos}, tau {res_served.tau:.3f} (against "
+                       f"{res.tau:.3f} wired as trained): fix the export's ids (`eyas export`) before serving it")
