@@ -26,9 +26,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        from .cli import app
+        from .cli import main as cli
 
-        app()
+        cli()
     except KeyboardInterrupt as e:  # while the CLI was imported
         say_stopped(e)
         sys.exit(EXIT_CODE)
