@@ -27,6 +27,7 @@ from ..engine.params import EngineError, SamplingParams
 from ..engine.prompt import chat_input_ids
 from ..errors import EyasError
 from ..target.template import raw_ids
+from . import bounds
 from . import openai_schema as oai
 from .bounds import read_body
 from .metrics import CountRequests, Metrics
@@ -380,16 +381,33 @@ async def whole_answer(metrics: Metrics, request: Request, job: Job, req: GenReq
                                             prompt_tokens, ev.completion_tokens))
 
 
+# An SSE comment (clients skip lines that start with ':'), sent while a stream waits bounds.PROBE_S for its next
+# event (queued, or a long prompt's prefill). A client that ended its input may have half-closed (it still reads) or
+# be gone, and only a write tells them apart: a gone client's socket answers this one with a reset, the next write
+# fails and the server sees the disconnect, which cancels the request between two prefill chunks instead of after
+# the whole prefill, when its first token could not be sent. (It also keeps proxies from timing the stream out.)
+KEEP_ALIVE = b": keep-alive\n\n"
+
+
 async def stream_events(metrics: Metrics, job: Job, req: GenRequest, rid: str, created: int, prompt_tokens: int
                         ) -> AsyncIterator[bytes]:
     def chunk(text: str | None, finish: str | None = None, first: bool = False) -> bytes:
         return oai.sse(oai.chunk_body(req.kind, rid, created, req.model, text, finish, req.include_usage, first))
 
+    pending: asyncio.Future | None = None  # the next event, awaited across keep-alives (a get is never lost)
     try:
         if req.kind == "chat":  # the role comes first, as OpenAI sends it
             yield chunk("", first=True)
         while True:
-            ev = await job.events.get()
+            if pending is None and not job.events.empty():  # a decoding stream: no task per token
+                ev = job.events.get_nowait()
+            else:
+                pending = pending or asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({pending}, timeout=bounds.PROBE_S)
+                if not done:
+                    yield KEEP_ALIVE
+                    continue
+                ev, pending = pending.result(), None
             if ev.kind == "start":
                 continue
             if ev.kind == "cancelled":
@@ -410,5 +428,7 @@ async def stream_events(metrics: Metrics, job: Job, req: GenRequest, rid: str, c
         yield oai.sse("[DONE]")
     finally:
         # reached on completion, and on disconnect (Starlette cancels this generator's task)
+        if pending is not None:
+            pending.cancel()
         if not job.done:
             job.cancelled.set()

@@ -5,8 +5,9 @@ hold its socket forever) and the size of the request head however it arrives (h1
 incomplete, so one that arrives whole in one read passed at any size).
 
 The connection protocol also answers a client that half-closes (shuts down its sending side after a complete
-request, as `nc -N` and some scripted clients do): uvicorn takes the end of input for a disconnect, closes the
-socket and the request is cancelled unanswered; here the request runs on and its answer is sent.
+request, as `nc -N` and some scripted clients do), whatever its HTTP version or Connection header: uvicorn takes
+the end of input for a disconnect, closes the socket and the request is cancelled unanswered; here the request runs
+on and its answer is sent.
 
 The limits are module constants read at call time, so a test can lower them.
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
 from .openai_schema import APIError
 
+log = logging.getLogger("eyas.server")
 MAX_BODY = 16 << 20  # bytes; far above any prompt the token limit admits
 BODY_IDLE_TIMEOUT_S = 15.0  # no body byte for this long: 408
 BODY_TOTAL_TIMEOUT_S = 120.0  # the whole body, however it trickles in: 408 (16 MiB at ~140 KB/s still fits)
@@ -29,7 +32,8 @@ MAX_HEADER_BYTES = 32 << 10  # the request head (request line + headers), howeve
 LINGER_S = 2.0  # after a response that closes the connection: how long unread request bytes are still drained
 # a client that ended its input while its request runs may have half-closed (it still reads) or closed for good:
 # only a write tells them apart (a closed socket answers it with a reset), so a request whose answer has not
-# started is probed this often with an interim "100 Continue" (RFC 9110 15.2: clients must accept unexpected 1xx)
+# started is probed this often with an interim "100 Continue" (RFC 9110 15.2: clients must accept unexpected 1xx),
+# and a stream waiting for its next event sends an SSE comment this often (eyas.serve.app.stream_events)
 PROBE_S = 1.0
 
 
@@ -171,26 +175,37 @@ def half_close_mixin() -> type:
         conn: Any
         loop: asyncio.AbstractEventLoop
         transport: Any
+        client: tuple[str, int] | None
 
         def eof_received(self) -> bool | None:
             cycle = self.cycle
-            if cycle is not None and not cycle.response_complete and self.conn.their_state is h11.DONE:
-                # the whole request is here and its answer is not: a half-close (RFC 9112 9.6 lets a client
-                # end its input and still read), so keep the socket open to answer; a client gone for good is
-                # found by the next write (the answer's own, or the probe's)
+            # the whole request is here: h11 says DONE after a keep-alive request, MUST_CLOSE after one that
+            # closes the connection (HTTP/1.0, or "Connection: close"); both were read to their end
+            whole = self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)
+            if cycle is not None and not cycle.response_complete and whole:
+                # and its answer is not: a half-close (RFC 9112 9.6 lets a client end its input and still
+                # read), so keep the socket open to answer; a client gone for good is found by the next write
+                # (the answer's own, or the probe's)
                 self.transport.peer_eof = True
                 cycle.keep_alive = False  # no further request can come: close once the answer is sent
                 self.probe_timer = self.loop.call_later(PROBE_S, self.probe)
+                host, port = (self.client or ("?", 0))[:2]
+                log.info("%s:%s ended its input after its request (%s %s HTTP/%s): answering, then closing", host,
+                         port, cycle.scope["method"], cycle.scope["path"], cycle.scope["http_version"])
                 return True
             return super().eof_received()  # type: ignore[misc]
 
         def probe(self) -> None:
             """An interim 100 Continue to a client that ended its input while its answer is not started: a socket
             closed for good answers it with a reset, and the next probe's write then fails, which uvicorn reports as
-            a disconnect (the generation is cancelled). A streamed answer probes by itself."""
+            a disconnect (the generation is cancelled). A streamed answer probes by itself (its SSE comments). An
+            HTTP/1.0 client gets no probe (RFC 9110 15.2: a server must not send it a 1xx): a whole answer to one
+            that closed for good is found to be unread only when it is written."""
             self.probe_timer = None
             cycle = self.cycle
             if cycle is None or cycle.response_started or cycle.disconnected or self.transport.is_closing():
+                return
+            if (self.conn.their_http_version or b"1.0") < b"1.1":
                 return
             try:
                 interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")

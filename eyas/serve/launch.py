@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import logging
 import os
 import signal
 import sys
@@ -87,7 +88,30 @@ def make_server(app: FastAPI, **config: Any) -> uvicorn.Server:
             worker.drain()
             await super().shutdown(sockets=sockets)
 
-    return Server(uvicorn.Config(app, **{**server_limits(), **config}))
+    server = Server(uvicorn.Config(app, **{**server_limits(), **config}))
+    route_log()
+    return server
+
+
+class ToUvicorn(logging.Handler):
+    """Hands eyas.server's records to uvicorn's own log at emit time, so they share its handlers (as configured
+    now, whatever replaced them since) and its level (--log-level)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("uvicorn.error")
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+def route_log() -> None:
+    """eyas.server's lines (a half-close answered, a request dropped because its client left, a failed
+    generation) go where uvicorn's go: unrouted, logging's last resort would print them only from WARNING up.
+    Idempotent: one server after another adds no second route."""
+    ours = logging.getLogger("eyas.server")
+    if not any(isinstance(h, ToUvicorn) for h in ours.handlers):
+        ours.addHandler(ToUvicorn())
+    ours.setLevel(logging.DEBUG)  # uvicorn's level decides, in ToUvicorn
+    ours.propagate = False  # the route above prints it; the root's last resort would print errors twice
 
 
 def say(line: str) -> None:

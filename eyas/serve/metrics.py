@@ -39,6 +39,8 @@ class Metrics:
                                    "over all completed generations"),
         "eyas_worker_tokens_total": ("counter", "tokens the engine produced for any request, cancelled ones too"),
         "eyas_generations_started_total": ("counter", "requests the engine started generating"),
+        "eyas_requests_abandoned_total": ("counter", "requests dropped because their client left, by the phase they "
+                                                     "were in (queued, prefill, decode)"),
         "eyas_spec_accepted_tokens_total": ("counter", "draft tokens accepted at each depth"),
         "eyas_spec_proposed_tokens_total": ("counter", "draft tokens verified at each depth"),
         "eyas_spec_acceptance_rate": ("gauge", "conditional acceptance per depth: accepted / proposed"),

@@ -14,8 +14,9 @@ bound); a short prompt while fewer than `max_short` short ones run, else it wait
 
 The worker pushes each round's accepted tokens (as decoded text) to the request's own asyncio queue, so
 streams see tokens as soon as a round is verified and two requests' tokens never meet. A client that
-disconnects sets its job's cancel flag; the worker checks it at every round boundary (and before starting a
-waiting job) and drops the generation. Each job's tokens are what it gets alone: its stream, cache and sampler
+disconnects sets its job's cancel flag; the worker checks it at every round boundary, prefill chunks included (and
+before starting a waiting job), drops the generation, counts it in eyas_requests_abandoned_total by the phase it
+was in and logs one line. Each job's tokens are what it gets alone: its stream, cache and sampler
 are its own, and rounds of other jobs in between change nothing in it.
 """
 
@@ -188,13 +189,20 @@ class Worker:
                 self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="shutdown")
                 self._end(job, Event("error", error=shutting_down()))
             elif job.cancelled.is_set():  # the client left while it waited: never start it
-                self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="cancelled")
-                self._end(job, Event("cancelled"))
+                self.abandoned(job, "queued", "before it started")
             elif (run := self._guard(job, lambda job=job: _Running(self, job))) is not None:
                 started.append(run)
                 short += not job.long
         started.sort(key=lambda r: len(r.job.input_ids))
         prefilling.extendleft(reversed(started))
+
+    def abandoned(self, job: Job, phase: str, when: str) -> None:
+        """A job dropped because its client left (phase: queued, prefill or decode): counted, logged, ended."""
+        self.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="cancelled")
+        self.metrics.inc("eyas_requests_abandoned_total", endpoint=job.endpoint, phase=phase)
+        log.info("the client of a %s request (%d prompt tokens) left %s: dropped after %.1f s", job.endpoint,
+                 len(job.input_ids), when, time.perf_counter() - job.arrived)
+        self._end(job, Event("cancelled"))  # releases a non-streaming handler still waiting on this job
 
     def _loop(self) -> None:
         """Passes until drained: start what may start, one round for every decoding job, one prefill chunk."""
@@ -259,6 +267,7 @@ class _Running:
         # text ends and its GenResult (acceptance stats) is complete
         self.stream: Iterator[list[int]] = worker.engine.stream(job.input_ids, job.params)
         self.prefilling = True  # no token yet: its rounds so far were prefill chunks
+        self.chunks = 0  # prefill chunks run (for the line logged if its client leaves)
         worker.metrics.inc("eyas_generations_started_total")
 
     def close(self) -> None:
@@ -273,6 +282,10 @@ class _Running:
         except StopIteration:
             self.done(w.engine.last_result)
             return False
+        if ids:
+            self.prefilling = False
+        elif self.prefilling:
+            self.chunks += 1
         if job.cancelled.is_set() or w._stopping:  # round boundary: the client is gone, or the server
             self.close()
             self.cancelled()
@@ -281,8 +294,6 @@ class _Running:
             self.close()
             self.done(None)
             return False
-        if ids:
-            self.prefilling = False
         w.metrics.inc("eyas_worker_tokens_total", len(ids))
         if job.first_token_at is None and ids:
             job.first_token_at = time.perf_counter()
@@ -297,8 +308,10 @@ class _Running:
             w.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="shutdown")
             w._end(job, Event("error", error=shutting_down()))
             return
-        w.metrics.inc("eyas_requests_finished_total", endpoint=job.endpoint, finish_reason="cancelled")
-        w._end(job, Event("cancelled"))  # releases a non-streaming handler still waiting on this job
+        if self.prefilling:
+            w.abandoned(job, "prefill", f"during its prefill ({self.chunks} chunks run)")
+        else:
+            w.abandoned(job, "decode", f"after {len(self.ts.ids)} generated tokens")
 
     def done(self, result: Any) -> None:
         """result: the engine's GenResult when it ended on its own, None when it was stopped early."""
