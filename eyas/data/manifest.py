@@ -18,7 +18,7 @@ from ..target.template import describe_record, fix_for, same_template
 from .conversations import SELF_SOURCE, resolve_source
 from .datagen_config import DatagenConfig, DatagenError
 from .regen import SELF_PROMPT
-from .shards import FORMAT_VERSION, KIND, MANIFEST, ShardError, load_manifest
+from .shards import FORMAT_VERSION, KIND, MANIFEST, ShardError, load_manifest, read_fields
 
 SHARD_GLOB = "shard-*.safetensors"
 
@@ -111,6 +111,8 @@ def open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout,
     if not m["commits"]:  # a new folder's empty start (or an older folder's state now): a point to roll back to
         m["commits"].append(commit_state(m))
     m = _redo_damaged(out, m, log)
+    for e in m["shards"]:  # a resume adds to these shards: their ids must fit this target (its digest cannot say)
+        read_fields(out / e["file"], ("input_ids",), target.identity.vocab_size)
     listed = {s["file"] for s in m["shards"]}
     for f in sorted(out.glob(SHARD_GLOB)):
         if f.name not in listed:  # committed shard file, uncommitted manifest: the chunk is redone
