@@ -7,6 +7,7 @@ recorded in the checkpoint by hash with the hash of the dataset it was counted o
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,6 +45,29 @@ class DraftVocab:
                 "source_dataset_hash": self.source_hash, "coverage": round(self.coverage, 6),
                 "counted_tokens": self.counted_tokens, "always_included": self.always,
                 "target_vocab_size": self.target_vocab_size}
+
+
+class TokenIdError(VocabError):
+    """Stored token ids outside the vocabulary they claim: one line naming the file, the row and the fix."""
+
+
+def check_token_ids(ids: torch.Tensor, offsets: list[int], vocab_size: int, file: object,
+                    rows: list[int] | None, fix: str) -> None:
+    """The one range check of stored token ids, for every reader of them (shards, replay rows): ids packed back
+    to back (row i is ids[offsets[i]:offsets[i+1]]) must lie in 0..vocab_size-1. A digest only proves a file is
+    what was written, not that its ids fit the target: an embedding lookup past the table crashes, and counted
+    ids (an n-gram table) are refused only later, by whoever uses them, blaming the wrong artifact. rows: the
+    source row id of each row, to name it as the user knows it (None: the row's index)."""
+    flat = ids.reshape(-1)
+    bad = ((flat < 0) | (flat >= vocab_size)).nonzero()
+    if not bad.numel():
+        return
+    at = int(bad[0])
+    i = min(bisect.bisect_right(offsets, at) - 1, len(offsets) - 2)  # the row whose span holds position `at`
+    row = f"row {rows[i]} (sample {i})" if rows is not None else f"row {i}"
+    raise TokenIdError(f"{file}: {row} holds token id {int(flat[at])} at position {at - offsets[i]}, "
+                       f"{bad.numel()} id(s) in all outside the vocabulary; expected ids < {vocab_size} (the "
+                       f"target's vocab_size); {fix}")
 
 
 def vocab_hash(ids: torch.Tensor) -> str:

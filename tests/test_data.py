@@ -197,3 +197,27 @@ def test_loop_end():
 def test_conversation_contract():
     c = Conversation(row_id=3, messages=[{"role": "user", "content": "x"}])
     assert c.row_id == 3 and c.dropped_turns == 0
+
+
+def test_text_that_is_not_utf8_skips_its_row_as_invalid_utf8(tmp_path):
+    """Undecodable bytes in a row's text (or a lone-surrogate JSON escape) skip that row and count it; the rows
+    around it, valid non-ASCII text included, are read as they are, in JSONL and in a JSON array."""
+    def row(user: str, reply: str = "fine") -> bytes:
+        return json.dumps({"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": reply}]},
+                          ensure_ascii=False).encode()
+
+    lines = [row("héllo ✓ 你好"),  # 0: valid UTF-8, kept as written
+             row("caf@").replace(b"@", b"\xe9"),  # 1: a Latin-1 byte: not UTF-8
+             row("q").replace(b"fine", b"\\ud800"),  # 2: a lone-surrogate escape: valid JSON, not text
+             b'{"text": "doc \xff\xfe"}',  # 3: a plain-text row with bad bytes
+             b'{"conversations": [{"from": "hu\xffman", "value": "q"}, {"from": "gpt", "value": "a"}]}',  # 4: role
+             row("last")]
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    convs, skipped = load_conversations(str(p))
+    assert [c.row_id for c in convs] == [0, 5] and skipped == Counter({"invalid_utf8": 4})
+    assert convs[0].messages[0]["content"] == "héllo ✓ 你好"
+    arr = tmp_path / "bad.json"
+    arr.write_bytes(b"[" + b",\n".join(lines[:3] + lines[4:]) + b"]")
+    convs, skipped = load_conversations(str(arr))
+    assert [c.row_id for c in convs] == [0, 4] and skipped == Counter({"invalid_utf8": 3})

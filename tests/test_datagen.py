@@ -357,6 +357,27 @@ def test_num_extends_a_run(tmp_path, tiny_dir, conv_file):
     assert "nothing to do" in logs[0] and m2["shards"] == m["shards"]
 
 
+def test_rows_that_are_not_utf8_are_skipped_listed_and_said(tmp_path, tiny_dir):
+    """Two rows with bytes that are not UTF-8 (ids 2 and 9): skipped, counted, their ids listed in the manifest
+    across a resume (no duplicate) and named in the summary; the other rows are captured as usual."""
+    good = [json.dumps({"conversations": [{"from": "human", "value": f"Say {i}."},
+                                          {"from": "gpt", "value": f"{i}."}]}).encode() for i in range(12)]
+    rows = [b.replace(b"Say", b"S\xe4y") if i in (2, 9) else b for i, b in enumerate(good)]
+    data = tmp_path / "convs.jsonl"
+    data.write_bytes(b"\n".join(rows) + b"\n")
+    cfg = _cfg(tmp_path / "out", tiny_dir, data, num=3, shard_samples=2)
+    r = runner.invoke(app, _args(cfg))
+    assert r.exit_code == 0, r.output
+    assert "row ids 2;" in r.output  # the first run (rows 0-3) already met one
+    cfg.num = 20
+    r = runner.invoke(app, _args(cfg))
+    assert r.exit_code == 0, r.output
+    m = load_manifest(tmp_path / "out")
+    assert m["skipped"] == {"invalid_utf8": 2} and m["skipped_rows"] == {"invalid_utf8": [2, 9]}
+    assert "skipped 2 row(s) as invalid_utf8 (row ids 2, 9;" in r.output and "re-save the source as UTF-8" in r.output
+    assert [s.row_id for s in ShardSet(tmp_path / "out").samples()] == [i for i in range(12) if i not in (2, 9)]
+
+
 def test_start_row_reads_only_later_rows_and_is_fixed_for_the_folder(tmp_path, tiny_dir, conv_file):
     cfg = _cfg(tmp_path / "out", tiny_dir, conv_file, num=3, start_row=6)
     m = run_datagen(cfg, command="a", progress=False, log=lambda s: None)

@@ -172,3 +172,36 @@ def test_gguf_keys_eyas_cannot_honour_are_refused(tmp_path, extra, why):
     with pytest.raises(TargetError, match=why) as e:
         load_target(str(path))
     assert "\n" not in str(e.value)
+
+
+# every command that opens a target, on a GGUF transformers cannot read: (argv after the target, what runs it)
+UNREADABLE = {
+    "generate": ["generate", "--prompt", "hi", "--target"],
+    "inspect": ["inspect"],
+    "bench hf-greedy": ["bench", "--methods", "hf-greedy", "--bench", "mt-bench", "--limit", "1", "--target"],
+    "bench eyas methods": ["bench", "--bench", "mt-bench", "--limit", "1", "--target"],
+    "datagen": ["datagen", "--out", "OUT", "--num", "1", "--target"],
+}
+
+
+@pytest.mark.parametrize("command", list(UNREADABLE))
+def test_a_gguf_transformers_cannot_read_gets_the_same_line_from_every_command(tmp_path, command):
+    """llama.cpp names DeepSeek-V2/V3 'deepseek2'. generate once judged that name as a family ('unsupported') and
+    sent the user to `eyas bench --methods hf-greedy`, which then refused the file; every command now says the
+    one line of eyas.target.family.check_gguf_architecture, before anything else (a missing chat template
+    included: this file has none)."""
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+    from tests.tiny import gguf_bytes
+
+    f = tmp_path / "k2.gguf"
+    f.write_bytes(gguf_bytes("deepseek2"))
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in UNREADABLE[command]] + [str(f)]
+    r = CliRunner().invoke(app, argv)
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert errors[0].startswith("error: k2.gguf: general.architecture 'deepseek2' (DeepSeek-V2/V3 and Kimi-K2, MLA "
+                                "attention) is missing from transformers "), errors[0]
+    assert errors[0].endswith("pass the Hugging Face model folder instead"), errors[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # nothing written, nothing converted

@@ -26,7 +26,7 @@ from .conversations import (
     tokenize_conversation_checked,
     tokenize_raw,
 )
-from .datagen_config import DatagenConfig
+from .datagen_config import LISTED_SKIPS, DatagenConfig
 from .regen import engine_for, generate_replies, regenerate, sample_user_turns, stop_token_ids
 from .shards import Sample, write_shard
 
@@ -41,12 +41,13 @@ def chunk_size(cfg: DatagenConfig, chunks_done: int) -> int:
     return min(cfg.shard_samples, FIRST_CHUNK << min(chunks_done, 16))
 
 
-def iter_chunks(cfg: DatagenConfig, watermark: int, remaining: int | None,
-                chunks_done: int = 1 << 16) -> Iterator[tuple[list[Conversation], Counter, int, bool]]:
-    """(conversations, skipped reasons, last row id covered, source exhausted) per chunk, after the watermark;
-    chunk sizes grow from FIRST_CHUNK (chunk_size)."""
+def iter_chunks(cfg: DatagenConfig, watermark: int, remaining: int | None, chunks_done: int = 1 << 16
+                ) -> Iterator[tuple[list[Conversation], Counter, int, bool, dict[str, list[int]]]]:
+    """(conversations, skipped reasons, last row id covered, source exhausted, the row ids of LISTED_SKIPS reasons)
+    per chunk, after the watermark; chunk sizes grow from FIRST_CHUNK (chunk_size)."""
     convs: list[Conversation] = []
     skips: Counter[str] = Counter()
+    listed: dict[str, list[int]] = {}
     last = watermark
     if remaining is not None and remaining <= 0:
         return
@@ -58,17 +59,19 @@ def iter_chunks(cfg: DatagenConfig, watermark: int, remaining: int | None,
         last = item.row_id
         if isinstance(item, Skip):
             skips[item.reason] += 1
+            if item.reason in LISTED_SKIPS:
+                listed.setdefault(item.reason, []).append(item.row_id)
             continue
         convs.append(item)
         if remaining is not None:
             remaining -= 1
         if len(convs) >= chunk_size(cfg, chunks_done) or remaining == 0:
-            yield convs, skips, last, False
-            convs, skips = [], Counter()
+            yield convs, skips, last, False, listed
+            convs, skips, listed = [], Counter(), {}
             chunks_done += 1
             if remaining == 0:
                 return
-    yield convs, skips, last, True
+    yield convs, skips, last, True, listed
 
 # ---- regeneration (eyas/data/regen.py) ---------------------------------------------------------------
 

@@ -6,7 +6,9 @@ plain-text documents (`{"text": ...}` rows, for base models: `datagen --raw`), o
 rows whose user turn the target itself writes (eyas.data.regen.sample_user_turns): `datagen --data self` only.
 Rows are streamed in source order; a row id is the row's position in the source (array index or non-blank line
 index), so ids are stable across runs and resumes. One bad row never stops a run: it is skipped and counted by
-reason. A file that holds no conversations at all is an error.
+reason. A file that holds no conversations at all is an error. Text that is not valid UTF-8 (undecodable bytes,
+read as lone surrogates, or a lone-surrogate JSON escape) skips its row as "invalid_utf8": replacing it would
+train the draft on U+FFFD where the author wrote something else, and say nothing.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def _iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[i
     A truncated tail (the bundled ShareGPT file ends mid-object) ends the stream cleanly; every whole
     element before it is yielded. Yields (index, value)."""
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # bad bytes kept, for parse_row to skip
         buf = f.read(chunk_chars)
         eof = len(buf) < chunk_chars
         pos = len(buf) - len(buf.lstrip())
@@ -156,7 +158,7 @@ def _iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[i
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     """(index among non-blank lines, parsed value or a Skip('invalid_json'))."""
     idx = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # bad bytes kept, for parse_row to skip
         for line in f:
             if not line.strip():
                 continue
@@ -178,6 +180,16 @@ def _content_text(content: Any) -> str | None:
     return None
 
 
+def valid_utf8(text: str) -> bool:
+    """False for text with lone surrogates: bytes the file's UTF-8 could not decode (the readers keep them as
+    surrogates) or a \\ud800-style JSON escape; no UTF-8 file can hold such text, and a tokenizer mangles it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def looks_like_conversation(obj: Any) -> bool:
     return isinstance(obj, dict) and (isinstance(obj.get("conversations"), list)
                                       or isinstance(obj.get("messages"), list) or isinstance(obj.get("text"), str))
@@ -191,6 +203,8 @@ def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
         return Skip(row_id, "malformed")
     if not isinstance(obj.get("conversations"), list) and not isinstance(obj.get("messages"), list):
         # a plain-text document row {"text": ...} (base-model data; used by `datagen --raw`)
+        if not valid_utf8(obj["text"]):
+            return Skip(row_id, "invalid_utf8")
         return Conversation(row_id=row_id, messages=[], text=obj["text"]) if obj["text"].strip() \
             else Skip(row_id, "empty_message")
     turns = obj["conversations"] if isinstance(obj.get("conversations"), list) else obj["messages"]
@@ -202,6 +216,8 @@ def parse_row(row_id: int, obj: Any) -> Conversation | Skip:
         text = _content_text(t["value"] if "value" in t else t.get("content"))
         if not isinstance(role, str) or text is None:
             return Skip(row_id, "malformed")
+        if not (valid_utf8(role) and valid_utf8(text)):
+            return Skip(row_id, "invalid_utf8")
         norm = ROLE_MAP.get(role.strip().lower())
         if norm is None:
             return Skip(row_id, "unknown_role")

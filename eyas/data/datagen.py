@@ -33,7 +33,15 @@ from .chunks import chunk_items, iter_chunks, write_chunk_shards
 from .conversations import SELF_SOURCE, DataError
 from .datagen_config import DatagenConfig, DatagenError, skip_summary, vllm_engine_args
 from .datagen_vllm import LazySession, capture_samples_vllm, start_vllm
-from .manifest import commit_state, counts_view, lock_folder, manifest_config, open_manifest, source_identity
+from .manifest import (
+    commit_state,
+    counts_view,
+    list_skipped_rows,
+    lock_folder,
+    manifest_config,
+    open_manifest,
+    source_identity,
+)
 from .regen import regen_engine, regen_numerics, user_turn_opening
 from .shards import MANIFEST
 
@@ -138,7 +146,8 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
     # the bar is closed (its line ended) on every exit, so an error message starts on a line of its own
     try:
         chunks_done = len(m["commits"]) - 1  # the first commit record is the empty folder's
-        for convs, skips, last_row, exhausted in iter_chunks(cfg, int(m["watermark"]), remaining, chunks_done):
+        for convs, skips, last_row, exhausted, listed in iter_chunks(cfg, int(m["watermark"]), remaining,
+                                                                     chunks_done):
             t0 = time.perf_counter()
             stats: Counter[str] = Counter()
             loader_rows = sum(skips.values()) + len(convs)  # source rows this chunk covers
@@ -176,6 +185,7 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
             counts["bytes"] += sum(e["bytes"] for e in entries)
             counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)
             skipped.update(skips)
+            list_skipped_rows(m, listed)
             layout.norms = norms.means()
             m.update(watermark=last_row, counts=dict(counts), skipped=dict(skipped), norm_sums=norms.sums,
                      norm_tokens=norms.tokens, layout=layout.to_dict(),

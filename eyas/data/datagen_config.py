@@ -30,10 +30,18 @@ SKIP_HINTS = {
     "unknown_role": "the rows use roles other than system/user/assistant (human/gpt in ShareGPT)",
     "empty_message": "the rows hold empty messages",
     "invalid_json": "the lines are not JSON",
+    "invalid_utf8": "the rows' text is not valid UTF-8 (undecodable bytes or lone surrogate escapes): re-save the "
+                    "source as UTF-8",
     "self_prompt_unfinished": "the target's own user turns never reached its end-of-turn token: --data self needs a "
                               "chat-tuned target (or pass a file of conversations as --data)",
     "self_prompt_loop": "the target's own user turns looped: --data self needs a chat-tuned target",
 }
+
+
+# skip reasons whose row ids the shard manifest lists ("skipped_rows"): damaged text a user wants to find and mend,
+# where the other reasons are the data's shape; at most LISTED_ROWS ids each (the count in "skipped" stays whole)
+LISTED_SKIPS = ("invalid_utf8",)
+LISTED_ROWS = 1000
 
 
 def skip_summary(skipped: dict[str, int], top: int = 3) -> str:

@@ -16,9 +16,9 @@ from ..target.convert import file_fingerprint
 from ..target.load import Target
 from ..target.template import describe_record, fix_for, same_template
 from .conversations import SELF_SOURCE, resolve_source
-from .datagen_config import DatagenConfig, DatagenError
+from .datagen_config import LISTED_ROWS, SKIP_HINTS, DatagenConfig, DatagenError
 from .regen import SELF_PROMPT
-from .shards import FORMAT_VERSION, KIND, MANIFEST, ShardError, load_manifest
+from .shards import FORMAT_VERSION, KIND, MANIFEST, ShardError, load_manifest, read_fields
 
 SHARD_GLOB = "shard-*.safetensors"
 
@@ -107,10 +107,13 @@ def open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout,
             "shards": [], "watermark": cfg.start_row - 1, "complete": False,
             "counts": {}, "skipped": {}, "norm_sums": {}, "norm_tokens": 0, "commands": [], "versions": _versions(),
         }
+    m.setdefault("skipped_rows", {})  # folders written before rows were listed have none
     m.setdefault("commits", [])  # folders written before commits were recorded have none
     if not m["commits"]:  # a new folder's empty start (or an older folder's state now): a point to roll back to
         m["commits"].append(commit_state(m))
     m = _redo_damaged(out, m, log)
+    for e in m["shards"]:  # a resume adds to these shards: their ids must fit this target (its digest cannot say)
+        read_fields(out / e["file"], ("input_ids",), target.identity.vocab_size)
     listed = {s["file"] for s in m["shards"]}
     for f in sorted(out.glob(SHARD_GLOB)):
         if f.name not in listed:  # committed shard file, uncommitted manifest: the chunk is redone
@@ -151,7 +154,16 @@ def _redo_damaged(out: Path, m: dict[str, Any], log: Callable[[str], None]) -> d
     m["shards"] = m["shards"][:c["shards"]]
     m.update({k: c[k] for k in COMMITTED}, commits=earlier, complete=False)
     m["layout"]["norms"] = c["norms"]
+    # rows past the restored watermark are read again, and listed again if skipped again
+    m["skipped_rows"] = {k: [r for r in v if r <= c["watermark"]] for k, v in (m.get("skipped_rows") or {}).items()}
     return m
+
+
+def list_skipped_rows(m: dict[str, Any], listed: dict[str, list[int]]) -> None:
+    """Add a committed chunk's skipped row ids (LISTED_SKIPS reasons) to the manifest's "skipped_rows"."""
+    rows = m.setdefault("skipped_rows", {})
+    for reason, ids in listed.items():
+        rows[reason] = (rows.get(reason, []) + ids)[:LISTED_ROWS]
 
 
 def _versions() -> dict[str, str]:
@@ -191,6 +203,12 @@ def summary(m: dict[str, Any]) -> list[str]:
             f"({c.get('regenerated_tokens', 0) / max(c.get('regen_ms', 0) / 1000, 1e-9):.0f} tok/s); finished by "
             f"eos {c.get('finish_eos', 0)}, repetition {c.get('finish_repetition', 0)}, "
             f"length {c.get('finish_length', 0)}")
+    for reason, rows in sorted((m.get("skipped_rows") or {}).items()):
+        if rows:  # which rows, so the user can mend them: the count alone says only that some text was damaged
+            n = int(m["skipped"].get(reason, len(rows)))
+            shown = ", ".join(map(str, rows[:20])) + (", ..." if n > 20 else "")
+            lines.append(f"skipped {n} row(s) as {reason} (row ids {shown}; {MANIFEST} lists up to {LISTED_ROWS} "
+                         f"in skipped_rows): {SKIP_HINTS.get(reason, '')}")
     lines.append(f"norms (mean L2 per token): {m['layout']['norms']}")
     return lines
 

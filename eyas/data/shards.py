@@ -25,6 +25,7 @@ from ..files import atomic_write, damaged, file_digest, note_unverified, recorde
 from ..layout import Layout, check_layouts
 from ..metadata import SHARD_MANIFEST, read_metadata
 from ..target.template import describe_record, same_template
+from ..vocab import check_token_ids
 
 MANIFEST = "manifest.json"
 KIND = "eyas-shards"
@@ -75,22 +76,34 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
     }
 
 
-def read_fields(path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The shard's tensors named in `need` (only those are read); a corrupt file or a missing field is one error."""
+# a shard whose ids do not fit its target was captured for another one (or edited): recapture it
+BAD_IDS_FIX = ("capture the folder again with `eyas datagen --target` set to the model it is meant for, into a "
+               "new --out")
+
+
+def read_fields(path: Path, need: tuple[str, ...], vocab: int | None = None) -> dict[str, torch.Tensor]:
+    """The shard's tensors named in `need` (only those are read); a corrupt file or a missing field is one error.
+    vocab: when input_ids are read, every id must be < vocab (eyas.vocab.check_token_ids, naming the file and the
+    source row); every reader of a shard's token ids passes it (None only where none is recorded)."""
+    check = vocab is not None and "input_ids" in need
+    want = tuple(dict.fromkeys(need + (("input_ids", "offsets", "row_ids") if check else ())))
     try:
         with safe_open(str(path), framework="pt") as f:
-            missing = sorted(set(need) - set(f.keys()))
+            missing = sorted(set(want) - set(f.keys()))
             if missing:
                 raise ShardError(f"{path} lacks fields {missing}; it was not written by eyas datagen")
-            return {k: f.get_tensor(k) for k in need}
+            t = {k: f.get_tensor(k) for k in want}
     except ShardError:
         raise
     except Exception as e:
         raise ShardError(f"{path} is not a readable eyas shard ({e}); delete it and re-run datagen to resume") from e
+    if check:
+        check_token_ids(t["input_ids"], t["offsets"].tolist(), int(vocab), path, t["row_ids"].tolist(), BAD_IDS_FIX)
+    return {k: t[k] for k in need}
 
 
-def read_shard(path: Path) -> list[Sample]:
-    t = read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"))
+def read_shard(path: Path, vocab: int | None = None) -> list[Sample]:
+    t = read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"), vocab)
     off = t["offsets"].tolist()
     out = []
     for i, row in enumerate(t["row_ids"].tolist()):
@@ -157,6 +170,8 @@ class ShardSet:
         self.manifests = [load_manifest(f) for f in self.folders]
         self.verified = False
         self.layout = Layout.from_dict(self.manifests[0]["layout"])
+        # the recorded target's vocabulary (one across the folders: their layouts, target included, must match)
+        self.vocab: int | None = self.layout.target.vocab_size if self.layout.target is not None else None
         for f, m in zip(self.folders[1:], self.manifests[1:], strict=True):
             check_layouts(self.layout, Layout.from_dict(m["layout"]), str(self.folders[0]), str(f))
         # one template per dataset: a draft trained on chats rendered two ways serves neither well
@@ -211,14 +226,14 @@ class ShardSet:
         """split: 'all' | 'train' | 'heldout' (by source row id, see heldout_rows)."""
         held = self.heldout_rows(heldout_pct) if split != "all" else set()
         for p in self.shard_paths():
-            for s in read_shard(p):
+            for s in read_shard(p, self.vocab):
                 if split == "all" or (split == "heldout") == (int(s.row_id) in held):
                     yield s
 
     def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids [S] long, loss_mask [S] bool) of every sample, reading neither hidden-state field."""
         for p in self.shard_paths():
-            t = read_fields(p, ("input_ids", "loss_mask", "offsets"))
+            t = read_fields(p, ("input_ids", "loss_mask", "offsets"), self.vocab)
             bounds = t["offsets"].tolist()
             for a, b in zip(bounds[:-1], bounds[1:], strict=True):
                 yield t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool()

@@ -33,6 +33,7 @@ import torch
 from ..errors import EyasError
 from ..files import atomic_folder, check_file, file_record, read_json, save_safetensors
 from ..layout import TargetIdentity
+from ..vocab import check_token_ids
 
 KIND = "eyas-replay-rows"
 FORMAT_VERSION = 1
@@ -160,6 +161,9 @@ def load_rows(path: str | Path) -> ReplayRows:
         states = [st[a:b] for a, b in zip(soff, soff[1:], strict=False)]
     except Exception as e:  # noqa: BLE001 - a corrupt header, a missing tensor: one line
         raise ReplayError(f"{p / FILE} is not readable replay rows ({type(e).__name__}: {e}); {fix}") from e
+    # ids past the recorded target's vocabulary: the rows' identity is not the one their tokens came from
+    check_token_ids(t["tokens"], off, ident.vocab_size, p / FILE, None, "capture the rows again from the target "
+                    "with `eyas replay capture`")
     if not (len(tokens) == len(plens) == len(states)) or any(s.shape[1:] != (len(streams), ident.hidden_size)
                                                             for s in states):
         raise ReplayError(f"{p / FILE}: {len(tokens)} rows, {len(plens)} prompt lengths, {len(states)} state "

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..files import atomic_folder, remove_stale_temps
-from .family import TargetError, gguf_family
+from .family import TargetError, check_gguf_architecture
 from .gguf_config import gguf_overrides
 from .offline import hub_offline
 
@@ -42,39 +42,6 @@ def tensor_fingerprint(model: nn.Module) -> str:
         h.update(name.encode() + str(tuple(p.shape)).encode())
         h.update(flat[idx].float().cpu().numpy().tobytes())
     return "tensors:" + h.hexdigest()[:32]
-
-
-# llama.cpp architectures worth naming when transformers cannot read them
-_GGUF_NAMES = {"deepseek2": "DeepSeek-V2/V3 and Kimi-K2, MLA attention"}
-# architectures transformers' GGUF loader lists but loads wrong (checked on llama.cpp-named F32 files)
-_GGUF_MISREAD = {"gpt-oss": "its GGUF loader leaves gpt-oss's experts and attention sinks (llama.cpp's ffn_*_exps "
-                            "and attn_sinks tensors) randomly initialised and fails on the rope.scaling (YaRN) keys"}
-
-
-def check_gguf_architecture(gguf: Path) -> None:
-    """Refuse in one line, before trying, a GGUF whose general.architecture the installed transformers' GGUF loader
-    does not read (eyas converts GGUFs through it). A file whose metadata does not parse is left to transformers'
-    own reading, which reports the damage."""
-    from transformers import __version__
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    from ..native.gguf_file import read_gguf_metadata
-
-    try:
-        arch = read_gguf_metadata(gguf).get("general.architecture")
-    except Exception:  # noqa: BLE001 - a damaged file: convert_gguf's own error names it
-        return
-    if not isinstance(arch, str):
-        return
-    if arch in _GGUF_MISREAD:
-        raise TargetError(f"{gguf.name}: general.architecture {arch!r}: transformers {__version__}'s GGUF reader, "
-                          f"which eyas converts GGUFs through, does not read it whole ({_GGUF_MISREAD[arch]}); pass "
-                          "the Hugging Face model folder instead")
-    if {arch, arch.replace("-", "_"), gguf_family(arch)} & set(GGUF_SUPPORTED_ARCHITECTURES):
-        return
-    what = f" ({_GGUF_NAMES[arch]})" if arch in _GGUF_NAMES else ""
-    raise TargetError(f"{gguf.name}: general.architecture {arch!r}{what} is missing from transformers {__version__}'s "
-                      "GGUF loader, which eyas converts GGUFs through; pass the Hugging Face model folder instead")
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

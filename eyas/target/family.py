@@ -59,6 +59,42 @@ def gguf_family(arch: str) -> str:
     return _GGUF_FAMILIES.get(arch, arch)
 
 
+# llama.cpp architectures worth naming when transformers cannot read them
+_GGUF_NAMES = {"deepseek2": "DeepSeek-V2/V3 and Kimi-K2, MLA attention"}
+# architectures transformers' GGUF loader lists but loads wrong (checked on llama.cpp-named F32 files)
+_GGUF_MISREAD = {"gpt-oss": "its GGUF loader leaves gpt-oss's experts and attention sinks (llama.cpp's ffn_*_exps "
+                            "and attn_sinks tensors) randomly initialised and fails on the rope.scaling (YaRN) keys"}
+
+
+def check_gguf_architecture(gguf: Path) -> None:
+    """Refuse in one line, before trying, a GGUF whose general.architecture the installed transformers' GGUF loader
+    does not read (eyas converts GGUFs through it). The one owner of that refusal: the conversion, every command's
+    template check (TargetChoice.template) and check_engine_family call it, so generate, inspect and bench say the
+    same line, not a family verdict on llama.cpp's architecture name ('deepseek2' is DeepSeek-V2/V3, whose HF
+    folder the engine may well run). A file whose metadata does not parse is left to transformers' own reading,
+    which reports the damage."""
+    from ..native.gguf_file import read_gguf_metadata
+
+    try:
+        arch = read_gguf_metadata(gguf).get("general.architecture")
+    except Exception:  # noqa: BLE001 - a damaged file: convert_gguf's own error names it
+        return
+    if not isinstance(arch, str):
+        return
+    from transformers import __version__  # only now: transformers' GGUF module alone takes seconds to import
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch in _GGUF_MISREAD:
+        raise TargetError(f"{gguf.name}: general.architecture {arch!r}: transformers {__version__}'s GGUF reader, "
+                          f"which eyas converts GGUFs through, does not read it whole ({_GGUF_MISREAD[arch]}); pass "
+                          "the Hugging Face model folder instead")
+    if {arch, arch.replace("-", "_"), gguf_family(arch)} & set(GGUF_SUPPORTED_ARCHITECTURES):
+        return
+    what = f" ({_GGUF_NAMES[arch]})" if arch in _GGUF_NAMES else ""
+    raise TargetError(f"{gguf.name}: general.architecture {arch!r}{what} is missing from transformers {__version__}'s "
+                      "GGUF loader, which eyas converts GGUFs through; pass the Hugging Face model folder instead")
+
+
 def gguf_of(spec: str) -> Path | None:
     """The .gguf file a bundled name or a .gguf path names; None for any other spec (a HF folder)."""
     if spec not in BUNDLED and not spec.endswith(".gguf"):
@@ -146,6 +182,9 @@ def check_engine_family(spec: str, needed_for: str, instead: str = "") -> None:
     weights load (a 10 GB load, or a GGUF conversion, that would only end in this refusal). `needed_for` names
     what needs the engine, `instead` the closest path that works. A file that does not name its family passes
     (TargetModel refuses after the load)."""
+    gguf = gguf_of(spec)
+    if gguf is not None:  # a file eyas cannot convert at all: that, not its llama.cpp architecture name, is the news
+        check_gguf_architecture(gguf)
     family, where = target_family(spec)
     if family is not None and not engine_covers(family):
         raise family_refusal(family, f"--target {spec} (from {where})", needed_for, instead)

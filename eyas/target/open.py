@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .family import check_gguf_architecture, gguf_of
 from .load import Target, load_target
 from .template import (
     ChatTemplate,
@@ -40,6 +41,10 @@ class TargetChoice:
         drafted = template_from_record(self.draft_record) if self.draft_record else None
         if choice.source == "tokenizer" and drafted is not None and drafted.source in ("builtin", "file"):
             choice = drafted
+        if check_files:
+            gguf = gguf_of(self.spec)
+            if gguf is not None:  # a GGUF eyas cannot convert: said first, not a template it may also lack
+                check_gguf_architecture(gguf)
         if check_files and self.template_required:
             require_template(self.spec, choice)
         return choice

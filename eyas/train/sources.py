@@ -69,7 +69,8 @@ class ShardSource:
         self.skipped: dict[str, int] = {}
         held = self.set.heldout_rows(heldout_pct)  # over every row, as the doctor splits these folders
         for si, p in enumerate(self.paths):
-            t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"))  # a damaged file is named
+            # a damaged file, or an id outside the recorded vocabulary, is named with its row
+            t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"), self.set.vocab)
             off, rows = t["offsets"].tolist(), t["row_ids"].tolist()
             ids, mask = t["input_ids"].long(), t["loss_mask"].bool()
             for i, row in enumerate(rows):
