@@ -25,7 +25,7 @@ from ..target.capture import Capture, decoder_parts
 
 if TYPE_CHECKING:
     from ..native.quant import NativeWeights
-from ..target.family import SUPPORTED_MOE, ModelError, engine_covers, family_refusal
+from ..target.family import ModelError, engine_covers, family_refusal
 from .mla import MLA, mla_attention, mla_of
 from .moe import MoE, moe_mlp
 from .rowwise import Ops, ops_for
@@ -165,7 +165,7 @@ class TargetModel:
         self.config = cfg
         # the MoE families in fp32 on the CPU run every product and attention through eyas's row-invariant
         # kernels, so a verified row is the bits of the same row alone (rowwise.py); row_note says why not
-        self.ops, self.row_note = ops_for(cfg.model_type, SUPPORTED_MOE, model.dtype, model.device, native is not None)
+        self.ops, self.row_note = ops_for(cfg.model_type, model.dtype, model.device, native is not None)
         embed, layers, norm = decoder_parts(model)
         self.embed_weight = embed.weight
         self.norm_weight = norm.weight

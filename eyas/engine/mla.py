@@ -90,6 +90,7 @@ def mla_attention(w: MLA, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
 
     def lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return w.ops.linear(x, m.weight, m.bias)
+
     q = lin(w.q, h) if w.q_a is None else lin(w.q_b, _norm(w.q_a_norm, lin(w.q_a, h)))
     q = q.view(B, S, w.heads, w.nope + w.rope).transpose(1, 2)  # [B, nh, S, nope + rope]
     q_nope, q_rot = q.split([w.nope, w.rope], dim=-1)

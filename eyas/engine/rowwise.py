@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..errors import EyasError
 from ..native import kernels
+from ..target.family import SUPPORTED_MOE
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,10 @@ TORCH_OPS = Ops(F.linear, torch.matmul, lambda fn, x: fn(x), False)
 ROW_OPS = Ops(_row_linear, kernels.f32_matmul_kn, _row_pointwise, True)
 
 
-def ops_for(model_type: str, moe_families: tuple[str, ...], dtype: torch.dtype, device: torch.device,
-            native: bool) -> tuple[Ops, str | None]:
+def ops_for(model_type: str, dtype: torch.dtype, device: torch.device, native: bool) -> tuple[Ops, str | None]:
     """-> (the ops a target's forward runs, why they are not row-invariant; None when they are or the family is
     dense: dense fp32 targets keep torch's faster kernels, native weights are row-invariant on their own)."""
-    if native or model_type not in moe_families:
+    if native or model_type not in SUPPORTED_MOE:
         return TORCH_OPS, None
     if dtype != torch.float32 or device.type != "cpu":
         return TORCH_OPS, (f"eyas's row-invariant kernels run fp32 on the CPU; this {model_type} target is {dtype} "
