@@ -15,7 +15,7 @@ list to the files.
   target   eyas/target: offline, family, device, gguf_config, convert, capture, load, template, open -- what a
            spec names, loading it, its chat template, capture of its streams
   draft    eyas/: draft, inspect -- the EAGLE-3 module over a target; inspect over a target
-  engine   eyas/engine: params, forward, moe, mla, sinks, weights, sampling, lookup, ngram, stats, prompt,
+  engine   eyas/engine: params, rowwise, forward, moe, mla, sinks, weights, sampling, lookup, ngram, stats, prompt,
            sequence, tree, verify, decode, load -- decoding settings, the target forward, the decode round, the one
            engine assembly
   data     eyas/data: conversations, regen, shards, datagen_config, capture, chunks, manifest, datagen_vllm,

@@ -113,6 +113,7 @@ def test_8bit_matmuls_are_bit_identical_on_every_variant(isa, restore_isa):
         _equal(*_on(isa, kernels.q8q8_matmul, x[:M], tiles, N))
         _equal(*_on(isa, kernels.q8_matmul, x[:M], qw, d))
         _equal(*_on(isa, kernels.f32_matmul, x[:M], w))
+        _equal(*_on(isa, kernels.f32_matmul_kn, x[:M], w.t().contiguous()))
 
 
 @pytest.mark.parametrize("isa", ALL[1:])
@@ -126,6 +127,11 @@ def test_attention_is_bit_identical_on_every_variant(isa, hd, restore_isa):
     _equal(*_on(isa, lambda: kernels.attention(q, kc, vc, P, mask, 0.125)))
     _equal(*_on(isa, lambda: kernels.attention(q, kc, vc, P, None, 0.125)))
     _equal(*_on(isa, lambda: kernels.attention(q, kc, vc, 0, None, 0.125)))  # 1-6 keys: no 8-key group
+    sinks = torch.randn(nh, generator=g)
+    _equal(*_on(isa, lambda: kernels.attention_kv(q, kc, vc, P, mask, 0.125, sinks)))
+    wide = torch.randn(B, S, nh, 576, generator=g)  # MLA: 576-wide keys over 512-wide values
+    kw, vw = torch.randn(B, kvh, P + S, 576, generator=g), torch.randn(B, kvh, P + S + 5, 512, generator=g)
+    _equal(*_on(isa, lambda: kernels.attention_kv(wide, kw, vw, P, mask, 0.05)))
     qkv = torch.randn(B, S, (nh + 2 * kvh) * hd, generator=g).to(torch.bfloat16)
     ang = torch.rand(B, S, hd, generator=g) * 6
 

@@ -204,6 +204,17 @@ BAD = {
                                                                   torch.ones(1, 1, 2, 2, dtype=torch.bool), 1.),
     "attention on the meta device": lambda: kernels.attention(torch.zeros(1, 2, 4, 16, device="meta"), KC, KC, 0,
                                                               None, 1.),
+    "attention_kv keys of another size": lambda: kernels.attention_kv(torch.zeros(1, 2, 4, 16),
+                                                                    torch.zeros(1, 2, 8, 32), KC, 0, None, 1.),
+    "attention_kv values of another batch": lambda: kernels.attention_kv(torch.zeros(1, 2, 4, 16), KC,
+                                                                        torch.zeros(2, 2, 8, 16), 0, None, 1.),
+    "attention_kv past the values": lambda: kernels.attention_kv(torch.zeros(1, 2, 4, 16), KC,
+                                                                torch.zeros(1, 2, 2, 16), 1, None, 1.),
+    "attention_kv sinks per kv head": lambda: kernels.attention_kv(torch.zeros(1, 2, 4, 16), KC, KC, 0, None, 1.,
+                                                                  torch.zeros(2)),
+    "attention_kv heads not grouped": lambda: kernels.attention_kv(torch.zeros(1, 2, 3, 16), KC, KC, 0, None, 1.),
+    "f32_matmul_kn x of another K": lambda: kernels.f32_matmul_kn(torch.zeros(1, 9), torch.zeros(8, 4)),
+    "f32_matmul_kn non-contiguous weight": lambda: kernels.f32_matmul_kn(torch.zeros(1, 8), torch.zeros(4, 8).t()),
     "q8_matmul K not in blocks": lambda: kernels.q8_matmul(torch.zeros(1, 48), torch.zeros(16, 48, dtype=torch.int8),
                                                            torch.zeros(16, 1)),
     "q8_matmul x of another K": lambda: kernels.q8_matmul(torch.zeros(1, 32), *_q8()),
@@ -272,6 +283,8 @@ def test_the_checked_wrappers_still_compute():
         q.transpose(1, 2), kc[:, :, :5].repeat_interleave(2, 1), vc[:, :, :5].repeat_interleave(2, 1), scale=0.25,
         attn_mask=torch.ones(3, 5, dtype=torch.bool).tril(2)).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(kernels.attention_kv(q, kc, vc, 2, None, 0.25), out, atol=1e-6)
+    assert torch.allclose(kernels.f32_matmul_kn(x, w.t().contiguous()), x @ w.t(), atol=1e-4, rtol=1e-4)
 
 
 # ---- --weights auto: native only where it is known or measured faster ----------------------------------------

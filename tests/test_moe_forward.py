@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eyas.draft import random_draft
-from eyas.engine.forward import TargetModel
+from eyas.engine.forward import KVCache, TargetModel
 from eyas.engine.load import EngineParts, make_engine
 from eyas.engine.params import SamplingParams, TreeSettings
+from eyas.engine.rowwise import ROW_OPS
 from eyas.engine.weights import engine_model
 from eyas.target.convert import check_gguf_architecture, convert_gguf, tensor_fingerprint
 from eyas.target.family import ModelError, TargetError
 from eyas.target.load import Target, identity_of
 from tests.moe import moe_config
 from tests.test_engine import PROMPTS, VOCAB, word_tokenizer
-from tests.tiny import gguf_bytes
+from tests.tiny import gguf_bytes, tiny_model
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 ATOL = 1e-4
@@ -147,15 +149,66 @@ def test_control_a_missing_rule_misses_hf(model):
     assert max(diffs) > 100 * ATOL, diffs
 
 
-def test_rows_are_routed_independently(model):
-    """A row's logits are the same alone or batched with other rows (no batch-dependent expert choice)."""
+def _prefilled(tm: TargetModel, ids: torch.Tensor) -> KVCache:
+    cache = tm.new_cache(ids.shape[0], 32)
+    tm.forward(ids, torch.arange(ids.shape[1]).expand(ids.shape), cache, logits="none")
+    cache.length = ids.shape[1]
+    return cache
+
+
+def test_verify_rows_are_the_bits_of_each_row_alone(model):
+    """Lossless decoding must not depend on the batch: a near-tie decided by the last bit would flip a greedy token.
+    With the row-invariant kernels a verified row's logits equal, by torch.equal, the same row run alone: sibling
+    tree rows (the verify forward's tree mask) and a chain against plain one-token steps, and two sequences batched
+    against each alone. torch's kernels missed by up to ~1e-5 here (the dense fp32 path by ~1e-7)."""
     tm = TargetModel(model)
-    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(12).expand(3, 12)
-    both = tm.forward(ids, pos, tm.new_cache(3, 12), logits="all").logits
-    for b in range(3):
-        one = tm.forward(ids[b:b + 1], pos[b:b + 1], tm.new_cache(1, 12), logits="all").logits
-        torch.testing.assert_close(one[0], both[b], atol=1e-5, rtol=0)
+    assert tm.ops.row_invariant and tm.row_note is None
+    g = torch.Generator().manual_seed(5)
+    P, S = 10, 6
+    prefix, rows = torch.randint(3, VOCAB, (2, P), generator=g), torch.randint(3, VOCAB, (2, S), generator=g)
+    cache = _prefilled(tm, prefix[:1])
+    tree = tm.forward(rows[:1], torch.full((1, S), P), cache, tree_mask=torch.eye(S, dtype=torch.bool),
+                      capture=[1, 3], logits="all")
+    for i in range(S):  # each sibling alone after the same prefix
+        one = tm.forward(rows[:1, i:i + 1], torch.full((1, 1), P), cache, capture=[1, 3], logits="all")
+        assert torch.equal(one.logits[0, 0], tree.logits[0, i]) and torch.equal(one.aux[0, 0], tree.aux[0, i]), i
+    chain = tm.forward(rows[:1], torch.arange(P, P + S)[None], cache, logits="all").logits[0]
+    for i in range(S):  # plain decoding: one token per forward, the cache growing by one
+        one = tm.forward(rows[:1, i:i + 1], torch.tensor([[P + i]]), cache, logits="all").logits[0, 0]
+        cache.length += 1
+        assert torch.equal(one, chain[i]), i
+    both_cache = _prefilled(tm, prefix)
+    both = tm.forward(rows, torch.arange(P, P + S).expand(2, S), both_cache, logits="all").logits
+    for b in range(2):
+        alone = tm.forward(rows[b:b + 1], torch.arange(P, P + S)[None], _prefilled(tm, prefix[b:b + 1]),
+                           logits="all").logits
+        assert torch.equal(alone[0], both[b]), b
+        assert torch.equal(_prefilled(tm, prefix[b:b + 1]).k[:, 0, :, :P], both_cache.k[:, b, :, :P])
+
+
+def test_pointwise_functions_give_a_row_its_bits_whatever_the_rows_beside_it():
+    """torch runs an elementwise sigmoid or SiLU in vectors and a call's last few elements through a scalar formula
+    whose last bit can differ: DeepSeek's router sigmoid over 8 experts took that tail for a row alone. The padded
+    form (rowwise.ROW_OPS.pointwise) keeps every element on the vector path."""
+    g = torch.Generator().manual_seed(0)
+    for fn, width in ((torch.sigmoid, 8), (F.silu, 24), (F.silu, 64)):
+        x = torch.randn(1500, width, generator=g) * 3
+        full = ROW_OPS.pointwise(fn, x)
+        if width % 64 == 0:  # torch's own call has no tail here: the same bits as torch's
+            assert torch.equal(full, fn(x))
+        assert all(torch.equal(ROW_OPS.pointwise(fn, x[i:i + 1]), full[i:i + 1]) for i in range(0, 1500, 7))
+        assert (full - fn(x)).abs().max() < 1e-6
+    x = torch.randn(1500, 8, generator=g) * 3
+    assert any(not torch.equal(x[i:i + 1].sigmoid(), x.sigmoid()[i:i + 1]) for i in range(1500))  # the control
+
+
+def test_torch_kernels_run_where_the_row_invariant_ones_do_not():
+    """A MoE target off fp32 or off the CPU runs torch's kernels and says what that costs; dense targets keep
+    torch's (faster) kernels, native weights their own row-invariant ones."""
+    tm = TargetModel(build("qwen3_moe").to(torch.bfloat16))
+    assert not tm.ops.row_invariant and "row-invariant kernels run fp32 on the CPU" in tm.row_note
+    dense = TargetModel(tiny_model("llama"))
+    assert not dense.ops.row_invariant and dense.row_note is None
 
 
 def test_auto_weights_fall_back_to_fp32_with_a_reason(model):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eyas.engine.sinks import sink_attention
 from eyas.native import kernels
 from eyas.native.quant import NativeError, _llama_unpermute, _match, _pack, _quantized
 
@@ -79,6 +80,47 @@ def test_head_kernels_are_row_invariant_and_exact_enough(kind):
     for r in range(9):
         assert torch.equal(run(x[r:r + 1])[0], full[r])
         assert torch.equal(run(x[: r + 1])[r], full[r])
+
+
+def test_input_major_matmul_is_row_invariant_and_exact_enough():
+    """f32_matmul_kn (x @ w for w [K, N]: gpt-oss's experts, MLA's absorbed keys) over N not a multiple of its
+    64-column blocks."""
+    torch.manual_seed(3)
+    x, w = torch.randn(9, 96), torch.randn(96, 150)
+    full = kernels.f32_matmul_kn(x, w)
+    assert (full - x @ w).abs().max() < 1e-4
+    for r in range(9):
+        assert torch.equal(kernels.f32_matmul_kn(x[r:r + 1], w)[0], full[r])
+        assert torch.equal(kernels.f32_matmul_kn(x[: r + 1], w)[r], full[r])
+
+
+@pytest.mark.parametrize("shape", ["mla", "sinks", "odd"])
+def test_attention_kv_matches_torch_and_each_tree_row_equals_the_plain_step(shape):
+    """attention_kv: keys and values of their own sizes (MLA's 576-wide keys over 512-wide latents, one shared
+    head), per-head sinks (gpt-oss), a key size off the 16-wide path; each tree row equals its plain step."""
+    rng = random.Random(4)
+    g = torch.Generator().manual_seed(4)
+    nh, kvh, kd, vd = {"mla": (4, 1, 576, 512), "sinks": (6, 2, 64, 64), "odd": (2, 1, 40, 24)}[shape]
+    sinks = torch.randn(nh, generator=g) * 2 if shape == "sinks" else None
+    for _ in range(4):
+        P, S = rng.randint(0, 40), rng.randint(1, 7)
+        q = torch.randn(1, S, nh, kd, generator=g)
+        K, V = torch.randn(1, kvh, P + S + 2, kd, generator=g), torch.randn(1, kvh, P + S + 3, vd, generator=g)
+        tm = _tree_mask(S, rng)
+        mask = torch.cat([torch.ones(S, P, dtype=torch.bool), tm], 1)[None, None]
+        out = kernels.attention_kv(q, K, V, P, mask, 0.1, sinks)
+        qh, Kh, Vh = q.transpose(1, 2), K[:, :, :P + S], V[:, :, :P + S]
+        if sinks is None:
+            ref = F.scaled_dot_product_attention(qh, Kh, Vh, attn_mask=mask, scale=0.1, enable_gqa=True)
+        else:
+            ref = sink_attention(qh, Kh, Vh, mask, 0.1, sinks)
+        assert (out - ref.transpose(1, 2)).abs().max() < 1e-5
+        for i in range(S):
+            anc = [P + j for j in range(S) if tm[i, j]]
+            K1, V1 = K.clone(), V.clone()
+            K1[:, :, P:P + len(anc)], V1[:, :, P:P + len(anc)] = K[:, :, anc], V[:, :, anc]
+            one = kernels.attention_kv(q[:, i:i + 1], K1, V1, P + len(anc) - 1, None, 0.1, sinks)
+            assert torch.equal(one[:, 0], out[:, i])
 
 
 def _q4_1_tensor(w: torch.Tensor):

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 from ..target.family import ModelError, engine_covers, family_refusal
 from .mla import MLA, mla_attention, mla_of
 from .moe import MoE, moe_mlp
+from .rowwise import Ops, ops_for
 from .sinks import sink_attention
 
 
@@ -95,12 +96,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @dataclass
 class DenseLinear:
-    """An HF weight (and bias) used in place: x [..., K] -> [..., N] through torch's own matmul."""
+    """An HF weight (and bias) used in place: x [..., K] -> [..., N] through torch's own matmul, or the row-invariant
+    one of a MoE family's forward (eyas/engine/rowwise.py)."""
     w: torch.Tensor  # [N, K]
     b: torch.Tensor | None = None
+    lin: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w, self.b)
+        return self.lin(x, self.w, self.b)
 
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # DenseLinear, or one of eyas.native.quant's QLinear kinds
@@ -123,9 +126,9 @@ class _Layer:
     mla: MLA | None = None  # DeepSeek's latent attention (then q/k/v/o are absent)
 
 
-def _dense(l: nn.Module) -> dict[str, Matmul]:
+def _dense(l: nn.Module, ops: Ops) -> dict[str, Matmul]:
     a, m = l.self_attn, l.mlp  # MLA attention and routed MLPs have their own modules: their names are absent
-    return {n: DenseLinear(getattr(o, a_).weight, getattr(o, a_).bias) for n, o, a_ in (
+    return {n: DenseLinear(getattr(o, a_).weight, getattr(o, a_).bias, ops.linear) for n, o, a_ in (
         ("q", a, "q_proj"), ("k", a, "k_proj"), ("v", a, "v_proj"), ("o", a, "o_proj"), ("g", m, "gate_proj"),
         ("u", m, "up_proj"), ("d", m, "down_proj")) if getattr(o, a_, None) is not None}
 
@@ -160,6 +163,9 @@ class TargetModel:
             raise ModelError(f"native GGUF weights run on the CPU with an fp32 residual stream; this target is "
                              f"{model.dtype} on {model.device} (use --weights fp32, or --dtype fp32 --device cpu)")
         self.config = cfg
+        # the MoE families in fp32 on the CPU run every product and attention through eyas's row-invariant
+        # kernels, so a verified row is the bits of the same row alone (rowwise.py); row_note says why not
+        self.ops, self.row_note = ops_for(cfg.model_type, model.dtype, model.device, native is not None)
         embed, layers, norm = decoder_parts(model)
         self.embed_weight = embed.weight
         self.norm_weight = norm.weight
@@ -197,12 +203,12 @@ class TargetModel:
                 ln2=(l.pre_feedforward_layernorm if gemma else l.post_attention_layernorm).weight,
                 ln_post_attn=l.post_attention_layernorm.weight if gemma else None,
                 ln_post_ff=l.post_feedforward_layernorm.weight if gemma else None,
-                mats=native.layers[i] if native is not None else _dense(l),
+                mats=native.layers[i] if native is not None else _dense(l, self.ops),
                 qn=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 kn=a.k_norm.weight if hasattr(a, "k_norm") else None,
                 act=None if act_name == "silu" else getattr(l.mlp, "act_fn", None),
-                moe=moe_mlp(cfg, i, l), sinks=getattr(a, "sinks", None),
-                mla=mla_of(cfg, a) if hasattr(a, "kv_a_proj_with_mqa") else None,
+                moe=moe_mlp(cfg, i, l, self.ops), sinks=getattr(a, "sinks", None),
+                mla=mla_of(cfg, a, self.ops) if hasattr(a, "kv_a_proj_with_mqa") else None,
             ))
         qn = getattr(layers[0].self_attn, "q_norm", None)
         self.qk_eps = float(getattr(qn, "variance_epsilon", None) or qn.eps) if qn is not None \
@@ -292,9 +298,9 @@ class TargetModel:
                                  f"S={S}, slots {tuple(slots.shape)}")
             rows = torch.arange(B, device=self.device)
         want = set(capture or [])
-        # native: always the row-invariant kernel; fp32 asks for it for masked steps only (a causal prefill runs
-        # faster through SDPA's flash path)
-        kernel = self.native is not None or (self.kernel_attention and mask is not None)
+        # native and the row-invariant MoE forward: always the row-invariant kernel; fp32 asks for it for masked
+        # steps only (a causal prefill runs faster through SDPA's flash path)
+        kernel = self.native is not None or self.ops.row_invariant or (self.kernel_attention and mask is not None)
         store: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed_weight)  # [B, S, H]
         if self.embed_scale is not None:
@@ -354,7 +360,10 @@ class TargetModel:
         else:
             cache.k[i][rows, :, slots] = k[:, :, 0]  # [B, nkv, hd] at (b, :, slots[b])
             cache.v[i][rows, :, slots] = v[:, 0]
-        if L.sinks is not None:  # no sink term in SDPA or eyas's kernel
+        if L.sinks is not None and kernel:  # the native kernel with the sink in its softmax
+            o = kernels.attention_kv(q.transpose(1, 2), cache.k[i], cache.v[i], start, m, self.scale, L.sinks.float())
+            o = o.reshape(B, S, nh * hd)  # from [B, S, nh, hd]
+        elif L.sinks is not None:  # no sink term in SDPA
             o = sink_attention(q, cache.k[i, :, :, :T], cache.v[i, :, :, :T], m, self.scale, L.sinks)
             o = o.transpose(1, 2).reshape(B, S, nh * hd)
         elif kernel:
@@ -366,14 +375,13 @@ class TargetModel:
             o = o.transpose(1, 2).reshape(B, S, nh * hd)
         return w["o"](o)
 
-    @staticmethod
-    def _mlp(L: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, L: _Layer, h: torch.Tensor) -> torch.Tensor:
         """Gated MLP: normed h [B, S, H] -> [B, S, H]."""
         if L.moe is not None:
             return L.moe(h)
         w = L.mats
         g, u = w["gu"](h).chunk(2, dim=-1) if "gu" in w else (w["g"](h), w["u"](h))
-        g = F.silu(g) if L.act is None else L.act(g)
+        g = self.ops.pointwise(F.silu if L.act is None else L.act, g)
         return w["d"](g * u)
 
     def _logits(self, x: torch.Tensor, logits: str | torch.Tensor) -> torch.Tensor | None:
@@ -408,7 +416,7 @@ class TargetModel:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """stream L states [.., H] -> logits [.., V] (final norm + lm_head)."""
         h = self._norm(x, self.norm_weight, self.eps)
-        logits = self.native.head(h) if self.native is not None else F.linear(h, self.lm_weight, self.lm_bias)
+        logits = self.native.head(h) if self.native is not None else self.ops.linear(h, self.lm_weight, self.lm_bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

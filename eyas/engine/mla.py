@@ -11,7 +11,11 @@ forward expands the cached latents into per-head keys and values.
 
 RoPE as HF applies it for this family: with `rope_interleave` (DeepSeek's checkpoints) the rotated pairs are
 (x0, x1), (x2, x3), ... and the result is laid out evens-then-odds — the same permutation for q and k, so the
-dot products are those of the interleaved rotation."""
+dot products are those of the interleaved rotation.
+
+With eyas's row-invariant ops (eyas/engine/rowwise.py: fp32 on the CPU) every product runs per row: the projections
+and the absorbed kv_b_proj per head through the native matmuls, attention through the native kernel that walks each
+row's visible latents in slot order, so a verified row's output is the bits it gets alone."""
 
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..native import kernels
 from ..target.family import ModelError
+from .rowwise import TORCH_OPS, Ops
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,20 +53,17 @@ class MLA:
     rank: int
     scale: float  # 1/sqrt(nope + rope), times YaRN's mscale^2 where rope_scaling says so (HF's own value)
     interleave: bool
+    ops: Ops = TORCH_OPS
 
 
-def mla_of(cfg, attn: nn.Module) -> MLA:
+def mla_of(cfg, attn: nn.Module, ops: Ops = TORCH_OPS) -> MLA:
     if attn.kv_b_proj.bias is not None:
         raise ModelError("this MLA target's kv_b_proj has a bias, which eyas's absorbed attention does not carry")
     return MLA(q=getattr(attn, "q_proj", None), q_a=attn.q_a_proj, q_a_norm=attn.q_a_layernorm, q_b=attn.q_b_proj,
                kv_a=attn.kv_a_proj_with_mqa, kv_norm=attn.kv_a_layernorm, kv_b=attn.kv_b_proj, o=attn.o_proj,
                heads=int(cfg.num_attention_heads), nope=int(cfg.qk_nope_head_dim), rope=int(cfg.qk_rope_head_dim),
                v_dim=int(cfg.v_head_dim), rank=int(cfg.kv_lora_rank), scale=float(attn.scaling),
-               interleave=bool(getattr(cfg, "rope_interleave", True)))
-
-
-def _lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, m.weight, m.bias)
+               interleave=bool(getattr(cfg, "rope_interleave", True)), ops=ops)
 
 
 def _norm(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -84,10 +87,14 @@ def mla_attention(w: MLA, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     layer's cache; the new tokens' latents and rope keys go to slots [start, start+S) (or slots[b], S = 1)."""
     B, S, _ = h.shape
     T = start + S
-    q = _lin(w.q, h) if w.q_a is None else _lin(w.q_b, _norm(w.q_a_norm, _lin(w.q_a, h)))
+
+    def lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return w.ops.linear(x, m.weight, m.bias)
+
+    q = lin(w.q, h) if w.q_a is None else lin(w.q_b, _norm(w.q_a_norm, lin(w.q_a, h)))
     q = q.view(B, S, w.heads, w.nope + w.rope).transpose(1, 2)  # [B, nh, S, nope + rope]
     q_nope, q_rot = q.split([w.nope, w.rope], dim=-1)
-    latent, k_rot = _lin(w.kv_a, h).split([w.rank, w.rope], dim=-1)  # [B, S, rank], [B, S, rope]
+    latent, k_rot = lin(w.kv_a, h).split([w.rank, w.rope], dim=-1)  # [B, S, rank], [B, S, rope]
     latent = _norm(w.kv_norm, latent)
     cos, sin = rope
     q_rot = _rotate(q_rot, cos, sin, w.interleave)
@@ -101,9 +108,16 @@ def mla_attention(w: MLA, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     # kv_b_proj absorbed: q_nope . (W_uk c) = (q_nope W_uk) . c, and p @ (W_uv c) = W_uv (p @ c), so attention runs
     # over the cached latents themselves, one shared key/value head, whatever the number of new rows
     wkv = w.kv_b.weight.view(w.heads, w.nope + w.v_dim, w.rank)
-    q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, wkv[:, :w.nope])  # [B, nh, S, rank]
     k = torch.cat([ck[:, :, :T], cv[:, :, :T]], dim=-1)  # [B, 1, T, rank + rope]
-    o = F.scaled_dot_product_attention(torch.cat([q_lat, q_rot], dim=-1), k, ck[:, :, :T], attn_mask=mask,
-                                       scale=w.scale, enable_gqa=True)  # [B, nh, S, rank]
-    o = torch.einsum("bhsr,hvr->bshv", o, wkv[:, w.nope:])  # [B, S, nh, v]
-    return _lin(w.o, o.reshape(B, S, w.heads * w.v_dim))
+    if w.ops.row_invariant:
+        # per head, so each row's products are its own (a batched einsum's bmm blocks by the row count)
+        q_lat = torch.stack([w.ops.matmul(q_nope[:, i], wkv[i, :w.nope]) for i in range(w.heads)], dim=1)
+        qk = torch.cat([q_lat, q_rot], dim=-1).transpose(1, 2)  # [B, S, nh, rank + rope]
+        o = kernels.attention_kv(qk, k, ck, start, mask, w.scale)  # [B, S, nh, rank]
+        o = torch.stack([w.ops.linear(o[:, :, i], wkv[i, w.nope:], None) for i in range(w.heads)], dim=2)
+    else:
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, wkv[:, :w.nope])  # [B, nh, S, rank]
+        o = F.scaled_dot_product_attention(torch.cat([q_lat, q_rot], dim=-1), k, ck[:, :, :T], attn_mask=mask,
+                                           scale=w.scale, enable_gqa=True)  # [B, nh, S, rank]
+        o = torch.einsum("bhsr,hvr->bshv", o, wkv[:, w.nope:])  # [B, S, nh, v]
+    return lin(w.o, o.reshape(B, S, w.heads * w.v_dim))

@@ -3,7 +3,10 @@ the HF module's own expert tensors (no copies).
 
 Each token is routed on its own: its experts and weights are a function of its hidden state only (no capacity
 limits, no batch-wide choice), so a verified row's output does not depend on the other rows of the batch — the
-property lossless speculation needs. The rules follow transformers' modeling files for each family:
+property lossless speculation needs. With eyas's row-invariant kernels (eyas/engine/rowwise.py: fp32 on the CPU) it
+holds to the bit: every product runs one operation sequence per row however many rows chose the expert, and a
+token's k expert outputs are added in expert order by elementwise adds. The rules follow transformers' modeling
+files for each family:
 
 - qwen3_moe: softmax over all experts, top-k, optionally renormalised over the k (`norm_topk_prob`); sparse
   layers are every `decoder_sparse_step`-th one not in `mlp_only_layers`.
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..target.family import ModelError
+from .rowwise import TORCH_OPS, Ops
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [N, H] -> experts [N, k], weights [N, k]
 Expert = Callable[[int, torch.Tensor], torch.Tensor]  # (expert e, x [n, H]) -> [n, H]
@@ -40,12 +44,19 @@ class MoE:
         B, S, H = h.shape
         x = h.reshape(B * S, H)
         idx, wts = self.route(x)  # [N, k] each, per row
-        out = torch.zeros_like(x)
+        # each row's choices in expert order, so its sum below runs in an order its own choice fixes (HF's loop
+        # order too), never one that depends on which other rows share the batch
+        order = idx.argsort(dim=-1)
+        idx, wts = idx.gather(1, order), wts.gather(1, order)
+        parts = x.new_empty(x.shape[0], idx.shape[1], H)  # [N, k, H]: row n's k weighted expert outputs
         for e in torch.unique(idx).tolist():  # only the experts some row chose run
             tok, slot = torch.where(idx == e)  # rows that chose e, and at which of their k places
-            # in the weights' dtype (DeepSeek's stay fp32, as in HF), then back to the stream's
-            y = (self.expert(e, x[tok]) * wts[tok, slot, None]).to(x.dtype)
-            out.index_add_(0, tok, y)
+            # in the weights' dtype (DeepSeek's stay fp32, as in HF), then back to the stream's; stored, not
+            # accumulated (no index_add_ over a grouping the batch decides)
+            parts[tok, slot] = (self.expert(e, x[tok]) * wts[tok, slot, None]).to(x.dtype)
+        out = parts[:, 0]
+        for j in range(1, idx.shape[1]):  # elementwise adds, slot by slot: the same order for every row
+            out = out + parts[:, j]
         out = out.view(B, S, H)
         return out if self.shared is None else out + self.shared(h)
 
@@ -61,9 +72,9 @@ def sparse_layer(cfg, i: int) -> bool:
     return mt == "gpt_oss"
 
 
-def _softmax_topk(w: torch.Tensor, k: int, renorm: bool) -> Router:
+def _softmax_topk(w: torch.Tensor, k: int, renorm: bool, ops: Ops) -> Router:
     def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = F.softmax(F.linear(x, w), dim=-1, dtype=torch.float32)  # [N, E]
+        p = F.softmax(ops.linear(x, w, None), dim=-1, dtype=torch.float32)  # [N, E]
         top, idx = torch.topk(p, k, dim=-1)
         if renorm:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -71,17 +82,17 @@ def _softmax_topk(w: torch.Tensor, k: int, renorm: bool) -> Router:
     return route
 
 
-def _topk_softmax(w: torch.Tensor, b: torch.Tensor, k: int) -> Router:
+def _topk_softmax(w: torch.Tensor, b: torch.Tensor, k: int, ops: Ops) -> Router:
     def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, idx = torch.topk(F.linear(x, w, b), k, dim=-1)  # [N, k] logits of the chosen
+        top, idx = torch.topk(ops.linear(x, w, b), k, dim=-1)  # [N, k] logits of the chosen
         return idx, F.softmax(top, dim=-1)
     return route
 
 
 def _grouped_sigmoid(w: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep_groups: int, renorm: bool,
-                     scale: float) -> Router:
+                     scale: float, ops: Ops) -> Router:
     def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), w.float()).sigmoid()  # [N, E]
+        scores = ops.pointwise(torch.sigmoid, ops.linear(x.float(), w.float(), None))  # [N, E]
         choice = scores + bias  # the correction bias steers the choice only, never the weights
         N, E = choice.shape
         # a group's score is the sum of its two best experts; only the keep_groups best groups stay eligible
@@ -97,32 +108,35 @@ def _grouped_sigmoid(w: torch.Tensor, bias: torch.Tensor, k: int, groups: int, k
     return route
 
 
-def _glu_experts(gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> Expert:
+def _glu_experts(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, ops: Ops) -> Expert:
     """Experts stored as gate_up [E, 2I, H] (gate rows first) and down [E, H, I]."""
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-        g, u = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(act(g) * u, down[e])
+        g, u = ops.linear(x, gate_up[e], None).chunk(2, dim=-1)  # [n, I] each
+        return ops.linear(ops.pointwise(act, g) * u, down[e], None)
     return expert
 
 
-def _clamped_swiglu_experts(ex: nn.Module) -> Expert:
+def _clamped_swiglu_experts(ex: nn.Module, ops: Ops) -> Expert:
     """gpt-oss: gate_up [E, H, 2I] with gate and up interleaved by column, down [E, I, H], both biased."""
     alpha, limit = float(ex.alpha), float(ex.limit)
 
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-        gu = x @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [n, 2I]
+        gu = ops.matmul(x, ex.gate_up_proj[e]) + ex.gate_up_proj_bias[e]  # [n, 2I]
         gate = gu[..., ::2].clamp(max=limit)
         up = gu[..., 1::2].clamp(-limit, limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ ex.down_proj[e] + ex.down_proj_bias[e]
+        glu = gate * ops.pointwise(torch.sigmoid, gate * alpha)
+        return ops.matmul((up + 1) * glu, ex.down_proj[e]) + ex.down_proj_bias[e]
     return expert
 
 
-def _dense_mlp(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda h: F.linear(m.act_fn(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight),
-                              m.down_proj.weight)
+def _dense_mlp(m: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
+    def mlp(h: torch.Tensor) -> torch.Tensor:
+        g = ops.pointwise(m.act_fn, ops.linear(h, m.gate_proj.weight, None))
+        return ops.linear(g * ops.linear(h, m.up_proj.weight, None), m.down_proj.weight, None)
+    return mlp
 
 
-def moe_mlp(cfg, i: int, layer: nn.Module) -> MoE | None:
+def moe_mlp(cfg, i: int, layer: nn.Module, ops: Ops = TORCH_OPS) -> MoE | None:
     """Layer i's routed MLP over its HF weights, or None for a dense layer (the engine's gated MLP runs it)."""
     if not sparse_layer(cfg, i):
         return None
@@ -133,11 +147,11 @@ def moe_mlp(cfg, i: int, layer: nn.Module) -> MoE | None:
                          f"found {type(ex).__name__}; this transformers version lays the experts out differently")
     k = int(cfg.num_experts_per_tok)
     if cfg.model_type == "qwen3_moe":
-        return MoE(_softmax_topk(m.gate.weight, k, bool(cfg.norm_topk_prob)),
-                   _glu_experts(ex.gate_up_proj, ex.down_proj, ex.act_fn))
+        return MoE(_softmax_topk(m.gate.weight, k, bool(cfg.norm_topk_prob), ops),
+                   _glu_experts(ex.gate_up_proj, ex.down_proj, ex.act_fn, ops))
     if cfg.model_type == "gpt_oss":
-        return MoE(_topk_softmax(m.router.weight, m.router.bias, k), _clamped_swiglu_experts(ex))
+        return MoE(_topk_softmax(m.router.weight, m.router.bias, k, ops), _clamped_swiglu_experts(ex, ops))
     gate = m.gate
     return MoE(_grouped_sigmoid(gate.weight, gate.e_score_correction_bias, k, int(cfg.n_group), int(cfg.topk_group),
-                                bool(cfg.norm_topk_prob), float(cfg.routed_scaling_factor)),
-               _glu_experts(ex.gate_up_proj, ex.down_proj, ex.act_fn), _dense_mlp(m.shared_experts))
+                                bool(cfg.norm_topk_prob), float(cfg.routed_scaling_factor), ops),
+               _glu_experts(ex.gate_up_proj, ex.down_proj, ex.act_fn, ops), _dense_mlp(m.shared_experts, ops))

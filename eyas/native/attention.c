@@ -238,3 +238,76 @@ int eyas_rope_attend(const uint16_t *qkv, const float *cos, const float *sin, fl
     for (int64_t i = 0; rc == EYAS_OK && i < n; i++) out[i] = to_bf16(obuf[i]);
     return rc;
 }
+
+/* attend_row's walk for keys and values of their own sizes, kd and vd (DeepSeek's MLA: 576-wide keys, latent and
+ * rope part, over the 512-wide latents themselves), with an optional sink logit (gpt-oss: one per head, in the
+ * softmax's sum but with no value, so the weights over real keys sum to less than one). The sink joins the max
+ * before the shift and the sum after the keys; everything else is attend_row's order, so a row's bits never depend
+ * on the other rows, S or the slots of masked keys. acc: vd floats of scratch. */
+EYAS_INLINE void attend_kv_item_body(const int isa, const float *qi, const float *kb, const float *vb,
+                                     const uint8_t *mi, int lim, float scale, const float *sink, float *row,
+                                     float *acc, float *o, int kd, int vd) {
+    float m = sink ? *sink : -INFINITY;
+    for (int j = 0; j < lim; j++) {
+        float sj = -INFINITY;
+        if (!mi || mi[j]) {
+            const float *kj = kb + (int64_t)j * kd;
+            sj = (kd % 16 == 0 ? DOT_HD16(isa, qi, kj, kd) : dot_f32(qi, kj, kd)) * scale;
+            if (sj > m) m = sj;
+        }
+        row[j] = sj;
+    }
+    for (int d = 0; d < vd; d++) acc[d] = 0.0f;
+    float l = 0.0f;
+    if (m != -INFINITY) {
+        for (int j = 0; j < lim; j++) row[j] -= m;
+        EXP_DET_N(isa, row, lim);
+        for (int j = 0; j < lim; j++) l += row[j];
+        if (sink) l += exp_det(*sink - m);
+        for (int j = 0; j < lim; j++) {
+            const float p = row[j];
+            if (p == 0.0f) continue;
+            const float *vj = vb + (int64_t)j * vd;
+            for (int d = 0; d < vd; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < vd; d++) o[d] = acc[d] * inv;
+}
+EYAS_VARIANTS(attend_kv_item, (const float *qi, const float *kb, const float *vb, const uint8_t *mi, int lim,
+                               float scale, const float *sink, float *row, float *acc, float *o, int kd, int vd),
+              qi, kb, vb, mi, lim, scale, sink, row, acc, o, kd, vd)
+
+/* eyas_attention with key size kd and value size vd: q [B, S, nh, kd]; k [B, kvh, kmax, kd] and v [B, kvh, vmax,
+ * vd] hold keys 0..start+S-1; sinks [nh] or NULL; out [B, S, nh, vd]. Mask as eyas_attention's. */
+int eyas_attention_kv(const float *q, const float *k, int64_t kmax, const float *v, int64_t vmax, int B, int S,
+                      int nh, int kvh, int kd, int vd, int start, const uint8_t *mask, int64_t mask_bstride,
+                      const float *sinks, float scale, float *out, int nthreads) {
+    int failed = 0;
+    const int T = start + S;
+    const int group = nh / kvh;
+    const int items = B * nh * S;
+    void (*const item)(const float *, const float *, const float *, const uint8_t *, int, float, const float *,
+                       float *, float *, float *, int, int) = EYAS_PICK(attend_kv_item);
+#pragma omp parallel num_threads(items > 1 ? nthreads : 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * ((size_t)(T > 0 ? T : 1) + (size_t)vd));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int it = 0; it < items; it++) {
+            if (!row) continue;  /* every thread still reaches the loop's barrier */
+            const int b = it / (nh * S), h = (it / S) % nh, i = it % S, g = h / group;
+            const float *kb = k + ((int64_t)b * kvh + g) * kmax * kd;
+            const float *vb = v + ((int64_t)b * kvh + g) * vmax * vd;
+            const uint8_t *mi = mask ? mask + b * mask_bstride + (int64_t)i * T : NULL;
+            const int lim = mask ? T : start + i + 1;
+            item(q + (((int64_t)b * S + i) * nh + h) * kd, kb, vb, mi, lim, scale, sinks ? sinks + h : NULL, row,
+                 row + (T > 0 ? T : 1), out + (((int64_t)b * S + i) * nh + h) * vd, kd, vd);
+        }
+        free(row);
+    }
+    return failed ? EYAS_ENOMEM : EYAS_OK;
+}

@@ -400,6 +400,45 @@ def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], w.shape[0])
 
 
+def f32_matmul_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w for an fp32 weight stored [K, N] (input-major), row-invariant -> [..., N]."""
+    bd.tensor(w, "f32_matmul_kn weight", torch.float32, 2)
+    K, N = w.shape
+    _x_rows(x, K, "f32_matmul_kn")
+    x2 = x.reshape(-1, K).contiguous().float()
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    lib().eyas_f32_matmul_kn(_ptr(x2), _ptr(w), _ptr(out), x2.shape[0], N, K, torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
+
+
+def attention_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
+                 scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """attention's walk with keys and values of their own sizes (MLA) and optional per-head sink logits (gpt-oss):
+    q [B, S, nh, kd] fp32, k [B, kvh, kmax, kd], v [B, kvh, vmax, vd] holding keys 0..start+S-1, sinks [nh] fp32
+    -> [B, S, nh, vd], a row's bits whatever the other rows, S or the slots of masked keys."""
+    bd.tensor(q, "attention_kv q", torch.float32, 4, contiguous=False)
+    bd.tensor(k, "attention_kv keys", torch.float32, 4)
+    bd.tensor(v, "attention_kv values", torch.float32, 4)
+    B, S, nh, kd = q.shape
+    kvh, vd = k.shape[1], v.shape[3]
+    bd.require(k.shape[0] == v.shape[0] == B and v.shape[1] == kvh and k.shape[3] == kd and vd > 0,
+               f"attention_kv: keys [B={B}, kvh, kmax, {kd}] and values [B, kvh, vmax, vd] expected, found "
+               f"{tuple(k.shape)} and {tuple(v.shape)}")
+    bd.require(nh % kvh == 0, f"attention_kv: {nh} query heads must be a multiple of {kvh} key/value heads")
+    _span(start, S, min(k.shape[2], v.shape[2]))
+    if sinks is not None:
+        bd.tensor(sinks, "attention_kv sinks", torch.float32, 1)
+        bd.shape(sinks, "attention_kv sinks", (nh,))
+    q = q.contiguous()
+    out = torch.empty(B, S, nh, vd, dtype=torch.float32)
+    m, m_stride = _mask_bytes(mask, S, start + S, B)
+    rc = lib().eyas_attention_kv(_ptr(q), _ptr(k), k.shape[2], _ptr(v), v.shape[2], B, S, nh, kvh, kd, vd, start,
+                                 None if m is None else _ptr(m), m_stride, None if sinks is None else _ptr(sinks),
+                                 float(scale), _ptr(out), torch.get_num_threads())
+    bd.check_status(rc, "attention_kv")
+    return out
+
+
 def add_rms_bf16(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
     """In place x [.., H] fp32 += y (bf16, optional); returns bf16(RMSNorm(x) * w)."""
     bd.tensor(x, "add_rms x (updated in place)", torch.float32)

@@ -60,3 +60,30 @@ void eyas_f32_matmul(const float *x, const float *w, float *out, int M, int N, i
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int n = 0; n < N; n++) col(x, w, out, M, N, K, n);
 }
+
+/* out [M, N] = x [M, K] @ w [K, N] for an fp32 weight stored input-major (gpt-oss's experts, MLA's absorbed key
+ * matrix): each (row, column) adds its K products in k order, one rounding for each product and each sum, whatever
+ * M or the other rows; columns n0..n1 at a time, vectorized across columns only */
+EYAS_INLINE void f32_kn_cols_body(const int isa, const float *x, const float *w, float *out, int M, int N, int K,
+                                  int n0, int n1) {
+    (void)isa;
+    for (int r = 0; r < M; r++) {
+        float *o = out + (int64_t)r * N;
+        const float *xr = x + (int64_t)r * K;
+        for (int n = n0; n < n1; n++) o[n] = 0.0f;
+        for (int k = 0; k < K; k++) {
+            const float a = xr[k];
+            const float *wk = w + (int64_t)k * N;
+            for (int n = n0; n < n1; n++) o[n] += a * wk[n];
+        }
+    }
+}
+EYAS_VARIANTS(f32_kn_cols, (const float *x, const float *w, float *out, int M, int N, int K, int n0, int n1),
+              x, w, out, M, N, K, n0, n1)
+
+void eyas_f32_matmul_kn(const float *x, const float *w, float *out, int M, int N, int K, int nthreads) {
+    void (*const cols)(const float *, const float *, float *, int, int, int, int, int) = EYAS_PICK(f32_kn_cols);
+    const int blocks = (N + 63) / 64;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int c = 0; c < blocks; c++) cols(x, w, out, M, N, K, c * 64, c * 64 + 64 < N ? c * 64 + 64 : N);
+}
