@@ -50,14 +50,21 @@ def vocab_hash(ids: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(ids.long().cpu().numpy().tobytes()).hexdigest()[:24]
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse token ids outside 0..vocab_size-1 (naming the first such id); a reader that knows which file the ids
+    came from calls this inside eyas.errors.about(file)."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)].reshape(-1)[0])
+        raise VocabError(f"token id {bad} is outside the target vocab 0..{vocab_size - 1}: the data was tokenized "
+                         "for another target, or the file is damaged")
+
+
 def count_tokens(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
     """(input_ids [S], loss_mask [S]) pairs -> counts [V] long of tokens at loss-mask positions."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in batches:
         sel = ids.reshape(-1)[mask.reshape(-1).bool()].long()
-        if sel.numel() and (sel.min() < 0 or sel.max() >= vocab_size):
-            raise VocabError(f"token id {int(sel.max())} is outside the target vocab 0..{vocab_size - 1}: "
-                             "the data was tokenized for another target")
+        check_token_ids(sel, vocab_size)
         counts += torch.bincount(sel, minlength=vocab_size)
     return counts
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from ..data.shards import ShardSet, heldout_rows, read_fields
+from ..data.shards import ShardSet, heldout_rows
+from ..errors import about
+from ..vocab import check_token_ids
 from .config import TrainError
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -68,10 +70,14 @@ class ShardSource:
         self.heldout: list[Item] = []
         self.skipped: dict[str, int] = {}
         held = self.set.heldout_rows(heldout_pct)  # over every row, as the doctor splits these folders
+        vocab = self.layout.target.vocab_size if self.layout.target is not None else None
         for si, p in enumerate(self.paths):
-            t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"))  # a damaged file is named
+            t = self.set.read(p, ("offsets", "row_ids", "input_ids", "loss_mask"))  # a damaged file is named
             off, rows = t["offsets"].tolist(), t["row_ids"].tolist()
             ids, mask = t["input_ids"].long(), t["loss_mask"].bool()
+            if vocab is not None:
+                with about(p):  # a sealed file can still hold ids of another target: the error names the shard
+                    check_token_ids(ids, vocab)
             for i, row in enumerate(rows):
                 a, b = off[i], off[i + 1]
                 if not has_rows(mask[a:b], max_len):
@@ -132,7 +138,7 @@ class ShardSource:
         if si not in self._cache:
             while self._cache_order and sum(self.bytes[s] for s in self._cache_order) + self.bytes[si] > self.buffer:
                 del self._cache[self._cache_order.pop(0)]
-            self._cache[si] = read_fields(self.paths[si], ("aux", "final", "offsets"))
+            self._cache[si] = self.set.read(self.paths[si], ("aux", "final", "offsets"))
             self._cache_order.append(si)
         return self._cache[si]
 
