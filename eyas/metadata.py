@@ -228,9 +228,9 @@ CHECKPOINT_MANIFEST = Schema("checkpoint manifest", (
 EXPORT_MANIFEST = Schema("export manifest", (
     text("kind", required=True), FORMAT_VERSION, text("format", choices=("sglang", "vllm", "speculators")), FILES,
     obj("layout", *LAYOUT_FIELDS), obj("engine_ids", each=ints("", 0, LAYERS)),
-    obj("ids_in_config", ints("eagle_aux_hidden_state_layer_ids", 0, LAYERS, nullable=True),
-        obj("eagle_config", ints("eagle_aux_hidden_state_layer_ids", 0, LAYERS, nullable=True)),
-        text("eagle_aux_layer_semantics")),
+    obj("ids_in_config", ints("eagle_aux_hidden_state_layer_ids", -1, LAYERS, nullable=True),
+        ints("eagle_config.eagle_aux_hidden_state_layer_ids", -1, LAYERS, nullable=True),
+        text("eagle_aux_layer_semantics", nullable=True)),
     obj("draft_config", *DRAFT_SHAPE.fields), text("dtype"), text("source_draft", nullable=True),
     text("source_manifest_sha256", nullable=True), text("target_source", nullable=True),
     ints("source_layout_order", 0, LAYERS, nullable=True), text("serving_target", nullable=True),
@@ -255,7 +255,8 @@ DRAFT_CONFIG = Schema("draft config", (
     *(whole(k, 1, VOCAB, nullable=True) for k in ("vocab_size", "draft_vocab_size")),
     num("rms_norm_eps", 0, 1, nullable=True), num("rope_theta", 1e-9, nullable=True),
     text("hidden_act", nullable=True), flag("tie_word_embeddings", nullable=True), text("torch_dtype", nullable=True),
-    obj("rope_scaling", nullable=True), flag("fc_norm", nullable=True),
+    text("dtype", nullable=True), record("rope_scaling"), record("rope_parameters"), flag("fc_norm", nullable=True),
+    flag("norm_before_residual", nullable=True),
     obj("eagle_config", Field("eagle_aux_hidden_state_layer_ids", "array", required=False, nullable=True,
                               each=Field("", "int", low=-1, high=LAYERS)),
         flag("use_aux_hidden_state", nullable=True), nullable=True),
@@ -272,7 +273,7 @@ NGRAM_MANIFEST = Schema("n-gram table manifest", (
 REPLAY_MANIFEST = Schema("replay rows manifest", (
     text("kind", required=True), FORMAT_VERSION, whole("rows"), ints("streams", 0, LAYERS, required=True),
     whole("max_new_tokens", 1, required=True), ints("eos", 0, VOCAB, required=True),
-    obj("target", *IDENTITY, required=True), text("numerics"), obj("source", nullable=True),
+    obj("target", *IDENTITY, required=True), text("numerics"), record("source"),
     Field("files", "object", file_keys=True, each=FILES.each)))
 # WORK/latest-train.json: the training run the recipe's later stages read, a folder inside WORK
 LATEST_TRAIN = Schema("recipe record", (Field("train_dir", "file"), strings("data")))

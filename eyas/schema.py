@@ -48,12 +48,11 @@ class Field:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         word = WORDS[self.kind]
         if self.kind == "array":
-            word += f" of {self.each.describe()}s" if self.each is not None else ""
             if self.low is not None and self.low == self.high:
-                return f"{word} with {self.low:g} entries"
-            if self.low:
-                return f"{word} with at least {self.low:g} entries"
-            return word
+                word += f" of {self.low:g} entries"
+            elif self.low:
+                word += f" of at least {self.low:g} entries"
+            return word + (f", each {self.each.describe()}" if self.each is not None else "")
         if self.pattern is not None:
             return f"{word} like {self.pattern!r}"
         low = self.low
