@@ -85,6 +85,16 @@ def shown(v: Any) -> str:
     return f"a {'JSON object' if isinstance(v, dict) else 'JSON array' if isinstance(v, list) else type(v).__name__}"
 
 
+def child(name: str, key: str | int) -> str:
+    """How an error names an entry of field `name`: `shards[0]`, `layout.norms.final`, `files['model.safetensors']`
+    (a key that is not one word is quoted, so a dotted key never reads as nesting)."""
+    if isinstance(key, int):
+        return f"{name}[{key}]"
+    if re.fullmatch(r"\w+", key):
+        return f"{name}.{key}" if name else key
+    return f"{name}[{key!r}]"
+
+
 def check_value(v: Any, f: Field, name: str, folder: Path | None) -> str | None:
     """Why value `v` of field `name` does not fit `f` (None when it does); folder: where kind-"file" names point."""
     if v is None and f.nullable:
@@ -108,20 +118,19 @@ def check_value(v: Any, f: Field, name: str, folder: Path | None) -> str | None:
         if why is not None:
             return f"'{name}' should be a file name inside {folder}, found {shown(v)} ({why})"
     if f.fields:
-        problem = check_fields(v, f.fields, f"{name}.", folder)
+        problem = check_fields(v, f.fields, name, folder)
         if problem:
             return problem
     for i, e in enumerate(v if f.entries else ()):
         if not isinstance(e, dict):
-            return f"'{name}[{i}]' should be a JSON object, found {shown(e)}"
-        problem = check_fields(e, f.entries, f"{name}[{i}].", folder)
+            return f"'{child(name, i)}' should be a JSON object, found {shown(e)}"
+        problem = check_fields(e, f.entries, child(name, i), folder)
         if problem:
             return problem
     if f.each is not None or f.file_keys:
         items = enumerate(v) if f.kind == "array" else v.items()
         for k, e in items:
-            sub = f"{name}[{k}]" if isinstance(k, int) else f"{name}.{k}" if re.fullmatch(r"\w+", k) \
-                else f"{name}[{k!r}]"
+            sub = child(name, k)
             if f.file_keys and folder is not None and (why := inside(folder, k)) is not None:
                 return f"'{sub}' should name a file inside {folder}, found {shown(k)} ({why})"
             problem = check_value(e, f.each, sub, folder) if f.each is not None else None
@@ -130,11 +139,12 @@ def check_value(v: Any, f: Field, name: str, folder: Path | None) -> str | None:
     return None
 
 
-def check_fields(data: dict[str, Any], fields: tuple[Field, ...], where: str,
+def check_fields(data: dict[str, Any], fields: tuple[Field, ...], where: str = "",
                  folder: Path | None = None) -> str | None:
-    """The first field of `data` that does not fit `fields`, as "'key' should be ..., found ..."; None if all do."""
+    """The first field of object `where` (its name; "" at the top) that does not fit `fields`, as "'key' should
+    be ..., found ..."; None if all do."""
     for f in fields:
-        name = f"{where}{f.key}"
+        name = child(where, f.key)
         if f.key not in data:
             if f.required:
                 return f"'{name}' should be {f.describe()}, found nothing"

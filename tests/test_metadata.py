@@ -236,7 +236,7 @@ def schema_cases(data: dict[str, Any], schema: Schema) -> list[tuple[str, tuple[
         damages = [("wrong type", WRONG_TYPE[f.kind])]
         if (bad := out_of_bounds(f)) is not None:
             damages.append(("out of bounds", bad))
-        if f.required and not isinstance(keys[-1], int):
+        if f.required and f.key:  # a map's value or an array's entry (key "") may be absent
             damages.append(("missing", None))
         cases += [(f"{name} {label}", keys, value, f"'{name}'") for label, value in damages]
     return cases
