@@ -15,6 +15,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -179,6 +180,38 @@ def read_json(path: str | Path, error: type[EyasError], fix: str) -> Any:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path} is not valid JSON ({e}); {fix}") from e
+
+
+def inside(folder: str | Path, name: str) -> str | None:
+    """Why `name`, a path an artifact's metadata records, does not name a file inside `folder` (None when it
+    does): the one rule for every such path. An artifact names its own files only, so a copied, downloaded or
+    edited manifest can never make eyas read (or seal, or count) a file elsewhere: an absolute path, a '..' step,
+    or a link inside the folder that leads out of it is refused, whatever the file it reaches holds."""
+    if not name:
+        return "an empty name"
+    if "\x00" in name:
+        return "a NUL byte in the name"
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
+        return "an absolute path"
+    if ".." in re.split(r"[/\\]", name):
+        return "a '..' step out of the folder"
+    base = Path(folder).resolve()
+    try:
+        real = (base / name).resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        return f"a path that does not resolve ({e})"
+    if real == base or not real.is_relative_to(base):
+        return f"a link that leads to {real}, outside the folder"
+    return None
+
+
+def member(folder: str | Path, name: str, what: str, error: type[EyasError], fix: str) -> Path:
+    """folder/name, after `inside`'s rule; anything else raises `error` naming `what` (the metadata file and its
+    entry, e.g. "WORK/latest-train.json 'train_dir'") and `fix`."""
+    why = inside(folder, name)
+    if why is not None:
+        raise error(f"{what} should be a file name inside {folder}, found {name!r} ({why}); {fix}")
+    return Path(folder) / name
 
 
 def cache_dir() -> Path:

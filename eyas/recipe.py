@@ -38,13 +38,14 @@ from . import __version__
 from .errors import EyasError
 from .files import atomic_folder, atomic_write_json, portable_command, portable_paths, read_json
 from .interrupt import Interrupted, StoppedNow, stop_on_signals
-from .metadata import DRAFT_MANIFEST, read_metadata
+from .metadata import DRAFT_MANIFEST, LATEST_TRAIN, NGRAM_MANIFEST, read_metadata
 
 if TYPE_CHECKING:
     from .data.datagen import DatagenConfig
 
 RECIPES = {"smollm2-135m"}
 STAGES = ("data", "ngram", "train", "eval", "ship")
+LATEST = "latest-train.json"  # in WORK: the run the last train stage finished (its folder's name)
 
 
 class RecipeError(EyasError):
@@ -197,7 +198,8 @@ def stage_ngram(cfg: RecipeConfig, log=print) -> Path | None:
             "skipped")
         return None
     out = ngram_dir(cfg)
-    man = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).exists() else {}
+    man = read_metadata(out / MANIFEST, NGRAM_MANIFEST, RecipeError, f"delete {out} to count it again") \
+        if (out / MANIFEST).exists() else {}
     if man.get("data_hash") == ShardSet(regen).hash() and man.get("config", {}).get("min_count") == \
             cfg.ngram_min_count:
         log(f"[recipe] ngram: {out} already counts the current shards")
@@ -212,9 +214,13 @@ def use_bf16(cfg: RecipeConfig) -> bool:
 
 def trained_dir(cfg: RecipeConfig) -> Path:
     """The run the last train stage finished (WORK/latest-train.json), else the one the current data names."""
-    rec = Path(cfg.work) / "latest-train.json"
+    rec = Path(cfg.work) / LATEST
     if rec.exists():
-        return Path(json.loads(rec.read_text())["train_dir"])
+        # the run's folder by its name inside WORK (the schema's rule), so a copied or edited record cannot
+        # send eval or ship to a folder elsewhere
+        m = read_metadata(rec, LATEST_TRAIN, RecipeError, f"rerun the train stage (`--stages train`): it "
+                          f"resumes the finished run and writes {rec} again")
+        return Path(cfg.work) / m["train_dir"]
     return train_dir(cfg)
 
 
@@ -232,7 +238,7 @@ def stage_train(cfg: RecipeConfig, log=print) -> Path:
                      refresh_vocab=cfg.refresh_vocab)
     log(f"[recipe] train on {[str(f) for f in folders]} -> {out} (resume {tc.resume})")
     train(tc)
-    atomic_write_json(Path(cfg.work) / "latest-train.json", {"train_dir": str(out), "data": [str(f) for f in folders]})
+    atomic_write_json(Path(cfg.work) / LATEST, {"train_dir": out.name, "data": [str(f) for f in folders]})
     return out
 
 

@@ -79,9 +79,9 @@ def count_tokens(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in batches:
         sel = ids.reshape(-1)[mask.reshape(-1).bool()].long()
-        if sel.numel() and (sel.min() < 0 or sel.max() >= vocab_size):
-            raise VocabError(f"token id {int(sel.max())} is outside the target vocab 0..{vocab_size - 1}: "
-                             "the data was tokenized for another target")
+        # a backstop: every shard reader has checked its ids already (read_fields), naming file and row
+        check_token_ids(sel, [0, sel.numel()], vocab_size, "the counted tokens", None,
+                        "the data was tokenized for another target")
         counts += torch.bincount(sel, minlength=vocab_size)
     return counts
 

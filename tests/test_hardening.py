@@ -651,10 +651,12 @@ def test_damaged_metadata_is_one_error_line_naming_file_and_field(trained_run, t
 
 
 def test_every_metadata_schema_is_covered():
-    """Each schema eyas.metadata defines has rows in the table above (the two draft-config rows share one)."""
-    from eyas.metadata import SCHEMAS
+    """Each schema eyas.metadata defines has rows in the table above (the two draft-config rows share one), but the
+    n-gram, replay-rows and recipe records, whose every field tests/test_metadata.py damages (as it does all)."""
+    from eyas.metadata import LATEST_TRAIN, NGRAM_MANIFEST, REPLAY_MANIFEST, SCHEMAS
 
-    assert len(SCHEMAS) == len(METADATA) - 1
+    there = {NGRAM_MANIFEST, REPLAY_MANIFEST, LATEST_TRAIN}
+    assert there <= set(SCHEMAS) and len(SCHEMAS) - len(there) == len(METADATA) - 1
 
 
 def forget_files(path: Path) -> None:

@@ -110,7 +110,7 @@ def test_draft_vocab_selection():
         select_draft_vocab(counts, 1, always=[1, 2])
     with pytest.raises(VocabError, match="no assistant"):
         select_draft_vocab(torch.zeros(12, dtype=torch.long), 4)
-    with pytest.raises(VocabError, match="outside the target vocab"):
+    with pytest.raises(VocabError, match="outside the vocabulary"):
         count_tokens([(torch.tensor([50]), torch.tensor([True]))], 12)
 
 

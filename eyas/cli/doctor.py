@@ -91,13 +91,14 @@ def doctor_seal(
     folder: Path = typer.Argument(..., help="a shard folder, or an eyas draft, export, checkpoint or n-gram table"),
 ) -> None:
     """Record the size and digest of each tensor file the artifact holds without one (written before eyas recorded
-    them), so every later read verifies it. It records the files as they are now: seal only a copy you trust."""
+    them), so every later read verifies it. It records the files as they are now: seal only a copy you trust. Files
+    already recorded are verified: one whose bytes no longer give its digest is named, with both digests (exit 2)."""
     from ..doctor.seal import seal
 
     with user_errors():
         done = seal(folder)
     typer.echo(f"sealed {len(done)} file(s) in {folder}: {', '.join(done)}" if done else
-               f"{folder}: every tensor file already has a digest record; nothing to do")
+               f"{folder}: every tensor file already has a digest record, and its bytes still give it; nothing to do")
 
 
 @doctor_app.command("streams")

@@ -79,10 +79,14 @@ def write_shard(path: Path, samples: list[Sample], dtype: torch.dtype = torch.bf
 # a shard whose ids do not fit its target was captured for another one (or edited): recapture it
 BAD_IDS_FIX = ("capture the folder again with `eyas datagen --target` set to the model it is meant for, into a "
                "new --out")
+# what a shard's listing in its manifest is: (the manifest, the entry's index, the entry)
+Listing = tuple[Path, int, dict[str, Any]]
 
 
-def read_fields(path: Path, need: tuple[str, ...], vocab: int | None = None) -> dict[str, torch.Tensor]:
-    """The shard's tensors named in `need` (only those are read); a corrupt file or a missing field is one error.
+def read_fields(path: Path, need: tuple[str, ...], vocab: int | None = None,
+                listed: Listing | None = None) -> dict[str, torch.Tensor]:
+    """The shard's tensors named in `need` (only those are read); a corrupt file, a missing field, tensors that do
+    not agree with each other or (given its listing) with what the manifest records of it is one error.
     vocab: when input_ids are read, every id must be < vocab (eyas.vocab.check_token_ids, naming the file and the
     source row); every reader of a shard's token ids passes it (None only where none is recorded)."""
     check = vocab is not None and "input_ids" in need
@@ -97,13 +101,40 @@ def read_fields(path: Path, need: tuple[str, ...], vocab: int | None = None) -> 
         raise
     except Exception as e:
         raise ShardError(f"{path} is not a readable eyas shard ({e}); delete it and re-run datagen to resume") from e
+    why = shard_misfit(t, listed)
+    if why is not None:
+        raise ShardError(f"{path}: {why}; the shard is damaged or was edited: rerun the `eyas datagen` that wrote "
+                         "it into a new --out")
     if check:
         check_token_ids(t["input_ids"], t["offsets"].tolist(), int(vocab), path, t["row_ids"].tolist(), BAD_IDS_FIX)
     return {k: t[k] for k in need}
 
 
-def read_shard(path: Path, vocab: int | None = None) -> list[Sample]:
-    t = read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"), vocab)
+def shard_misfit(t: dict[str, torch.Tensor], listed: Listing | None) -> str | None:
+    """How a shard's tensors disagree with each other or with its manifest entry (None when they agree): cheap
+    checks on the offsets, so a slice never runs past its tensor and a manifest's counts are the file's."""
+    off = t.get("offsets")
+    if off is None:
+        return None
+    if off.dim() != 1 or off.numel() < 2 or off.is_floating_point() or int(off[0]) != 0 or \
+            bool((off[1:] < off[:-1]).any()):
+        return "its offsets are not sample boundaries (a rising run of whole numbers from 0)"
+    tokens, samples = int(off[-1]), off.numel() - 1
+    for k in ("input_ids", "loss_mask", "aux", "final"):
+        if k in t and (t[k].dim() == 0 or t[k].shape[0] != tokens):
+            return f"its {k} holds {tuple(t[k].shape)}, its offsets end at {tokens} tokens"
+    if "row_ids" in t and t["row_ids"].shape != (samples,):
+        return f"its row_ids hold {tuple(t['row_ids'].shape)}, its offsets bound {samples} samples"
+    if listed is not None:
+        manifest, i, e = listed
+        if (e["tokens"], e["samples"]) != (tokens, samples):
+            return (f"{manifest} 'shards[{i}]' records {e['tokens']} tokens in {e['samples']} samples, the file "
+                    f"holds {tokens} in {samples}")
+    return None
+
+
+def read_shard(path: Path, vocab: int | None = None, listed: Listing | None = None) -> list[Sample]:
+    t = read_fields(path, ("input_ids", "loss_mask", "aux", "final", "offsets", "row_ids"), vocab, listed)
     off = t["offsets"].tolist()
     out = []
     for i, row in enumerate(t["row_ids"].tolist()):
@@ -169,6 +200,10 @@ class ShardSet:
         self.folders = [Path(f) for f in folders]
         self.manifests = [load_manifest(f) for f in self.folders]
         self.verified = False
+        # each listed shard file -> its listing (manifest, index, entry), which `read` checks the file against
+        self.listings: dict[Path, Listing] = {
+            f / s["file"]: (f / MANIFEST, i, s) for f, m in zip(self.folders, self.manifests, strict=True)
+            for i, s in enumerate(m["shards"])}
         self.layout = Layout.from_dict(self.manifests[0]["layout"])
         # the recorded target's vocabulary (one across the folders: their layouts, target included, must match)
         self.vocab: int | None = self.layout.target.vocab_size if self.layout.target is not None else None
@@ -198,7 +233,7 @@ class ShardSet:
         naming the first damaged file. Shards written before eyas recorded digests are checked by size, with one
         note per folder that they were not verified. Every reader of the tensors runs this first (shard_paths)."""
         for f, m in zip(self.folders, self.manifests, strict=True):
-            for entry in m["shards"]:
+            for entry in m["shards"]:  # each file a name inside f: load_manifest's schema holds them to it
                 why = damaged(f / entry["file"], entry)
                 if why is not None:
                     raise ShardError(f"{f / entry['file']}: {why}; rerun the `eyas datagen` that wrote {f} (same "
@@ -214,9 +249,13 @@ class ShardSet:
             self.verify()
         return [f / s["file"] for f, m in zip(self.folders, self.manifests, strict=True) for s in m["shards"]]
 
+    def read(self, path: Path, need: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """read_fields of a listed shard, its offsets checked against its manifest entry."""
+        return read_fields(path, need, self.vocab, self.listings.get(path))
+
     def row_ids(self) -> list[int]:
-        """Every sample's source row id, in shard order (reads no tensor but the ids)."""
-        return [int(r) for p in self.shard_paths() for r in read_fields(p, ("row_ids",))["row_ids"].tolist()]
+        """Every sample's source row id, in shard order (reads no tensor but the ids and their offsets)."""
+        return [int(r) for p in self.shard_paths() for r in self.read(p, ("offsets", "row_ids"))["row_ids"].tolist()]
 
     def heldout_rows(self, heldout_pct: float) -> set[int]:
         """The held-out split of these folders' rows (heldout_rows): training's, and the doctor's."""
@@ -226,14 +265,14 @@ class ShardSet:
         """split: 'all' | 'train' | 'heldout' (by source row id, see heldout_rows)."""
         held = self.heldout_rows(heldout_pct) if split != "all" else set()
         for p in self.shard_paths():
-            for s in read_shard(p, self.vocab):
+            for s in read_shard(p, self.vocab, self.listings[p]):
                 if split == "all" or (split == "heldout") == (int(s.row_id) in held):
                     yield s
 
     def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids [S] long, loss_mask [S] bool) of every sample, reading neither hidden-state field."""
         for p in self.shard_paths():
-            t = read_fields(p, ("input_ids", "loss_mask", "offsets"), self.vocab)
+            t = self.read(p, ("input_ids", "loss_mask", "offsets"))
             bounds = t["offsets"].tolist()
             for a, b in zip(bounds[:-1], bounds[1:], strict=True):
                 yield t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool()

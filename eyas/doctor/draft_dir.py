@@ -51,8 +51,8 @@ def read_draft_dir(path: str | Path, num_layers: int | None, error: type[EyasErr
         # eyas drafts and exports record each tensor file's size and digest; a folder without records is not checked
         if not m.get("files"):
             note_unverified(f"the draft folder {p}", p)
-        for name, rec in (m.get("files") or {}).items():
-            check_file(p / Path(name).name, rec, error, "the draft folder is damaged — copy it again, or rerun "
+        for name, rec in (m.get("files") or {}).items():  # names: files inside p (the schema)
+            check_file(p / name, rec, error, "the draft folder is damaged — copy it again, or rerun "
                        "the command that wrote it")
         lay = m.get("layout") or {}
         layout = [int(k) for k in lay.get("aux_indices", [])] or None

@@ -3,7 +3,9 @@ written before eyas recorded them (their readers print "not verified"), so every
 
 A seal records the files as they are now: it proves that later reads see these bytes, not that these bytes are the
 ones first written. So it refuses a file that no longer matches the size its manifest records, or whose
-safetensors header does not parse, and it never replaces a digest that is already recorded.
+safetensors header does not parse, and it never replaces a digest that is already recorded: it verifies it, and a
+file whose bytes no longer give its recorded digest is reported (every such file, expected and found digest), the
+exit nonzero, nothing written.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from ..data.shards import MANIFEST as SHARD_MANIFEST_FILE
 from ..data.shards import ShardError, load_manifest
 from ..draft import MANIFEST
 from ..errors import EyasError
-from ..files import atomic_write_json, damaged, file_record, recorded_digest
-from ..metadata import ANY_MANIFEST, TRAINER_STATE, read_metadata
+from ..files import atomic_write_json, damaged, file_digest, file_record, inside, recorded_digest
+from ..metadata import ANY_MANIFEST, BY_KIND, CHECKPOINT_MANIFEST, TRAINER_STATE, read_metadata
 from ..train.config import STATE_FILE
 
 
@@ -38,25 +40,46 @@ def readable(path: Path) -> None:
         raise SealError(f"{path} is not a readable safetensors file ({e}); {FIX}") from e
 
 
-def record(folder: Path, name: str, old: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The record to write for folder/name: None when it already has a digest (kept as it is)."""
-    if recorded_digest(old):
-        return None
-    why = damaged(folder / name, old)  # a size recorded without a digest is still checked
+def record(folder: Path, name: str, old: dict[str, Any] | None, bad: list[str]) -> dict[str, Any] | None:
+    """The record to write for folder/name: None when it already has a digest (kept as it is, after checking the
+    file still gives it: a mismatch is added to `bad`)."""
+    path = folder / name
+    why = inside(folder, name)  # a link out of the folder is never sealed, whatever it points to
     if why is not None:
-        raise SealError(f"{folder / name}: {why}; {FIX}")
-    readable(folder / name)
-    return file_record(folder / name)
+        raise SealError(f"{path}: {why}; a sealed artifact holds its own files only: copy the file in instead")
+    want = recorded_digest(old)
+    if want:
+        why = damaged(path, old)
+        if why is not None:
+            algo = want.split(":", 1)[0]
+            same_size = path.is_file() and old.get("bytes") in (None, path.stat().st_size)
+            # the size says what happened when it differs; else both digests, so a copy can be compared
+            bad.append(f"{path}: digest {file_digest(path, algo)}, its record says {want} (the bytes changed after "
+                       "they were recorded)" if same_size and algo in ("xxh3_128", "sha256") else f"{path}: {why}")
+        return None
+    why = damaged(path, old)  # a size recorded without a digest is still checked
+    if why is not None:
+        raise SealError(f"{path}: {why}; {FIX}")
+    readable(path)
+    return file_record(path)
+
+
+def refuse_damage(bad: list[str]) -> None:
+    if bad:
+        raise SealError(f"{len(bad)} file(s) no longer match their digest records: {'; '.join(bad)}; {FIX} "
+                        "(a seal never overwrites a record: it would bless the damage)")
 
 
 def seal_shards(folder: Path) -> list[str]:
     m = load_manifest(folder)
-    done = []
+    done: list[str] = []
+    bad: list[str] = []
     for e in m["shards"]:
-        new = record(folder, e["file"], e)
+        new = record(folder, e["file"], e, bad)
         if new is not None:
             e.update(new)
             done.append(e["file"])
+    refuse_damage(bad)
     if done:
         atomic_write_json(folder / SHARD_MANIFEST_FILE, m)
     return done
@@ -66,21 +89,29 @@ def seal_manifest(folder: Path) -> list[str]:
     """A draft, export, checkpoint or n-gram table: every *.safetensors in the folder gets a record in
     eyas_manifest.json's `files`, but a checkpoint's optimizer and RNG state, which trainer_state.json records."""
     fix = "the folder's manifest is damaged: rerun the command that wrote it"
-    m = read_metadata(folder / MANIFEST, ANY_MANIFEST, SealError, fix)
     state = read_metadata(folder / STATE_FILE, TRAINER_STATE, SealError, fix) \
         if (folder / STATE_FILE).is_file() else None
-    done = []
+    kind = read_metadata(folder / MANIFEST, ANY_MANIFEST, SealError, fix)["kind"]
+    schema = CHECKPOINT_MANIFEST if state is not None else BY_KIND.get(kind, ANY_MANIFEST)
+    m = read_metadata(folder / MANIFEST, schema, SealError, fix)  # every field, its `files` names included
+    done: list[str] = []
+    bad: list[str] = []
     for path in sorted(folder.glob("*.safetensors")):
         owner = m
         if state is not None and path.name != "model.safetensors":
             owner = state
-        files = owner.setdefault("files", {})
-        if not isinstance(files, dict):
-            raise SealError(f"{folder}: its 'files' record is a {type(files).__name__}, expected an object; {fix}")
-        new = record(folder, path.name, files.get(path.name))
+        if owner.get("files") is None:
+            owner["files"] = {}
+        files = owner["files"]
+        new = record(folder, path.name, files.get(path.name), bad)
         if new is not None:
             files[path.name] = new
             done.append(path.name)
+    for owner in (m, state):  # a record of a file that is gone is damage too, not something to keep quiet about
+        for name, rec in ((owner or {}).get("files") or {}).items():
+            if not (folder / name).is_file() and recorded_digest(rec):
+                bad.append(f"{folder / name}: it is missing")
+    refuse_damage(bad)
     if done:
         # the manifest last: a reader that sees the new records finds trainer_state.json's already written
         if state is not None:

@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EyasError
-from ..files import atomic_folder, atomic_write_json, check_file, file_record, read_json, save_safetensors
+from ..files import atomic_folder, atomic_write_json, check_file, file_record, save_safetensors
+from ..metadata import NGRAM_MANIFEST, read_metadata
 
 KIND = "eyas-ngram"
 FORMAT_VERSION = 1
@@ -124,16 +125,12 @@ def load_ngram(path: str | Path) -> NgramTable:
     man_path = p / MANIFEST
     if not man_path.exists():
         raise NgramError(f"{p} has no {MANIFEST}: not an eyas n-gram table (make one with `eyas ngram --data DIR`)")
-    m = read_json(man_path, NgramError, "the table is corrupt: rebuild it with `eyas ngram`")
-    if not isinstance(m, dict) or m.get("kind") != KIND:
-        found = m.get("kind") if isinstance(m, dict) else type(m).__name__
-        raise NgramError(f"{man_path}: kind {found!r}, expected {KIND!r}")
-    if m.get("format_version") != FORMAT_VERSION:
+    m = read_metadata(man_path, NGRAM_MANIFEST, NgramError, "the table is corrupt: rebuild it with `eyas ngram`",
+                      kind=KIND)
+    if m["format_version"] != FORMAT_VERSION:
         raise NgramError(f"{man_path}: format_version {m.get('format_version')} but this eyas reads "
                          f"{FORMAT_VERSION}; rebuild it with `eyas ngram`")
-    order = (m.get("config") or {}).get("order")
-    if not isinstance(order, int) or order < 1:
-        raise NgramError(f"{man_path}: config.order {order!r} is not a positive integer; rebuild the table")
+    order = m["config"]["order"]  # the schema holds it to a whole number >= 1
     # tables written before eyas recorded digests (the shipped one among them) have no `files`: read unchecked
     check_file(p / TABLE, (m.get("files") or {}).get(TABLE), NgramError,
                "the table is damaged: copy it again, or rebuild it with `eyas ngram`")
@@ -193,7 +190,7 @@ def resolve_ngram(spec: str, target) -> NgramTable | None:
         p = bundled_ngram_path()
         if not (p / MANIFEST).exists():
             return None
-        m = read_json(p / MANIFEST, NgramError, "the bundled table is corrupt: reinstall eyas")
+        m = read_metadata(p / MANIFEST, NGRAM_MANIFEST, NgramError, "the bundled table is corrupt: reinstall eyas")
         if (m.get("target") or {}).get("fingerprint") != target.identity.fingerprint:
             return None
         spec = "default"

@@ -55,8 +55,8 @@ def read_folder(src: str | Path, allow_pickle: bool = False) -> Foreign:
     # foreign folder records none and is read as it is)
     if man is not None and not man.get("files"):
         note_unverified(f"the export {p}", p)
-    for name, rec in ((man or {}).get("files") or {}).items():
-        check_file(p / Path(name).name, rec, ExportError, "the export is damaged: copy it again, or rerun `eyas "
+    for name, rec in ((man or {}).get("files") or {}).items():  # names: files inside p (the schema)
+        check_file(p / name, rec, ExportError, "the export is damaged: copy it again, or rerun `eyas "
                    "export`")
     weights: dict[str, torch.Tensor] = {}
     files = sorted(p.glob("*.safetensors"))

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from ..errors import EyasError
-from ..files import atomic_folder, check_file, file_record, read_json, save_safetensors
+from ..files import atomic_folder, check_file, file_record, save_safetensors
 from ..layout import TargetIdentity
+from ..metadata import REPLAY_MANIFEST, read_metadata
 from ..vocab import check_token_ids
 
 KIND = "eyas-replay-rows"
@@ -142,17 +143,10 @@ def load_rows(path: str | Path) -> ReplayRows:
         raise ReplayError(f"{p} is not a replay-rows folder (no {MANIFEST}); make one with `eyas replay capture "
                           "--out DIR`")
     fix = "the rows folder is damaged: capture it again with `eyas replay capture`"
-    m = read_json(p / MANIFEST, ReplayError, fix)
-    if not isinstance(m, dict) or m.get("kind") != KIND:
-        raise ReplayError(f"{p / MANIFEST}: kind {m.get('kind') if isinstance(m, dict) else None!r}, expected "
-                          f"{KIND!r}: not replay rows")
-    try:
-        files, streams = m["files"], [int(k) for k in m["streams"]]
-        ident = TargetIdentity.from_dict(m["target"])
-        max_new, eos = int(m["max_new_tokens"]), [int(t) for t in m["eos"]]
-    except (KeyError, TypeError, ValueError, EyasError) as e:
-        raise ReplayError(f"{p / MANIFEST} lacks or garbles {e}; {fix}") from e
-    check_file(p / FILE, files.get(FILE) if isinstance(files, dict) else None, ReplayError, fix)
+    m = read_metadata(p / MANIFEST, REPLAY_MANIFEST, ReplayError, fix, kind=KIND)  # every field typed, bounded
+    files, streams, max_new, eos = m["files"], m["streams"], m["max_new_tokens"], m["eos"]
+    ident = TargetIdentity.from_dict(m["target"])
+    check_file(p / FILE, files.get(FILE), ReplayError, fix)
     try:
         t = load_file(str(p / FILE))
         off, soff = t["offsets"].tolist(), t["state_offsets"].tolist()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..data.shards import ShardSet, heldout_rows, read_fields
+from ..data.shards import ShardSet, heldout_rows
 from .config import TrainError
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ class ShardSource:
         held = self.set.heldout_rows(heldout_pct)  # over every row, as the doctor splits these folders
         for si, p in enumerate(self.paths):
             # a damaged file, or an id outside the recorded vocabulary, is named with its row
-            t = read_fields(p, ("offsets", "row_ids", "input_ids", "loss_mask"), self.set.vocab)
+            t = self.set.read(p, ("offsets", "row_ids", "input_ids", "loss_mask"))
             off, rows = t["offsets"].tolist(), t["row_ids"].tolist()
             ids, mask = t["input_ids"].long(), t["loss_mask"].bool()
             for i, row in enumerate(rows):
@@ -133,7 +133,7 @@ class ShardSource:
         if si not in self._cache:
             while self._cache_order and sum(self.bytes[s] for s in self._cache_order) + self.bytes[si] > self.buffer:
                 del self._cache[self._cache_order.pop(0)]
-            self._cache[si] = read_fields(self.paths[si], ("aux", "final", "offsets"))
+            self._cache[si] = self.set.read(self.paths[si], ("aux", "final", "offsets"))
             self._cache_order.append(si)
         return self._cache[si]
 
