@@ -31,6 +31,7 @@ from eyas.data.capture import capture_samples, length_batches
 from eyas.data.conversations import load_conversations, render, tokenize_conversation
 from eyas.data.datagen import DatagenConfig, run_datagen
 from eyas.data.regen import generate_replies, regen_engine, stop_token_ids
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 
 
@@ -54,7 +55,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    target = load_target("smollm2-135m", dtype="fp32", device=args.device)
+    target = load_target(DEFAULT_TARGET, dtype="fp32", device=args.device)
     layout = target.default_layout()
     convs, _ = load_conversations("sharegpt", num=args.num)
     tok = target.tokenizer

@@ -24,12 +24,13 @@ from eyas.draft import resolve_draft
 from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
 from eyas.engine.prompt import chat_input_ids
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--draft", default="random")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -24,6 +24,7 @@ import torch
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.layout import check_layouts
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import end_token_ids, load_target
 from eyas.train.config import TrainConfig
 from eyas.train.sources import ShardSource, feature_norm, plan_epoch
@@ -137,7 +138,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     source = ShardSource([a.data], heldout_pct=0.0, buffer_mb=4096, max_len=a.max_len)
-    target = load_target(source.set.manifests[0].get("target_source") or "smollm2-135m")
+    target = load_target(source.set.manifests[0].get("target_source") or DEFAULT_TARGET)
     check_layouts(source.layout, target.default_layout(source.layout.aux_indices), "the shards", "the target")
     counts = count_tokens(source.token_pairs(source.train), target.identity.vocab_size)
     vocab = select_draft_vocab(counts, a.draft_vocab, end_token_ids(target.tokenizer, target.model), source.hash())

@@ -29,12 +29,13 @@ import torch
 from eyas.bench.llama_c import LlamaC
 from eyas.engine.weights import engine_model
 from eyas.native import kernels
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=21)

@@ -39,6 +39,7 @@ from eyas.data.shards import ShardSet
 from eyas.draft import load_draft
 from eyas.engine.params import TreeSettings
 from eyas.files import atomic_write_json
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
 from eyas.train.loop import train
@@ -104,7 +105,7 @@ def main() -> None:
           f"{c_train:.2f} ms/token; budget {budget_ms / 1000:.0f} CPU-s per arm = {n_regen} regenerated or "
           f"{n_orig} original tokens")
 
-    target = load_target("smollm2-135m", dtype="fp32")
+    target = load_target(DEFAULT_TARGET, dtype="fp32")
     held = ShardSource([args.regen], HELDOUT_PCT, 2048, args.max_len)
     results = {}
     for name in args.arms.split(","):

@@ -32,13 +32,14 @@ def main() -> None:
     from eyas.doctor.serving import send_rows
     from eyas.engine.prompt import chat_input_ids
     from eyas.interop.export import export_draft
+    from eyas.option import DEFAULT_TARGET
     from eyas.replay.rows import cached_rows_eyas, plant_streams
     from eyas.replay.run import chain, replay
     from eyas.target.load import load_target
     from eyas.vllm.env import vllm_python
     from tests.test_doctor_serving import _start, _stop, wait_up
 
-    target = load_target("smollm2-135m", dtype="fp32")
+    target = load_target(DEFAULT_TARGET, dtype="fp32")
     rows = {}
     for name, (bench, n) in SETS.items():
         ids = [chat_input_ids(target.tokenizer, r.messages) for r in load_prompts(bench, limit=n)]

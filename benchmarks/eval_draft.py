@@ -24,6 +24,7 @@ import json
 import torch
 
 from eyas.draft import load_draft
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 from eyas.train.config import Dist, TrainConfig
 from eyas.train.sources import ShardSource
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    target = load_target("smollm2-135m", dtype="fp32")
+    target = load_target(DEFAULT_TARGET, dtype="fp32")
     rows = []
     for folder in a.data:
         src = ShardSource([folder], a.heldout_pct, 2048, a.max_len)

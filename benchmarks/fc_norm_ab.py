@@ -27,6 +27,7 @@ from eyas.draft import load_draft
 from eyas.engine.decode import Engine
 from eyas.engine.params import TREE_DEFAULTS, SamplingParams, SpecParams
 from eyas.engine.prompt import chat_input_ids
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 
 TREES = {"cpu-default": SpecParams("tree", **{k: v for k, v in TREE_DEFAULTS["cpu"].items() if k != "steps"}),
@@ -88,7 +89,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     drafts = {name: train(a, name, extra) for name, extra in DRAFTS.items()}
-    target = load_target("smollm2-135m")
+    target = load_target(DEFAULT_TARGET)
     sets = {"mt-bench": [chat_input_ids(target.tokenizer, p.messages) for p in load_prompts("mt-bench", a.limit)],
             "long": long_prompts(target.tokenizer, a.long)}
     rows, outputs = [], {}

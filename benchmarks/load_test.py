@@ -32,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from eyas.option import DEFAULT_TARGET
+
 
 @dataclass
 class Sample:
@@ -190,7 +192,7 @@ class InProcess:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="an already running server (default: start one on a free localhost port)")
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default="none", help="eyas draft folder | default | random | none")
     p.add_argument("--method", default=None, help="tree | chain | plain (default: tree, plain with --draft none)")
     for flag in ("steps", "depth", "topk", "tokens"):

@@ -29,6 +29,7 @@ from eyas.engine.lookup import lookup_chain
 from eyas.engine.ngram import NgramTable, load_ngram
 from eyas.engine.params import SamplingParams, SpecParams
 from eyas.engine.prompt import chat_input_ids
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 
 # native row costs measured with eyas 0.1.0 on a 2-core AMD EPYC Zen 3 (ms, 300-token context), used without --verify
@@ -52,7 +53,7 @@ def plain_outputs(path: Path, benches: list[tuple[str, int]], max_new: int) -> l
         data = json.loads(path.read_text())
         if data["max_new_tokens"] == max_new and data["benches"] == [list(b) for b in benches]:
             return data["rows"]
-    t = load_target("smollm2-135m")
+    t = load_target(DEFAULT_TARGET)
     eng = Engine(t, None, SpecParams(method="plain"))
     rows = []
     for bench, limit in benches:

@@ -23,6 +23,7 @@ from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
 from eyas.engine.prompt import chat_input_ids
 from eyas.native import auto, kernels
+from eyas.option import DEFAULT_TARGET
 from eyas.target.load import load_target
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    target = load_target("smollm2-135m")
+    target = load_target(DEFAULT_TARGET)
     engines = {w: Engine(target, None, SpecParams(method="plain", weights=w)) for w in ("native", "fp32")}
     assert engines["native"].weights == "native", engines["native"].weights_note
     ids = chat_input_ids(target.tokenizer, [{"role": "user", "content": "List five fruits and say one thing about "

@@ -90,6 +90,7 @@ def main() -> None:
     from eyas.engine.decode import Engine
     from eyas.engine.params import SamplingParams
     from eyas.engine.prompt import chat_input_ids
+    from eyas.option import DEFAULT_TARGET
     from eyas.replay.heldout import simulated_length
     from eyas.replay.rows import cached_rows_eyas, plant_streams
     from eyas.replay.run import chain, replay
@@ -100,7 +101,7 @@ def main() -> None:
     drafts = [d for d in a.drafts.split(",") if d]
     if a.train_data:
         drafts += [str(p) for p in train_checkpoints(a.train_data, out, a.checkpoints, a.steps)]
-    target = load_target("smollm2-135m", dtype="fp32")
+    target = load_target(DEFAULT_TARGET, dtype="fp32")
     aux = list(load_draft(drafts[0]).layout.aux_indices)
     rows_by_set = {}
     for name, (bench, n) in SETS.items():

@@ -22,6 +22,7 @@ import time
 
 from eyas.engine.decode import Engine
 from eyas.engine.params import SamplingParams, SpecParams
+from eyas.option import DEFAULT_TARGET
 from eyas.serve.metrics import Metrics
 from eyas.serve.worker import Job, Worker
 from eyas.target.load import load_target
@@ -74,7 +75,7 @@ def pct(xs: list[float], q: float) -> float:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--long", type=int, default=1500, help="tokens in each long prompt")
     ap.add_argument("--long-new", type=int, default=32, help="tokens each long prompt asks for")
     ap.add_argument("--behind", default="1,4,8", help="numbers of long prompts ahead of the short request")

@@ -27,6 +27,7 @@ from .files import atomic_folder, check_file, file_record, save_safetensors
 from .layout import Layout, LayoutError, TargetIdentity, layout_diff
 from .metadata import DRAFT_MANIFEST, read_metadata
 from .rope import apply_rope, rope_cos_sin
+from .target.family import text_config
 from .target.load import Target
 
 WEIGHTS = "model.safetensors"
@@ -56,7 +57,7 @@ class DraftConfig:
 
     @classmethod
     def from_target_config(cls, tcfg: Any, draft_vocab_size: int, num_aux: int = 3, **overrides) -> DraftConfig:
-        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        tcfg = text_config(tcfg)
         H = int(tcfg.hidden_size)
         nh = int(tcfg.num_attention_heads)
         rope = getattr(tcfg, "rope_parameters", None) or {}

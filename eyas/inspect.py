@@ -11,6 +11,7 @@ from .errors import EyasError
 from .metadata import ANY_MANIFEST, BY_KIND, read_metadata
 from .native.auto import describe as describe_native
 from .native.quant import native_misfit
+from .target.family import text_config
 from .target.gguf_config import rope_summary
 from .target.open import TargetChoice
 from .target.template import chat_ids, describe_record, raw_ids
@@ -30,7 +31,7 @@ def inspect_target(spec: str, dtype: str = "fp32", device: str = "cpu", chat_tem
 
     t = TargetChoice(spec, dtype, device, chat_template, raw).open()
     choice = t.chat_template
-    cfg = getattr(t.config, "text_config", None) or t.config
+    cfg = text_config(t.config)
     layout = t.default_layout()
     L = t.num_layers
     ids = [torch.tensor([raw_ids(t.tokenizer, p) if choice.raw else chat_ids(t.tokenizer, [{"role": "user",

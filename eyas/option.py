@@ -12,9 +12,23 @@ def option(flag: str, help: str, default: Any = None) -> Any:
     return field(default=default, metadata={"flag": flag, "help": help})
 
 
+def option_like(config: type, name: str, default: Any) -> Any:
+    """A field offered under `config`'s flag and help for its field `name` (one declaration of the option), with
+    a default of its own: a pipeline's config reusing a stage's option (eyas recipe's --lr is eyas train's)."""
+    f = config.__dataclass_fields__[name]
+    return field(default=default, metadata={"flag": f.metadata["flag"], "help": f.metadata["help"]})
+
+
 # the help of options many commands and configs share
-TARGET_HELP = "smollm2-135m, a HF model folder, or a .gguf file"
+DEFAULT_TARGET = "smollm2-135m"  # the bundled target every command defaults to (eyas.target.family.BUNDLED)
+TARGET_HELP = f"{DEFAULT_TARGET}, a HF model folder, or a .gguf file"
 DEVICE_HELP = "cpu | cuda | cuda:N"
+DRAFT_HELP = ("eyas draft folder, 'default' (bundled; the default with method tree and chain), 'random' (untrained: "
+              "the plumbing, not the speed) or 'none'")
+METHOD_HELP = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram before; "
+               "--lookup tokens) | plain (no draft). Default: tree, plain with --draft none")
+RAW_HELP = ("send --prompt as plain text, without a chat template (base models; the tokenizer's own BOS rule "
+            "applies)")
 CHAT_TEMPLATE_HELP = ("render chats with this template: a Jinja FILE or a built-in NAME (chatml | gemma | llama3); "
                       "default: the tokenizer's own")
 DTYPE_HELP = "fp32 | bf16 | fp16"

@@ -39,11 +39,13 @@ from .errors import EyasError
 from .files import atomic_folder, atomic_write_json, portable_command, portable_paths, read_json
 from .interrupt import Interrupted, StoppedNow, stop_on_signals
 from .metadata import DRAFT_MANIFEST, LATEST_TRAIN, NGRAM_MANIFEST, read_metadata
+from .option import DEFAULT_TARGET, option, option_like
+from .train.config import TrainConfig
 
 if TYPE_CHECKING:
     from .data.datagen import DatagenConfig
 
-RECIPES = {"smollm2-135m"}
+RECIPES = {DEFAULT_TARGET}
 STAGES = ("data", "ngram", "train", "eval", "ship")
 LATEST = "latest-train.json"  # in WORK: the run the last train stage finished (its folder's name)
 
@@ -54,31 +56,39 @@ class RecipeError(EyasError):
 
 @dataclass
 class RecipeConfig:
-    name: str = "smollm2-135m"
-    work: str = "runs/recipe"
+    """`eyas recipe`'s options (the fields with a flag; the command adds NAME, --stages and --device)."""
+
+    name: str = DEFAULT_TARGET
+    work: str = option("--work", "work folder (resume by rerunning the same command)", "runs/recipe")
     stages: tuple[str, ...] = STAGES
     device: str = "cpu"
-    orig_num: int = 4000  # original-text conversations (prefill only)
-    regen_num: int = 0  # regenerated conversations (greedy, repetition-limited)
-    regen_start: int = 0  # source row the regenerated conversations start at (> 0: WORK/data-regen-from-<row>)
-    self_num: int = 0  # self-prompted rows (`datagen --data self`: the target writes the user turn and the reply)
-    self_start: int = 0  # row the self-prompted rows start at (> 0: WORK/data-self-from-<row>)
+    orig_num: int = option("--orig-num", "ShareGPT rows with original replies (prefill only)", 4000)
+    regen_num: int = option("--regen-num", "ShareGPT rows, target-regenerated (greedy, repetition-limited)", 0)
+    regen_start: int = option("--regen-start", "regenerate from this source row on, into WORK/data-regen-from-ROW "
+                              "(new conversations for another round)", 0)
+    self_num: int = option("--self-num", "rows whose user turn the target writes too (datagen --data self), into "
+                           "WORK/data-self", 0)
+    self_start: int = option("--self-start", "self-prompted rows from this row on, into WORK/data-self-from-ROW", 0)
     regen_max_new_tokens: int = 256
     max_len: int = 2048
-    draft_vocab: int = 8192
-    ttt_steps: int = 3
-    epochs: float = 5.0
-    lr: float = 1e-3
-    batch_tokens: int = 2048
-    bf16: bool | None = None  # None: on CUDA only
-    threads: int = 0  # torch CPU threads for every stage (0 = torch's default)
+    # the train stage's options are eyas train's (their flags and help), with the recipe's defaults
+    draft_vocab: int = option_like(TrainConfig, "draft_vocab", 8192)
+    ttt_steps: int = option_like(TrainConfig, "ttt_steps", 3)
+    epochs: float = option_like(TrainConfig, "epochs", 5.0)
+    lr: float = option_like(TrainConfig, "lr", 1e-3)
+    batch_tokens: int = option_like(TrainConfig, "batch_tokens", 2048)
+    # tri-state where eyas train's --bf16 is a switch: unset means on CUDA only
+    bf16: bool | None = option("--bf16/--no-bf16", "bf16 autocast in training (default: on CUDA only)", None)
+    threads: int = option("--threads", "torch CPU threads for every stage (0 = torch's default)", 0)
     heldout_pct: float = 5.0  # share of conversations (by row id) held out for the per-step accuracy curve
     eval_limit: int = 8
     eval_max_new_tokens: int = 128
-    ship_to: str | None = None  # default: the package's bundled draft folder (and n-gram table)
-    ngram_min_count: int = 2  # the table keeps a context whose top next token was seen this often
-    init_from: str | None = None  # warm-start training from this eyas draft ("default" = the shipped one)
-    refresh_vocab: bool = False  # with init_from: re-choose the draft vocabulary from the current data
+    ship_to: str | None = option("--ship-to", "default: eyas/assets/drafts/default (and the n-gram table beside "
+                                 "it)", None)
+    ngram_min_count: int = option("--ngram-min-count", "ngram stage: keep a context whose most frequent next token "
+                                  "was seen this often", 2)
+    init_from: str | None = option_like(TrainConfig, "init_from", None)
+    refresh_vocab: bool = option_like(TrainConfig, "refresh_vocab", False)
 
     def validate(self) -> None:
         if self.name not in RECIPES:

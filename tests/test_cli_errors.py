@@ -213,7 +213,7 @@ def test_serve_prefill_chunk_reaches_the_engine(files, monkeypatch):
     server's own default)."""
     import typer
 
-    import eyas.serve.app as srv
+    import eyas.serve.config as srv
     import eyas.serve.launch as launch
 
     opt = next(o for o in typer.main.get_command(app).commands["serve"].params if "--prefill-chunk" in o.opts)

@@ -11,6 +11,7 @@ from ..engine.params import TreeSettings
 from ..errors import EyasError
 from ..option import (
     CHAT_TEMPLATE_HELP,
+    DEFAULT_TARGET,
     DEVICE_HELP,
     DRAFT_WEIGHTS_HELP,
     DTYPE_HELP,
@@ -83,7 +84,7 @@ class BenchConfig:
     limit: int | None = 10  # --limit: prompts (a deterministic subset; None = all)
     turn: int = option("--turn", "MT-bench turn (2 = the target's greedy first answer in context)", 1)
     max_new_tokens: int = option("--max-new-tokens", "new tokens per prompt and method", 256)
-    target: str = option("--target", TARGET_HELP, "smollm2-135m")
+    target: str = option("--target", TARGET_HELP, DEFAULT_TARGET)
     draft: str = option("--draft", "eyas draft folder, 'default' (bundled) or 'random' (untrained, in memory)",
                         "default")
     dtype: str = option("--dtype", DTYPE_HELP, "fp32")

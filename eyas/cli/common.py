@@ -18,6 +18,7 @@ from ..interrupt import EXIT_CODE as INTERRUPTED_EXIT
 from ..interrupt import Interrupted
 from ..option import (
     CHAT_TEMPLATE_HELP,
+    DEFAULT_TARGET,
     DEVICE_HELP,
     DRAFT_WEIGHTS_HELP,
     DTYPE_HELP,
@@ -29,34 +30,33 @@ from ..option import (
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C")
 
-TargetOpt = typer.Option("smollm2-135m", "--target", help=TARGET_HELP)
+TargetOpt = typer.Option(DEFAULT_TARGET, "--target", help=TARGET_HELP)
 DtypeOpt = typer.Option("fp32", "--dtype", help=DTYPE_HELP)
 DeviceOpt = typer.Option("cpu", "--device", help=DEVICE_HELP)
 DraftWeightsOpt = typer.Option("auto", "--draft-weights", help=DRAFT_WEIGHTS_HELP)
 WeightsOpt = typer.Option("auto", "--weights", help=WEIGHTS_HELP)
 ChatTemplateOpt = typer.Option(None, "--chat-template", help=CHAT_TEMPLATE_HELP)
-MethodHelp = ("tree | chain (EAGLE-3) | lookup (no draft: verify what followed the context's last n-gram "
-              "before; --lookup tokens) | plain (no draft). Default: tree, plain with --draft none")
-DraftHelp = ("eyas draft folder, 'default' (bundled; the default with method tree and chain), 'random' (untrained: "
-             "the plumbing, not the speed) or 'none'")
 NgramOpt = typer.Option("auto", "--ngram", help=NGRAM_HELP)
 
 
-def config_options(*configs: type) -> Callable[[F], F]:
+def config_options(*configs: type, skip: tuple[str, ...] = ()) -> Callable[[F], F]:
     """Add to a command, after its own parameters, every field of the dataclasses `configs` declared with
     eyas.option.option: typer reads the extended signature and the command receives them in **given (build the
     dataclass with `config_from`). The dataclass stays the one source of each option's name, type, default and
-    help."""
+    help. A field the command declares itself (a required --draft, another default) is its own; `skip` names
+    fields the command does not offer (their dataclass defaults apply)."""
 
     def wrap(command: F) -> F:
         sig = inspect.signature(command, eval_str=True)
         own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        extra = []
+        taken = {p.name for p in own} | set(skip)
+        extra: list[inspect.Parameter] = []
         for cfg in configs:
             hints = typing.get_type_hints(cfg)
             extra += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
                                         default=typer.Option(f.default, f.metadata["flag"], help=f.metadata["help"]))
-                      for f in fields(cfg) if "flag" in f.metadata]
+                      for f in fields(cfg) if "flag" in f.metadata and f.name not in taken]
+            taken |= {f.name for f in fields(cfg)}
         command.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
         return command
 

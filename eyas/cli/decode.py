@@ -8,17 +8,10 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from ..bench.config import BenchConfig
+from ..engine.load import EngineOptions
 from ..engine.params import TreeSettings
+from ..serve.config import ServeConfig
 from .common import (
-    ChatTemplateOpt,
-    DeviceOpt,
-    DraftHelp,
-    DraftWeightsOpt,
-    DtypeOpt,
-    MethodHelp,
-    NgramOpt,
-    TargetOpt,
-    WeightsOpt,
     config_from,
     config_options,
     fail,
@@ -31,48 +24,36 @@ if TYPE_CHECKING:
     from ..engine.stats import GenResult
 
 
-@config_options(TreeSettings)
+@config_options(EngineOptions, TreeSettings)
 def generate(
-    target: str = TargetOpt,
-    draft: str = typer.Option(None, "--draft", help=DraftHelp),
     prompt: str = typer.Option(None, "--prompt", help="user message (sent through the chat template)"),
     messages: str = typer.Option(None, "--messages", help='chat JSON: [{"role": "user", "content": "..."}, ...] '
                                  "or a path to such a file"),
-    raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template (base "
-                             "models; the tokenizer's own BOS rule applies)"),
-    chat_template: str = ChatTemplateOpt,
-    method: str = typer.Option(None, "--method", help=MethodHelp),
-    ngram: str = NgramOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: int = typer.Option(None, "--seed", help="sampling seed (reproducible output)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable); trimmed from the output"),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    weights: str = WeightsOpt,
-    draft_weights: str = DraftWeightsOpt,
-    **tree: int | float | None,
+    **given: Any,
 ) -> None:
     """Generate for a prompt or chat messages; streams text and prints tok/s, tau and acceptance per depth."""
     import sys
 
-    from ..engine.load import EngineOptions, EngineUse, load_engine
+    from ..engine.load import EngineUse, load_engine
     from ..engine.params import SamplingParams
     from ..engine.prompt import input_ids, read_messages
     from ..text import TextStream
 
+    opts = config_from(EngineOptions, given, tree=config_from(TreeSettings, given))
+    raw = opts.raw
     if (prompt is None) == (messages is None):
         fail("pass exactly one of --prompt TEXT or --messages JSON")
     if raw and messages is not None:
         fail("--raw sends --prompt as plain text; --messages is a chat, which needs a template: drop --raw (and "
              "pass --chat-template NAME if the target has none)")
-    opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree), ngram=ngram,
-                         weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
-                         chat_template=chat_template, raw=raw)
-    use = EngineUse("eyas generate", f"HF's own greedy decoding of this target runs in `eyas bench --target {target} "
-                    "--methods hf-greedy --bench PROMPTS.jsonl`")
+    use = EngineUse("eyas generate", "HF's own greedy decoding of this target runs in `eyas bench --target "
+                    f"{opts.target} --methods hf-greedy --bench PROMPTS.jsonl`")
     with user_errors():
         msgs = read_messages(messages) if messages is not None else None
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
@@ -95,34 +76,16 @@ def generate(
         typer.secho(line, fg="cyan", err=True)
 
 
-@config_options(TreeSettings)
+@config_options(EngineOptions, ServeConfig, TreeSettings, skip=("raw",))
 def serve(
-    target: str = TargetOpt,
-    draft: str = typer.Option(None, "--draft", help=DraftHelp),
-    method: str = typer.Option(None, "--method", help=MethodHelp),
-    ngram: str = NgramOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (localhost by default)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' (or set EYAS_API_KEY)"),
-    max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens", help="longer prompts get a 400"),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="cap (and default) for max_tokens"),
-    prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="prompt tokens per prefill forward (>= 16; 0 = "
-                                      "whole prompts): other requests run between a long prompt's chunks, so a "
-                                      "short request's first token waits about one chunk"),
-    max_long_prompts: int = typer.Option(8, "--max-long-prompts", help="prompts longer than one prefill chunk held "
-                                         "at once (they interleave chunk by chunk with everything else); the next "
-                                         "gets a 503 with Retry-After"),
     model_name: str = typer.Option(None, "--model-name", help="the model id clients send (default: the target's name)"),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    weights: str = WeightsOpt,
-    draft_weights: str = DraftWeightsOpt,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
-    chat_template: str = ChatTemplateOpt,
-    **tree: int | float | None,
+    **given: Any,
 ) -> None:
     """OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the speculative engine."""
-    from ..engine.load import EngineOptions
     from ..serve import app as srv
     from ..serve import launch
 
@@ -132,17 +95,13 @@ def serve(
         if warning:
             typer.secho(f"warning: {warning}", fg="yellow", err=True)
         with user_errors():
-            cfg = srv.ServeConfig(model_name=model_name or "pending", api_key=key, max_prompt_tokens=max_prompt_tokens,
-                                  max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                                  max_long_prompts=max_long_prompts)
+            cfg = config_from(ServeConfig, given, model_name=model_name or "pending", api_key=key)
             cfg.check()  # bad flags fail before the model loads
-            opts = EngineOptions(target=target, draft=draft, method=method, tree=config_from(TreeSettings, tree),
-                                 ngram=ngram, weights=weights, draft_weights=draft_weights, dtype=dtype, device=device,
-                                 chat_template=chat_template).resolved()
+            opts = config_from(EngineOptions, given, tree=config_from(TreeSettings, given)).resolved()
             engine, tgt = launch.build_engine(opts)
             for w in launch.template_warnings(engine, tgt):
                 warn(w)
-            cfg.model_name = model_name or tgt.identity.name or target
+            cfg.model_name = model_name or tgt.identity.name or opts.target
             cfg.context_length = launch.context_length_of(tgt)
             app_ = srv.create_app(engine, tgt.tokenizer, cfg)
         desc = f"{opts.method}, draft {opts.draft}" if engine.drafts else f"{opts.method}, no draft"

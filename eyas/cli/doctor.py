@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from .common import ChatTemplateOpt, DeviceOpt, DtypeOpt, TargetOpt, WeightsOpt, fail, user_errors, warn
+from ..engine.load import EngineOptions
+from .common import (
+    ChatTemplateOpt,
+    DeviceOpt,
+    DtypeOpt,
+    TargetOpt,
+    WeightsOpt,
+    config_from,
+    config_options,
+    fail,
+    user_errors,
+    warn,
+)
 
 doctor_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                          help="Find every wiring fault between target, data, draft and serving flags.")
@@ -136,29 +149,25 @@ def doctor_streams(
 
 
 @doctor_app.command("trace")
+@config_options(EngineOptions, skip=("ngram", "weights", "draft_weights"))
 def doctor_trace(
-    target: str = TargetOpt,
     draft: str = typer.Option(..., "--draft", help="eyas draft folder (or 'default')"),
     prompt: str = typer.Option(..., "--prompt", help="a user message (the chat template is applied)"),
     method: str = typer.Option("tree", "--method", help="tree | chain (the engine's own defaults otherwise)"),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
     rounds: int = typer.Option(4, "--rounds", help="speculative rounds to show"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    chat_template: str = ChatTemplateOpt,
-    raw: bool = typer.Option(False, "--raw", help="send --prompt as plain text, without a chat template"),
+    **given: Any,
 ) -> None:
     """One prompt through the real serving path: shape and norm per stage, draft top tokens, accepted tokens."""
     from ..doctor.trace import render_trace, trace
-    from ..engine.load import EngineOptions, EngineUse, check_options, load_parts
+    from ..engine.load import EngineUse, check_options, load_parts
     from ..engine.params import TreeSettings
     from ..engine.prompt import input_ids
 
     if method not in ("tree", "chain"):
         fail(f"--method {method}: the trace follows a draft's rounds; use --method tree or chain")
-    opts = EngineOptions(target=target, draft=draft, method=method, dtype=dtype, device=device,
-                         chat_template=chat_template, raw=raw)
+    opts = config_from(EngineOptions, given, draft=draft, method=method)
     use = EngineUse("eyas doctor trace", "`eyas doctor --target T --draft D` (without trace) measures the draft on "
                     "this target through HF hooks")
     spec = TreeSettings().spec(method, None)  # the engine's full tree, not the device's pruned default
@@ -166,7 +175,7 @@ def doctor_trace(
         parts = load_parts(opts, use, check_options(opts, use, [spec]), [spec])
         if parts.template_warning:
             warn(parts.template_warning)
-        ids = input_ids(parts.target.tokenizer, prompt, None, raw)
+        ids = input_ids(parts.target.tokenizer, prompt, None, opts.raw)
         rep = trace(parts.target, parts.draft, ids, spec, max_new_tokens=max_new_tokens, max_rounds=rounds)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from ..option import DEFAULT_TARGET
 from .common import ChatTemplateOpt, DeviceOpt, DtypeOpt, fail, user_errors
 
 
@@ -27,7 +28,7 @@ def inspect(
 
     if what is not None and target is not None and what != target:
         fail(f"inspect got two things to describe: {what} and --target {target}; pass one of them")
-    what = what or target or "smollm2-135m"
+    what = what or target or DEFAULT_TARGET
     with user_errors():
         info = inspect_path(Path(what)) if Path(what).is_dir() else None
         if info is None:

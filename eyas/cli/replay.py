@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from ..option import DEFAULT_TARGET
 from .common import DeviceOpt, TargetOpt, fail, user_errors
 
 replay_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -110,7 +111,7 @@ def run(
         if export is not None and k is None and sglang is None:
             fail("--export reads the folder as a server reads it: give --k N (vLLM) or --sglang S,K,N (SGLang)")
         rows = load_rows(rows_dir)
-        tgt = load_target(target or rows.source.get("target") or "smollm2-135m", dtype="fp32", load_weights=False)
+        tgt = load_target(target or rows.source.get("target") or DEFAULT_TARGET, dtype="fp32", load_weights=False)
         ck = load_draft(draft, device="cpu")
         res = rr.replay(rows, tgt, ck, spec, max_new_tokens)
         served, res_served = None, None

@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from ..option import DEFAULT_TARGET
 from ..train.config import TrainConfig
 from .common import config_from, config_options, fail, user_errors
 
@@ -26,7 +27,7 @@ def train(
 
     online = given["online"]
     if online and target is None:
-        target = "smollm2-135m"
+        target = DEFAULT_TARGET
     with user_errors():
         aux = parse_int_list(aux_indices, "--aux-indices")
         caps = parse_int_list(data_tokens, "--data-tokens")

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..engine.weights import WEIGHTS
 from ..errors import EyasError
-from ..option import CHAT_TEMPLATE_HELP, DEVICE_HELP, TARGET_HELP, option
+from ..option import CHAT_TEMPLATE_HELP, DEFAULT_TARGET, DEVICE_HELP, TARGET_HELP, option
 from ..target.device import parse_dtype
 from ..target.template import ChatTemplate, resolve_template
 from .conversations import SELF_SOURCE
@@ -67,7 +67,7 @@ class DatagenConfig:
     """The options of `eyas datagen`: each field declared with `option` is its flag, help and default."""
 
     out: str  # shard folder (created; rerunning the same command resumes)
-    target: str = option("--target", TARGET_HELP, "smollm2-135m")
+    target: str = option("--target", TARGET_HELP, DEFAULT_TARGET)
     data: str = option("--data", "sharegpt (bundled), a ShareGPT JSON/JSONL or messages JSONL, or self (the target "
                        "writes the user turns too; needs --num or --end-row)", "sharegpt")
     num: int | None = option("--num", "first N usable conversations from --start-row (default: all); more extends a "

@@ -25,7 +25,7 @@ from ..target.capture import Capture, decoder_parts
 
 if TYPE_CHECKING:
     from ..native.quant import NativeWeights
-from ..target.family import ModelError, engine_covers, family_refusal
+from ..target.family import ModelError, engine_covers, family_refusal, text_config
 from .mla import MLA, mla_attention, mla_of
 from .moe import MoE, moe_mlp
 from .rowwise import Ops, ops_for
@@ -134,7 +134,7 @@ def _dense(l: nn.Module, ops: Ops) -> dict[str, Matmul]:
 
 
 def check_family(model: nn.Module):
-    cfg = getattr(model.config, "text_config", None) or model.config
+    cfg = text_config(model.config)
     mt = getattr(cfg, "model_type", "?")
     if not engine_covers(mt):
         raise family_refusal(mt, f"this target ({type(model).__name__})", "eyas's decoding", loaded=True)

@@ -15,30 +15,45 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..draft import DraftCheckpoint, check_default_draft, recorded_template, resolve_draft
+from ..option import (
+    CHAT_TEMPLATE_HELP,
+    DEFAULT_TARGET,
+    DEVICE_HELP,
+    DRAFT_HELP,
+    DRAFT_WEIGHTS_HELP,
+    DTYPE_HELP,
+    METHOD_HELP,
+    NGRAM_HELP,
+    RAW_HELP,
+    TARGET_HELP,
+    WEIGHTS_HELP,
+    option,
+)
 from ..target.family import check_engine_family
 from ..target.load import Target
 from ..target.open import TargetChoice
 from ..target.template import ChatTemplate, draft_template_warning
 from .decode import Engine
 from .ngram import NgramTable, check_ngram_spec, resolve_ngram
-from .params import DRAFT_METHODS, EngineError, SpecParams, TreeSettings, resolve_method
+from .params import DRAFT_METHODS, SpecParams, TreeSettings, draft_needed, resolve_method
 
 
 @dataclass
 class EngineOptions:
     """What a command's flags ask of the engine; unset tree settings come from TREE_DEFAULTS for the device."""
 
-    target: str = "smollm2-135m"
-    draft: str | None = None  # a draft folder, 'default' (bundled), 'random' (untrained), 'none'; None: per method
-    method: str | None = None  # None: tree with a draft, plain with --draft none (eyas.engine.params.resolve_method)
+    target: str = option("--target", TARGET_HELP, DEFAULT_TARGET)
+    # None: per method (eyas.engine.params.resolve_method: tree with the bundled draft, plain with --draft none)
+    draft: str | None = option("--draft", DRAFT_HELP, None)
+    method: str | None = option("--method", METHOD_HELP, None)
     tree: TreeSettings = field(default_factory=TreeSettings)
-    ngram: str = "auto"  # eyas.engine.ngram.resolve_ngram
-    weights: str = "auto"
-    draft_weights: str = "auto"
-    dtype: str = "fp32"
-    device: str = "cpu"
-    chat_template: str | None = None  # --chat-template FILE|NAME; None: the tokenizer's own
-    raw: bool = False  # no template at all (base models)
+    ngram: str = option("--ngram", NGRAM_HELP, "auto")  # eyas.engine.ngram.resolve_ngram
+    weights: str = option("--weights", WEIGHTS_HELP, "auto")
+    draft_weights: str = option("--draft-weights", DRAFT_WEIGHTS_HELP, "auto")
+    dtype: str = option("--dtype", DTYPE_HELP, "fp32")
+    device: str = option("--device", DEVICE_HELP, "cpu")
+    chat_template: str | None = option("--chat-template", CHAT_TEMPLATE_HELP, None)  # None: the tokenizer's own
+    raw: bool = option("--raw", RAW_HELP, False)  # no template at all (base models)
 
     @property
     def draft_spec(self) -> str:
@@ -100,8 +115,7 @@ def check_options(opts: EngineOptions, use: EngineUse, specs: Sequence[SpecParam
     draft = opts.draft_spec
     if drafted and draft == "none":
         m = next(s.method for s in specs if s.method in DRAFT_METHODS)
-        raise EngineError(f"--method {m} needs a draft: pass --draft PATH, 'default' or 'random', or use "
-                          "--method plain")
+        raise draft_needed(m)
     if drafted:
         check_default_draft(draft, use.draft_instead)
     check_ngram_spec(opts.ngram)

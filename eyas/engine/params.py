@@ -130,6 +130,13 @@ class TreeSettings:
                           **self.resolved(method, device))
 
 
+def draft_needed(method: str) -> EngineError:
+    """The one refusal of a drafting method given `--draft none` (resolve_method, and make_engine for specs built
+    elsewhere)."""
+    return EngineError(f"--method {method} needs a draft: pass --draft PATH (an eyas draft folder), 'default' or "
+                       "'random' (untrained: the plumbing, not the speed), or use --method plain")
+
+
 def resolve_method(method: str | None, draft: str | None) -> tuple[str, str]:
     """The one rule for --method and --draft (generate, serve, doctor trace): (method, draft spec to load).
     No --method: tree, or plain with --draft none. A drafting method needs a draft (unset = the bundled one);
@@ -140,8 +147,7 @@ def resolve_method(method: str | None, draft: str | None) -> tuple[str, str]:
         raise EngineError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     if method in DRAFT_METHODS:
         if draft == "none":
-            raise EngineError(f"--method {method} needs a draft: pass --draft PATH (an eyas draft folder), 'default' "
-                              "or 'random' (untrained: the plumbing, not the speed), or use --method plain")
+            raise draft_needed(method)
         return method, draft or "default"
     if draft not in (None, "none"):
         raise EngineError(f"--method {method} decodes without a draft, but --draft {draft} was given: drop --draft "

@@ -15,7 +15,7 @@ from ..target.load import Target
 if TYPE_CHECKING:
     from ..native.quant import NativeWeights
 from ..target.capture import decoder_parts
-from ..target.family import SUPPORTED_MOE, ModelError
+from ..target.family import SUPPORTED_MOE, ModelError, text_config
 from .forward import TargetModel, check_family
 from .params import WEIGHTS  # re-exported: stated in params, which the CLI imports without torch
 
@@ -74,7 +74,7 @@ def native_weights(target: Target, act: str = "q8") -> NativeWeights:
     cached = target.native_cache if target.native_cache is not None and target.native_cache.act == act else None
     if cached is None:
         check_family(target.model)
-        cfg = getattr(target.model.config, "text_config", None) or target.model.config
+        cfg = text_config(target.model.config)
         heads = int(cfg.num_attention_heads)
         kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
         cached = load_native(target.gguf, decoder_parts(target.model)[1], target.model.get_output_embeddings(),

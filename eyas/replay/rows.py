@@ -277,9 +277,9 @@ def cached_rows_eyas(target, prompts: list[list[int]], max_new_tokens: int, stre
     import hashlib
 
     from ..files import cache_dir
-    from ..target.family import engine_covers
+    from ..target.family import engine_covers, text_config
 
-    family = getattr(getattr(target.config, "text_config", None) or target.config, "model_type", None)
+    family = getattr(text_config(target.config), "model_type", None)
     if not engine_covers(family):
         raise ReplayError(f"eyas's engine does not run the {family!r} family, so it cannot capture replay rows "
                           "itself: capture them where the target runs (`eyas replay capture --engine vllm --out "

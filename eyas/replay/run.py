@@ -21,6 +21,7 @@ import torch
 
 from ..draft import DraftCheckpoint, load_draft
 from ..engine.params import SamplingParams, SpecParams, TreeSettings
+from ..target.family import text_config
 from ..target.load import Target, input_embeddings
 from .recorded import RecordedModel
 from .rows import ReplayError, ReplayRows
@@ -98,7 +99,7 @@ def replay(rows: ReplayRows, target: Target, draft: str | DraftCheckpoint, spec:
     rows.check_streams(list(ck.layout.aux_indices), f"a draft on stream indices {ck.layout.aux_indices}")
     from ..engine.load import EngineParts, make_engine
 
-    cfg = getattr(target.config, "text_config", None) or target.config
+    cfg = text_config(target.config)
     model = RecordedModel(rows, cfg, input_embeddings(target), device)
     eng = make_engine(EngineParts(target, ck, None), copy.deepcopy(spec), model=model)
     eng.eos = set(rows.eos)

@@ -30,52 +30,12 @@ from ..target.template import raw_ids
 from . import bounds
 from . import openai_schema as oai
 from .bounds import read_body
+from .config import PREFILL_CHUNK, ServeConfig
 from .metrics import CountRequests, Metrics
 from .openai_schema import APIError, GenRequest
-from .worker import MAX_LONG_PROMPTS, PREFILL_CHUNK, Job, Worker
+from .worker import Job, Worker
 
 log = logging.getLogger("eyas.server")
-API_KEY_ENV = "EYAS_API_KEY"
-
-
-class ServeError(EyasError):
-    pass
-
-
-# a short request waits about one chunk of a long prompt's prefill for its first token; each chunk is one
-# forward, so tiny chunks multiply the long prompt's forwards (PREFILL_CHUNK, the default, is the worker's)
-MIN_PREFILL_CHUNK = 16
-
-
-@dataclass
-class ServeConfig:
-    model_name: str
-    api_key: str | None = None
-    max_prompt_tokens: int = 4096
-    max_new_tokens: int = 1024
-    context_length: int | None = None  # the target's position limit: prompt + completion must fit
-    # prompt tokens per prefill forward: other requests start between a long prompt's chunks (0: whole prompts)
-    prefill_chunk: int = PREFILL_CHUNK
-    # prompts longer than one chunk held at once (running or waiting to start); the next gets a 503 + Retry-After
-    max_long_prompts: int = MAX_LONG_PROMPTS
-
-    def check(self) -> None:
-        if self.max_prompt_tokens < 1:
-            raise ServeError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.prefill_chunk != 0 and self.prefill_chunk < MIN_PREFILL_CHUNK:
-            raise ServeError(f"--prefill-chunk must be >= {MIN_PREFILL_CHUNK} tokens (or 0: whole prompts), got "
-                             f"{self.prefill_chunk}; smaller chunks add a forward per few tokens for no fairness "
-                             f"gain. The default is {PREFILL_CHUNK}")
-        if self.max_long_prompts < 1:
-            raise ServeError(f"--max-long-prompts must be >= 1, got {self.max_long_prompts}; it is how many prompts "
-                             f"longer than one prefill chunk the server interleaves at once (default "
-                             f"{MAX_LONG_PROMPTS})")
-        if self.max_new_tokens < 1:
-            raise ServeError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.model_name:
-            raise ServeError("--model-name must not be empty")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ServeError(f"the API key (--api-key or ${API_KEY_ENV}) is empty; set a real key or leave it unset")
 
 
 # ---- the app -------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ from fastapi import FastAPI
 
 from ..engine.decode import Engine
 from ..engine.load import EngineOptions, EngineUse, load_engine
+from ..target.family import text_config
 from ..target.load import Target
 from ..target.template import draft_template_warning
-from .app import API_KEY_ENV, ServeConfig
 from .bounds import server_limits
+from .config import API_KEY_ENV, ServeConfig
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
 
 
 def context_length_of(target: Any) -> int | None:
-    cfg = getattr(target.model.config, "text_config", None) or target.model.config
+    cfg = text_config(target.model.config)
     n = getattr(cfg, "max_position_embeddings", None)
     return int(n) if n else None
 

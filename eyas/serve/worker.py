@@ -35,12 +35,11 @@ from typing import Any
 
 from ..engine.params import EngineError
 from ..text import TextStream
+from .config import MAX_LONG_PROMPTS, PREFILL_CHUNK
 from .metrics import Metrics
 from .openai_schema import APIError
 
 log = logging.getLogger("eyas.server")
-PREFILL_CHUNK = 256  # prompt tokens per prefill forward (the server's default); a longer prompt is a long one
-MAX_LONG_PROMPTS = 8  # long prompts held at once (eyas serve --max-long-prompts); the next gets a 503
 MAX_SHORT_RUNNING = 4  # short-prompt jobs started at once (each holds its own KV cache); more wait in order
 
 

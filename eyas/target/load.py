@@ -14,10 +14,11 @@ from torch import nn
 
 from ..files import cache_dir, read_json
 from ..layout import Layout, TargetIdentity
+from ..option import DEFAULT_TARGET
 from .capture import decoder_parts
 from .convert import convert_gguf, file_fingerprint
 from .device import parse_dtype, resolve_device
-from .family import BUNDLED, DEFAULT_TARGET, TargetError, gguf_of, hf_folder, read_config
+from .family import BUNDLED, TargetError, gguf_of, hf_folder, read_config, text_config
 from .gguf_config import gguf_overrides, overrides_hold
 from .offline import hub_offline
 
@@ -150,7 +151,7 @@ def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: st
 
 def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIdentity:
     cfg = model.config
-    cfg = getattr(cfg, "text_config", None) or cfg
+    cfg = text_config(cfg)
     return TargetIdentity(
         architecture=(model.config.architectures or [type(model).__name__])[0],
         model_type=cfg.model_type,

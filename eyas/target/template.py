@@ -146,14 +146,12 @@ def peek_template(spec: str) -> str | None | object:
     a GGUF's `tokenizer.chat_template`, a HF folder's chat_template.jinja/.json or tokenizer_config.json.
     Returns None when it has none, _UNKNOWN when the files cannot tell (the post-load check decides)."""
     from ..native.gguf_file import read_gguf_metadata
-    from .family import BUNDLED, bundled_gguf
+    from .family import gguf_of
 
     try:
-        if spec in BUNDLED or spec.endswith(".gguf"):
-            path = bundled_gguf(spec) if spec in BUNDLED else Path(spec)
-            if not path.is_file():
-                return _UNKNOWN  # load_target names the missing file
-            return read_gguf_metadata(path, {"tokenizer.chat_template"}).get("tokenizer.chat_template")
+        gguf = gguf_of(spec)  # a missing file raises TargetError: _UNKNOWN below, load_target names it
+        if gguf is not None:
+            return read_gguf_metadata(gguf, {"tokenizer.chat_template"}).get("tokenizer.chat_template")
         folder = Path(spec)
         if not (folder / "tokenizer_config.json").is_file():
             return _UNKNOWN

@@ -137,7 +137,7 @@ def main() -> None:
         plain = {k: v for k, v in args.items() if k not in ("speculative_config", "kv_transfer_config")}
         gen = LLM(**plain)
     cfg = llm.llm_engine.model_config.hf_config
-    text_cfg = getattr(cfg, "text_config", None) or cfg
+    text_cfg = getattr(cfg, "text_config", None) or cfg  # eyas.target.family.text_config's rule (no eyas here)
     reply({"ready": True, "vllm": __version__, "device": "cpu" if cpu else "cuda",
            "generator": "separate" if separate else "shared", "load_seconds":
            round(time.perf_counter() - t0, 1), "num_layers": int(text_cfg.num_hidden_layers),
