@@ -31,7 +31,7 @@ list to the files.
   interop  eyas/interop: formats, export, importer -- import asks probe's layout inference
   bench    eyas/bench: config, prompts, load, methods, rows, outdir, environment, render, run, sweep, vllm_peer,
            llama_c -- peers on the engine
-  serve    eyas/serve: openai_schema, bounds, metrics, worker, app, launch -- same rank as bench; neither needs
+  serve    eyas/serve: config, openai_schema, bounds, metrics, worker, app, launch -- same rank as bench; neither needs
            the other
   recipe   eyas/: recipe -- data -> train -> bench -> ship
   cli      eyas/cli: common, data, decode, doctor, inspect, interop, recipe, replay, train -- every command (and
