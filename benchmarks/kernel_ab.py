@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from eyas.native.build import compile_library
-from eyas.native.kernels import _FLAGS, _HEADERS, _SOURCES, _compiler, pack_q4
+from eyas.native.build import compile_library, compiler
+from eyas.native.kernels import FLAGS, HEADERS, SOURCES, pack_q4
 
 
 def load(sources: list[Path], out: Path) -> ctypes.CDLL:
     """Build `sources` into `out` and bind the 4-bit matmul."""
-    compile_library(_compiler(), _FLAGS, sources, out)
+    compile_library(compiler(), FLAGS, sources, out)
     so = ctypes.CDLL(str(out))
     p, i32 = ctypes.c_void_p, ctypes.c_int
     so.eyas_q4_matmul_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
@@ -58,12 +58,12 @@ def b_sources(a: argparse.Namespace, tmp: Path) -> Path:
                 if m.isfile() and m.name.endswith((".c", ".h")):
                     (b / Path(m.name).name).write_bytes(t.extractfile(m).read())
         return b
-    for f in (*_SOURCES, *_HEADERS):
+    for f in (*SOURCES, *HEADERS):
         shutil.copy(f, b / f.name)
     variant = Path(a.b)
     if not (b / variant.name).exists():
         raise SystemExit(f"--b {variant}: name it after the kernel file it replaces "
-                         f"({', '.join(f.name for f in _SOURCES)})")
+                         f"({', '.join(f.name for f in SOURCES)})")
     shutil.copy(variant, b / variant.name)
     return b
 
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--cold-mb", type=float, default=0.0, help="cycle over distinct matrices totalling this much")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="eyas-ab-"))
-    libs = {"A": load(list(_SOURCES), tmp / "a.so"), "B": load(sorted(b_sources(a, tmp).glob("*.c")), tmp / "b.so")}
+    libs = {"A": load(list(SOURCES), tmp / "a.so"), "B": load(sorted(b_sources(a, tmp).glob("*.c")), tmp / "b.so")}
     torch.manual_seed(0)
     n, k = a.n, a.k
     d = torch.rand(n, k // 32) * 0.01

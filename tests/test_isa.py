@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from eyas.native import kernels
+from eyas.native.build import compiler
 
 ALL = ("portable", "avx2", "avx512vnni")
 
@@ -163,7 +164,7 @@ def test_a_build_without_x86_variants_runs_the_portable_path_alone(tmp_path, res
     import ctypes
 
     so = tmp_path / "portable_only.so"
-    cmd = [kernels._compiler(), *kernels._FLAGS, "-DEYAS_PORTABLE_ONLY", *map(str, kernels._SOURCES), "-o", str(so),
+    cmd = [compiler(), *kernels.FLAGS, "-DEYAS_PORTABLE_ONLY", *map(str, kernels.SOURCES), "-o", str(so),
            "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr

@@ -24,26 +24,25 @@ __all__ = ["KernelError"]
 
 _DIR = Path(__file__).parent
 # one shared library from these files, one concern each (kernels.h says which); kernels.h holds what they share
-_SOURCES = tuple(_DIR / f for f in ("attention.c", "layer_ops.c", "matmul_head.c", "matmul_q4.c", "matmul_q8.c",
+SOURCES = tuple(_DIR / f for f in ("attention.c", "layer_ops.c", "matmul_head.c", "matmul_q4.c", "matmul_q8.c",
                                     "q4_layers.c", "draft_layer.c", "isa.c"))
-_HEADERS = (_DIR / "kernels.h",)
+HEADERS = (_DIR / "kernels.h",)
 # no -march: the library runs on any CPU of its architecture and picks its instruction-set variant at run time
 # (isa.c); -ffp-contract=off keeps every variant's float operations those the C spells out (same bits on each)
-_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_compiler = _build.compiler
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 @cache
 def lib() -> ctypes.CDLL:
     """The kernel library: built or taken from the verified cache, every entry point declared and the argument
     structs compared with the library's (boundary.declare)."""
-    so, _ = _build.cached_library(_compiler(), (*_SOURCES, *_HEADERS), _FLAGS)
+    so, _ = _build.cached_library(_build.compiler(), (*SOURCES, *HEADERS), FLAGS)
     return _isa_from_env(bd.declare(so))
 
 
 def library_key() -> dict[str, str]:
     """The kernel library's cache key (build.cache_key): what a record about this library is filed under."""
-    return _build.cache_key(_compiler(), (*_SOURCES, *_HEADERS), _FLAGS)
+    return _build.cache_key(_build.compiler(), (*SOURCES, *HEADERS), FLAGS)
 
 
 # ---- instruction-set variants (isa.c): the best the CPU has, or $EYAS_ISA ----------------------------------------
