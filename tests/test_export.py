@@ -723,7 +723,8 @@ def test_speculators_verifier_is_portable(tmp_path, smollm2):
 
 def test_import_reads_eagle_aux_layer_semantics():
     """A vLLM config whose top-level ids are marked "sglang" (vLLM adds 1) means output-of ids."""
-    from eyas.conventions import id_readings, read_ids
+    from eyas.conventions import read_ids
+    from eyas.id_readings import id_readings
 
     found = read_ids({"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "eagle_aux_layer_semantics": "sglang"})
     r = id_readings(found, "vllm", 30, explicit_format=False)

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from ..conventions import default_aux_indices, engine_views, to_engine_ids
+from ..conventions import default_aux_indices, to_engine_ids
 from ..draft import DraftCheckpoint, check_draft_for_target, draft_misfit
+from ..engine_views import engine_views
 from ..errors import LayoutError
 from ..probe import (
     EvalSample,

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..conventions import config_fix, engine_views
 from ..draft import DraftCheckpoint
+from ..engine_views import config_fix, engine_views
 from ..layout import layout_diff
 from ..metadata import DRAFT_CONFIG, read_metadata
 from ..probe import FINAL_ONLY

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ..conventions import config_fix, default_aux_indices, engine_views, off_by_one_note
+from ..conventions import default_aux_indices
+from ..engine_views import config_fix, engine_views, off_by_one_note
 from ..engines import NORM_KEYS, EngineRow, canonical, draft_sizes, flag, loader_misfit, num_aux
 from .checklist import Check
 from .draft_dir import DraftInfo

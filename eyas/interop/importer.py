@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from .. import __version__
-from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, Readings, from_engine_ids, id_readings, read_ids
+from ..conventions import ID_CONVENTIONS, IMPORT_FORMATS, IdsFound, from_engine_ids, read_ids
 from ..draft import MANIFEST, DraftCheckpoint, DraftConfig, Eagle3Draft, load_draft, save_draft
 from ..files import check_file, note_unverified, portable_command
+from ..id_readings import Readings, id_readings
 from ..layout import Layout, LayoutError
 from ..metadata import DRAFT_CONFIG, EXPORT_MANIFEST, read_metadata
 from ..probe import infer_layout, layout_candidates

@@ -1,5 +1,5 @@
 """The streams a server feeds the draft when it loads an export folder: its config.json read as that engine's
-release reads it on the target's architecture (eyas.conventions.engine_views, eyas/aux_rules.py), so a replay can
+release reads it on the target's architecture (eyas.engine_views.engine_views, eyas/aux_rules.py), so a replay can
 predict the τ of the export as served, a wrong id mapping included, before any server starts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..aux_rules import rules_for
-from ..conventions import engine_views
+from ..engine_views import engine_views
 from ..metadata import DRAFT_CONFIG, read_metadata
 from .rows import ReplayError
 
