@@ -234,7 +234,8 @@ EXPORT_MANIFEST = Schema("export manifest", (
     obj("draft_config", *DRAFT_SHAPE.fields), text("dtype"), text("source_draft", nullable=True),
     text("source_manifest_sha256", nullable=True), text("target_source", nullable=True),
     ints("source_layout_order", 0, LAYERS, nullable=True), text("serving_target", nullable=True),
-    text("verifier", nullable=True),
+    obj("verifier", text("name_or_path", nullable=True), text("fingerprint", nullable=True),
+        text("target_source", nullable=True), nullable=True),
     obj("launch", text("command"), whole("steps", 1), whole("topk", 1), whole("draft_tokens", 1, nullable=True)),
     obj("engine_versions", each=text("", nullable=True)), text("eyas_version"), COMMANDS))
 TRAINER_STATE = Schema("trainer state", (
