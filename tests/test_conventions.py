@@ -10,7 +10,6 @@ from eyas.conventions import (
     default_aux_indices,
     default_ids,
     engine_ids_table,
-    engine_views,
     from_engine_ids,
     read_ids,
     sglang_config_ids,
@@ -18,6 +17,7 @@ from eyas.conventions import (
     to_engine_ids,
     vllm_config_ids,
 )
+from eyas.engine_views import engine_views
 from eyas.errors import LayoutError
 
 L = 30  # SmolLM2-135M: the EAGLE-3 default is stream [2, 15, 27]

@@ -26,7 +26,8 @@ def draft_dir(tmp_path, config: dict | None = None, layout=(2, 15, 27), manifest
         (d / "eyas_manifest.json").write_text(json.dumps({
             "kind": "eyas-draft", "layout": {"convention": "eyas-stream-v1", "aux_indices": list(layout),
                                              "target": {"num_layers": L, "hidden_size": 576, "model_type": "llama",
-                                                        "vocab_size": cfg.get("vocab_size", 32), "fingerprint": "sha256:0",
+                                                        "vocab_size": cfg.get("vocab_size", 32),
+                                                        "fingerprint": "sha256:0",
                                                         **({"architecture": arch} if arch else {})}}}))
     return d
 
