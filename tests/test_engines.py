@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from eyas.doctor.flags import FlagsError, lint_serve_command
+from eyas.doctor.flags import lint_serve_command
+from eyas.doctor.launch_command import FlagsError
 from eyas.draft import load_draft
 from eyas.engines import TABLE, engine_row, loader_misfit, parse_version
 from eyas.interop.export import ExportError, export_draft

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eyas.doctor.flags import FlagsError, lint_serve_command, parse_serve_command
+from eyas.doctor.flags import lint_serve_command
+from eyas.doctor.launch_command import FlagsError, parse_serve_command
 from eyas.engine_views import engine_views
 
 L = 30  # a SmolLM2-sized target: the EAGLE-3 default is stream [2, 15, 27] = SGLang ids [1, 14, 26]

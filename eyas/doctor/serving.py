@@ -246,7 +246,8 @@ def flags_checks(command: list[str] | None, export: Path | None, k: int | None, 
                  ) -> tuple[list[Check], str | None]:
     """doctor flags on the launch command (its --speculative-config model is the export) or, with --export alone,
     on the export's config as vLLM would read it; -> (checks, the first failure's summary)."""
-    from .flags import FlagsError, lint_serve_command, parse_serve_command
+    from .flags import lint_serve_command
+    from .launch_command import FlagsError, parse_serve_command
 
     if not command and export is None:
         return [], None

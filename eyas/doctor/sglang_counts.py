@@ -75,7 +75,7 @@ def _asked(command: list[str] | None, given: str | None) -> tuple[tuple[int, int
         return _runs(*v), f"--sglang {given}"
     if not command:
         return None
-    from .flags import FlagsError, parse_serve_command
+    from .launch_command import FlagsError, parse_serve_command
 
     try:
         cmd = parse_serve_command(command)
