@@ -25,8 +25,8 @@ list to the files.
   train    eyas/train: config, sources, checkpoint, ttt, step, prepare, progress, loop -- reads shards
   probe    eyas/probe: samples, streams, scoring, candidates, ranking, inference -- layout inference (the draft's
            scores come from train's ttt)
-  doctor   eyas/doctor: checklist, checks, features, head, identity, draft_dir, traps, launch_command, flags, seal, server,
-           serving, sglang_counts, trace, aux_probe, installed --
+  doctor   eyas/doctor: checklist, checks, features, head, identity, draft_dir, traps, launch_command, flags, seal,
+           server, serving, sglang_counts, trace, aux_probe, installed --
            measured with probe; flags lint; the serving check; the served streams of a live SGLang
   interop  eyas/interop: formats, export, importer -- import asks probe's layout inference
   bench    eyas/bench: config, prompts, load, methods, rows, outdir, environment, render, run, sweep, vllm_peer,
