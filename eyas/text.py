@@ -1,4 +1,4 @@
-"""Text in and out: integer lists typed on the command line, and stop strings in decoded text.
+"""Text in and out: integer lists typed on the command line, stop strings in decoded text, and time spans.
 
 Stop strings follow one rule everywhere (the engine, the server's streams, `eyas generate`): generation
 ends at the first token whose decoded text (special tokens skipped) contains a stop string, and the text
@@ -125,3 +125,12 @@ class TextStream:
         text = self._decode(self.ids)
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta
+
+
+def duration(seconds: float) -> str:
+    """A time span as a person reads it: '45 s', '12 min', '3.4 h'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -357,6 +357,25 @@ def test_num_extends_a_run(tmp_path, tiny_dir, conv_file):
     assert "nothing to do" in logs[0] and m2["shards"] == m["shards"]
 
 
+def test_the_first_committed_chunk_estimates_the_rest(tmp_path, tiny_dir, conv_file):
+    """Once the first chunk of a run is committed, one line says how long the remaining conversations take at the
+    rate measured so far; a run that one chunk completes says nothing of the kind."""
+    logs: list[str] = []
+    run_datagen(_cfg(tmp_path / "out", tiny_dir, conv_file, num=10), command="a", progress=False, log=logs.append)
+    said = [line for line in logs if "take about" in line]
+    assert len(said) == 1 and "4 of 10 conversations committed" in said[0] and "remaining 6" in said[0], logs
+    assert "rerun the same command to resume" in said[0]
+    logs.clear()
+    run_datagen(_cfg(tmp_path / "small", tiny_dir, conv_file, num=4), command="a", progress=False, log=logs.append)
+    assert not [line for line in logs if "take about" in line], logs
+
+
+def test_duration_reads_as_a_person_would():
+    from eyas.text import duration
+
+    assert [duration(s) for s in (45, 600, 12_600)] == ["45 s", "10 min", "3.5 h"]
+
+
 def test_rows_that_are_not_utf8_are_skipped_listed_and_said(tmp_path, tiny_dir):
     """Two rows with bytes that are not UTF-8 (ids 2 and 9): skipped, counted, their ids listed in the manifest
     across a resume (no duplicate) and named in the summary; the other rows are captured as usual."""

@@ -26,6 +26,7 @@ from ..layout import Layout, LayoutError
 from ..target.device import parse_dtype
 from ..target.load import Target
 from ..target.open import TargetChoice
+from ..text import duration
 from ..vllm.env import vllm_python, vllm_version
 from ..vllm.session import VllmSession, aux_ids
 from .capture import NormAccumulator, capture_samples
@@ -137,6 +138,7 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
                desc="datagen", file=sys.stderr, bar_format=BAR_FORMAT if cfg.num is not None else None)
     m["complete"] = False
     run_t0, run_tokens, base_tokens = time.perf_counter(), 0, counts["tokens"]
+    run_convs, estimated = 0, False
 
     def postfix(phase: str) -> None:  # tokens captured so far (committed or not) and this run's rate
         dt = time.perf_counter() - run_t0
@@ -192,6 +194,18 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
                      complete=exhausted or (cfg.num is not None and counts["conversations"] >= cfg.num))
             m["commits"].append(commit_state(m))
             atomic_write_json(out / MANIFEST, m)
+            run_convs += len(convs)
+            if not estimated and not m["complete"] and cfg.num is not None:
+                estimated = True  # once, from this run's first committed chunk: how long the rest will take
+                rate = (time.perf_counter() - run_t0) / max(run_convs, 1)
+                line = (f"datagen: {counts['conversations']} of {cfg.num} conversations committed; at "
+                        f"{rate:.1f} s each the remaining {cfg.num - counts['conversations']} take about "
+                        f"{duration(rate * (cfg.num - counts['conversations']))} (Ctrl-C keeps what is committed; "
+                        "rerun the same command to resume)")
+                if progress:
+                    bar.write(line, file=sys.stderr)  # above the bar, which stays on its line
+                else:
+                    log(line)
     finally:
         bar.close()
     if not m["complete"]:  # the source ended exactly at a chunk boundary
