@@ -227,7 +227,7 @@ CHECKPOINT_MANIFEST = Schema("checkpoint manifest", (
     obj("draft_vocab", *DRAFT_VOCAB, required=True), obj("data", *DATA, required=True)), rules=(_draft_rules,))
 EXPORT_MANIFEST = Schema("export manifest", (
     text("kind", required=True), FORMAT_VERSION, text("format", choices=("sglang", "vllm", "speculators")), FILES,
-    obj("layout", *LAYOUT_FIELDS), obj("engine_ids", each=ints("", 0, LAYERS)),
+    obj("layout", *LAYOUT_FIELDS), obj("engine_ids", each=Field("", "value")),  # an engine's ids, or why it has none
     obj("ids_in_config", ints("eagle_aux_hidden_state_layer_ids", -1, LAYERS, nullable=True),
         ints("eagle_config.eagle_aux_hidden_state_layer_ids", -1, LAYERS, nullable=True),
         text("eagle_aux_layer_semantics", nullable=True)),

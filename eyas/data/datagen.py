@@ -117,6 +117,27 @@ def run_datagen(cfg: DatagenConfig, command: str | None = None, log: Callable[[s
         lock.close()
 
 
+def count_chunk(counts: Counter[str], stats: Counter[str], rows: int, convs: int, samples: list[Any],
+                entries: list[dict[str, Any]], seconds: float) -> None:
+    """Add a committed chunk to the folder's counts (the manifest's `counts`)."""
+    counts.update(stats)
+    counts["rows"] += rows
+    counts["conversations"] += convs
+    counts["samples"] += len(samples)
+    counts["tokens"] += sum(len(s) for s in samples)
+    counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
+    counts["bytes"] += sum(e["bytes"] for e in entries)
+    counts["seconds"] = round(counts["seconds"] + seconds, 3)
+
+
+def rest_estimate(done: int, num: int, seconds: float, run_convs: int) -> str:
+    """How long the remaining conversations of a --num run take at this run's rate so far."""
+    rate = seconds / max(run_convs, 1)
+    return (f"datagen: {done} of {num} conversations committed; at {rate:.1f} s each the remaining {num - done} "
+            f"take about {duration(rate * (num - done))} (Ctrl-C keeps what is committed; rerun the same command to "
+            "resume)")
+
+
 def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str, Any], out: Path,
                 log: Callable[[str], None], progress: bool) -> None:
     from tqdm import tqdm
@@ -178,14 +199,7 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
             entries = write_chunk_shards(out, len(m["shards"]), samples, cfg.shard_tokens, store_dtype)
             # commit: every row up to last_row is now in a shard or counted as skipped
             m["shards"].extend(entries)
-            counts.update(stats)
-            counts["rows"] += loader_rows
-            counts["conversations"] += len(convs)
-            counts["samples"] += len(samples)
-            counts["tokens"] += sum(len(s) for s in samples)
-            counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
-            counts["bytes"] += sum(e["bytes"] for e in entries)
-            counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)
+            count_chunk(counts, stats, loader_rows, len(convs), samples, entries, time.perf_counter() - t0)
             skipped.update(skips)
             list_skipped_rows(m, listed)
             layout.norms = norms.means()
@@ -196,16 +210,9 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
             atomic_write_json(out / MANIFEST, m)
             run_convs += len(convs)
             if not estimated and not m["complete"] and cfg.num is not None:
-                estimated = True  # once, from this run's first committed chunk: how long the rest will take
-                rate = (time.perf_counter() - run_t0) / max(run_convs, 1)
-                line = (f"datagen: {counts['conversations']} of {cfg.num} conversations committed; at "
-                        f"{rate:.1f} s each the remaining {cfg.num - counts['conversations']} take about "
-                        f"{duration(rate * (cfg.num - counts['conversations']))} (Ctrl-C keeps what is committed; "
-                        "rerun the same command to resume)")
-                if progress:
-                    bar.write(line, file=sys.stderr)  # above the bar, which stays on its line
-                else:
-                    log(line)
+                estimated = True  # once, from this run's first committed chunk
+                line = rest_estimate(counts["conversations"], cfg.num, time.perf_counter() - run_t0, run_convs)
+                bar.write(line, file=sys.stderr) if progress else log(line)  # above the bar, which keeps its line
     finally:
         bar.close()
     if not m["complete"]:  # the source ended exactly at a chunk boundary
