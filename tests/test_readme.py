@@ -28,17 +28,15 @@ BLOCK = re.compile(r"<!-- test: ([\w-]+) -->\s*\n```(\w+)\n(.*?)\n```", re.S)
 README_PORT = "8000"
 SERVE_WAIT_S = 900  # loading the target and building the kernels on a loaded 2-core machine
 
-# Tiny sizes for the train chain: (flag, value or None for a bare flag). A flag the README gives is replaced,
-# one it does not give is added. 4 conversations of <= 256 tokens, 4 optimizer steps; the held-out split is the
-# README's default (5%: one of the 4 conversations).
+# The train chain runs with the README's own sizes; added are only what the test reads: no progress bars, and the
+# doctor's report as JSON. (flag, value or None for a bare flag); a flag the README gives is replaced.
 TRAIN_OVERRIDES: dict[str, list[tuple[str, str | None]]] = {
-    "datagen": [("--num", "4"), ("--max-len", "256"), ("--max-new-tokens", "32"), ("--threads", "1"),
-                ("--quiet", None)],
-    "train": [("--max-steps", "4"), ("--ttt-steps", "2"), ("--batch-tokens", "512"), ("--max-len", "256"),
-              ("--eval-every", "2"), ("--threads", "1"), ("--quiet", None)],
-    "doctor": [("--samples", "2"), ("--max-len", "128"), ("--json", None)],
+    "datagen": [("--quiet", None)],
+    "train": [("--quiet", None)],
+    "doctor": [("--json", None)],
     "export": [],
 }
+SIZE_FLAGS = ("--num", "--max-turns", "--max-new-tokens", "--max-len", "--max-steps", "--epochs", "--samples")
 
 
 def readme_blocks() -> dict[str, tuple[str, str]]:
@@ -196,6 +194,8 @@ def example3(tmp_path_factory) -> tuple[Path, dict[str, tuple[list[str], subproc
     target, chain = _train_chain(readme_blocks()["train"][1])
     assert target == "smollm2-135m", "the test runs the chain on the bundled target, as the README's block does"
     assert [argv[1] for argv in chain] == list(TRAIN_OVERRIDES), [argv[:2] for argv in chain]
+    for command, added in TRAIN_OVERRIDES.items():  # the README's sizes are what runs
+        assert not {flag for flag, _ in added} & set(SIZE_FLAGS), (command, added)
     results = {}
     for argv in chain:
         command = argv[1]
@@ -213,14 +213,16 @@ def test_readme_train_your_own_draft(example3):
     tmp_path, results = example3
     data = Path(tmp_path, results["datagen"][0][results["datagen"][0].index("--out") + 1])
     manifest = json.loads((data / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["counts"]["samples"] == 4
+    num = int(results["datagen"][0][results["datagen"][0].index("--num") + 1])
+    assert manifest["complete"] and manifest["counts"]["conversations"] == num, manifest["counts"]
 
     train_out = Path(tmp_path, results["train"][0][results["train"][0].index("--out") + 1])
     assert (train_out / "draft" / "model.safetensors").is_file()
     metrics = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines()]
-    assert metrics and metrics[-1]["step"] == 4
+    assert metrics and metrics[-1]["step"] > 0
     data_record = json.loads((train_out / "draft" / "eyas_manifest.json").read_text())["data"]
-    assert (data_record["train_samples"], data_record["heldout_samples"]) == (3, 1), data_record
+    assert data_record["train_samples"] + data_record["heldout_samples"] == manifest["counts"]["samples"]
+    assert data_record["heldout_samples"] >= 1, data_record
     assert "heldout_loss" in metrics[-1], metrics[-1]
 
     report = json.loads(results["doctor"][1].stdout)
