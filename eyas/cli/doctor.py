@@ -37,7 +37,8 @@ def doctor(
                                     "--data: sharegpt | ShareGPT/OpenAI JSON(L) path (default: the training source)"),
     samples: int = typer.Option(6, "--samples", help="samples to measure on"),
     max_len: int = typer.Option(384, "--max-len", help="tokens per sample at most"),
-    steps: int = typer.Option(None, "--steps", help="TTT steps of the accuracy check (default: the training run's)"),
+    steps: int = typer.Option(None, "--ttt-steps", help="TTT steps of the accuracy check (default: the training "
+                              "run's; eyas train's --ttt-steps)"),
     heldout_pct: float = typer.Option(None, "--heldout-pct", help="held-out split (default: the training run's)"),
     quick: bool = typer.Option(False, "--quick", help="identity and config checks only (no target forward)"),
     json_out: bool = typer.Option(False, "--json", help="emit JSON"),
