@@ -268,12 +268,13 @@ def test_progress_names_prompt_and_method(tmp_path, capsys):
 
     prompts = [BenchPrompt(f"p{i}", "c", [{"role": "user", "content": "x"}]) for i in range(3)]
     runners = {m: (lambda ids, n: Output([1, 2], 0.5, 3, "length")) for m in ("plain", "tree")}
-    rows = interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows.jsonl", {"p0"}, True, "bench")
+    earlier = [{"prompt": "p0", "method": m, "token_ids": [1, 2]} for m in runners]
+    rows = interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows.jsonl", earlier, True, "bench")
     err = capsys.readouterr().err
     assert len(rows) == 4
     assert "bench: prompt 2/3 (p1) plain: 2 tokens" in err and "bench: prompt 3/3 (p2) tree" in err
     assert "p0" not in err  # done by an earlier run (--resume)
-    interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows2.jsonl", set(), False, "bench")
+    interleave(prompts, [[1]] * 3, runners, "plain", 4, tmp_path / "rows2.jsonl", [], False, "bench")
     assert capsys.readouterr().err == ""
 
 

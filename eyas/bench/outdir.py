@@ -1,5 +1,5 @@
-"""The bench's results folder: a new one, or an earlier run's continued with --resume (whole prompts only, and
-only under the same settings)."""
+"""The bench's results folder: a new one, or an earlier run's continued with --resume (every finished
+prompt-method run is kept, and only under the same settings)."""
 
 from __future__ import annotations
 
@@ -26,20 +26,24 @@ def default_out(prefix: str = "bench") -> Path:
 
 
 def _load_rows(path: Path, methods: list[str]) -> list[dict[str, Any]]:
-    """Rows of prompts that finished every method; a torn last line (a kill mid-write) is dropped."""
-    rows = []
+    """Every finished prompt-method run of the methods asked (the unit a bench writes); a torn last line (a kill
+    mid-write) is dropped, and so is a run written twice."""
+    rows, seen = [], set()
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            r = json.loads(line)
         except json.JSONDecodeError:
             break
-    done = {p for p in {r["prompt"] for r in rows} if {r["method"] for r in rows if r["prompt"] == p} >= set(methods)}
-    return [r for r in rows if r["prompt"] in done]
+        key = (r.get("prompt"), r.get("method"))
+        if r.get("method") in methods and key not in seen:
+            seen.add(key)
+            rows.append(r)
+    return rows
 
 
 def prepare_out(cfg: BenchConfig, out: Path, target: Target, keys: tuple[str, ...] = RESUME_KEYS,
                  methods: list[str] | None = None) -> list[dict[str, Any]]:
-    """Create `out`, or continue it with --resume; returns the rows already done (whole prompts only)."""
+    """Create `out`, or continue it with --resume; returns the prompt-method runs already done."""
     rows_path, cfg_path = out / "rows.jsonl", out / "config.json"
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; expected a results folder (new, or an earlier run's to --resume)")
@@ -57,7 +61,7 @@ def prepare_out(cfg: BenchConfig, out: Path, target: Target, keys: tuple[str, ..
             raise BenchError(f"--resume {out}: the run there used other settings ({'; '.join(diff)}); "
                              "rerun with the same settings or choose another --out")
         rows = _load_rows(rows_path, methods or cfg.methods)
-        rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop partial prompts
+        rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop a torn line
         return rows
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(cfg_path, me)

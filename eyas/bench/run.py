@@ -32,7 +32,8 @@ import torch
 
 from ..draft import DraftCheckpoint
 from ..engine.ngram import describe_ngram
-from ..files import atomic_write_json
+from ..files import atomic_write_json, portable_command
+from ..interrupt import Interrupted, StoppedNow, stop_on_signals
 from ..target.load import Target
 from .config import BENCH_USE, ENGINE_METHODS, WARMUP_TOKENS, BenchConfig, BenchError, check_threads
 from .environment import draft_summary, environment
@@ -66,12 +67,14 @@ def say(progress: bool, msg: str) -> None:
 
 
 def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[str, Callable[..., Output]],
-               reference: str | None, max_new_tokens: int, rows_path: Path, done: set[str],
+               reference: str | None, max_new_tokens: int, rows_path: Path, done_rows: list[dict[str, Any]],
                progress: bool, what: str, repeat: str | None = None) -> list[dict[str, Any]]:
-    """Prompt by prompt, every runner on the prompt (the order rotates by one per prompt), lossless marks
-    against `reference`; each prompt's rows are appended to rows_path in one write (resume unit). `repeat` (plain)
-    runs a second time after the others: its row records that run's seconds and whether its tokens were the same,
-    so the run measures its own noise (eyas.bench.rows.repeat_spread).
+    """Prompt by prompt, every runner not in `done_rows` (an earlier run's, --resume) on the prompt (the order
+    rotates by one per prompt); each finished prompt-method run is appended to rows_path at once (the resume
+    unit), and once a prompt's runs are all there every row of it (earlier ones too) is marked lossless or not
+    against `reference`. Returns the new rows. `repeat` (plain) runs a second time after the others: its row
+    records that run's seconds and whether its tokens were the same, so the run measures its own noise
+    (eyas.bench.rows.repeat_spread).
 
     progress: on a terminal a live bar names the prompt (i/N) and the method running; when stderr is a file or a
     pipe (a logged run, where a live bar would print nothing until the end) one line per finished method run."""
@@ -79,39 +82,67 @@ def interleave(prompts: list[BenchPrompt], ids: list[list[int]], runners: dict[s
 
     names = list(runners)
     rows: list[dict[str, Any]] = []
-    todo = [i for i, p in enumerate(prompts) if p.id not in done]
+    earlier: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in done_rows:
+        earlier.setdefault(r["prompt"], {})[r["method"]] = r
+    todo = [i for i, p in enumerate(prompts) if set(names) - set(earlier.get(p.id, {}))]
     con = progress_console()
     live = progress and con.is_terminal
     lines = progress and not live
     first = len(prompts) - len(todo)  # prompts finished by an earlier run (--resume)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=con, disable=not live, transient=True) as bar:
-        task = bar.add_task(what, total=len(todo) * len(names))
+        task = bar.add_task(what, total=sum(len(set(names) - set(earlier.get(prompts[i].id, {}))) for i in todo))
         for n, i in enumerate(todo):
             p = prompts[i]
-            prow = {}
+            prow = dict(earlier.get(p.id, {}))
             where = f"{what}: prompt {first + n + 1}/{len(prompts)} ({p.id})"
             for m in names[n % len(names):] + names[:n % len(names)]:
+                if m in prow:
+                    continue
                 bar.update(task, description=f"{where} {m}")
-                prow[m] = make_row(p, m, runners[m](ids[i], max_new_tokens))
+                prow[m] = r = make_row(p, m, runners[m](ids[i], max_new_tokens))
                 bar.advance(task)
                 if lines:
-                    r = prow[m]
                     con.print(f"{where} {m}: {r['new_tokens']} tokens in {r['seconds']:.1f}s ({r['tok_s']:.1f} "
                               "tok/s)", markup=False, highlight=False)
-            if repeat in prow:
+                if m != repeat:  # the repeated run's row waits for its second run, after the others
+                    append_row(rows_path, r)
+                    rows.append(r)
+            if repeat in prow and "repeat_seconds" not in prow[repeat]:
+                r = prow[repeat]
                 bar.update(task, description=f"{where} {repeat} (again)")
                 again = runners[repeat](ids[i], max_new_tokens)
-                prow[repeat]["repeat_seconds"] = round(again.seconds, 6)
-                prow[repeat]["repeat_same"] = again.token_ids == prow[repeat]["token_ids"]
-            prow_list = [prow[m] for m in names]
-            mark_lossless(prow_list, reference)
-            with open(rows_path, "a") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in prow_list))
-                f.flush()
-                os.fsync(f.fileno())
-            rows += prow_list
+                r["repeat_seconds"] = round(again.seconds, 6)
+                r["repeat_same"] = again.token_ids == r["token_ids"]
+                append_row(rows_path, r)
+                rows.append(r)
+    for p in prompts:  # marks need every run of a prompt, earlier ones included, so they come last
+        runs = [r for r in (*earlier.get(p.id, {}).values(), *(r for r in rows if r["prompt"] == p.id))
+                if r["method"] in runners]
+        if {r["method"] for r in runs} >= set(names):
+            mark_lossless(runs, reference)
     return rows
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """One finished prompt-method run, on disk before the next starts (a kill loses at most the run going on)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def stopped_line(signal_name: str, out: Path) -> str:
+    """What a stopped bench kept, and the command that continues it in the same folder."""
+    rows = out / "rows.jsonl"
+    kept = sum(1 for line in rows.read_text().splitlines() if line.strip()) if rows.is_file() else 0
+    argv = sys.argv[1:]
+    more = ([] if "--out" in argv else ["--out", str(out)]) + ([] if "--resume" in argv else ["--resume"])
+    again = portable_command([*sys.argv[:1], *argv, *more])
+    return (f"eyas bench: stopped by {signal_name}; {kept} finished prompt-method runs are kept in {rows} (the run "
+            f"going on is redone). Continue with: {again}" + (f"  (make demo: make demo BENCH_ARGS=\"--out {out} "
+                                                               "--resume\")" if "--out" not in argv else ""))
 
 
 def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckpoint | None = None,
@@ -136,7 +167,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     ids = prompt_ids(target, prompts)
     out = Path(cfg.out) if cfg.out else default_out()
     done_rows = prepare_out(cfg, out, target)
-    done = {r["prompt"] for r in done_rows}
+    done = {r["prompt"] for r in done_rows}  # prompts with an earlier run (vLLM's phase: those with all its methods)
     runners = build_runners(cfg, target, draft, end_ids, ngram)
     # an optional peer that is not installed is skipped
     cfg.methods = [m for m in cfg.methods if m in runners or m in VLLM_METHODS]
@@ -149,11 +180,18 @@ def run_bench(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     for m, run in runners.items():  # warm-up: allocations, lazy init, kernel selection
         say(progress, f"bench: warm-up {m}")
         run(ids[0], min(cfg.max_new_tokens, WARMUP_TOKENS))
-    rows = done_rows + (interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl", done,
-                                   progress, "bench", "plain" if cfg.repeat_plain else None) if runners else [])
+    try:
+        with stop_on_signals("bench", at_once=True):
+            rows = done_rows + (interleave(prompts, ids, runners, reference, cfg.max_new_tokens, out / "rows.jsonl",
+                                           done_rows, progress, "bench", "plain" if cfg.repeat_plain else None)
+                                if runners else [])
+    except StoppedNow as stop:
+        raise Interrupted(stopped_line(stop.signal_name, out)) from None
     vllm_info = None
     if vllm_py is not None:
-        todo = [i for i, p in enumerate(prompts) if p.id not in done]
+        vdone = {p.id for p in prompts if {m for m in VLLM_METHODS if m in cfg.methods}
+                 <= {r["method"] for r in done_rows if r["prompt"] == p.id}}
+        todo = [i for i, p in enumerate(prompts) if p.id not in vdone]
         vouts, vllm_info = run_vllm_phase(cfg, vllm_py, target, draft, end_ids, prompts, ids, todo, out,
                                           lambda s: say(progress, s))
         vrows = [{**make_row(o["prompt"], o["method"], Output(o["token_ids"], o["seconds"], o["target_forwards"],

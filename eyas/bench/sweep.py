@@ -156,7 +156,7 @@ def run_sweep(cfg: BenchConfig, target: Target | None = None, draft: DraftCheckp
     labels = list(runners)
     done_rows = prepare_out(cfg, out, target, SWEEP_RESUME_KEYS, labels)
     rows = done_rows + interleave(prompts, ids, runners, "plain", cfg.max_new_tokens, out / "rows.jsonl",
-                                  {r["prompt"] for r in done_rows}, progress, "sweep")
+                                  done_rows, progress, "sweep")
     summ = summarize(rows, labels)["methods"]
     by_label = {setting_label(s): s for s in settings}
     table = [{**by_label[lab], "label": lab, **{k: v for k, v in summ[lab].items() if k != "speedup_vs_hf"}}
