@@ -266,9 +266,9 @@ def test_readme_replay(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_readme_example3_draft_is_served_by_the_launch_command_export_prints(example3, vllm_py):
-    """Example 3 to its end: the launch command its own export printed, for vLLM's CPU build, run with the vLLM
-    that `make vllm` builds, serves the draft the chain trained and answers a chat. Added for the test only: a
-    free port, and eager mode (vLLM's CPU torch.compile warm-up takes minutes)."""
+    """Example 3 to its end: the CPU-build launch its own export printed (vLLM's python, memory share, KV cache,
+    served name), run as printed but for a free port, serves the draft the chain trained and answers a chat sent
+    to the short model name."""
     import httpx
 
     from tests.test_doctor_serving import _stop, wait_up
@@ -278,25 +278,24 @@ def test_readme_example3_draft_is_served_by_the_launch_command_export_prints(exa
     assert "runs/my-train/draft" in argv, f"the export line should name the trained draft: {argv}"
     lines = [ln.strip() for ln in done.stdout.splitlines()]
     assert any(ln.startswith("vllm serve ") for ln in lines), done.stdout  # the command vLLM's own builds run
-    # and the form the CPU build runs (its `vllm` command does not start), with that environment's python
-    launch = next(ln for ln in lines if ln.startswith("python -m vllm.entrypoints.openai.api_server"))
-    serve = shlex.split(launch)
-    serve[0] = str(vllm_py)
+    launch = next(ln for ln in lines if ln.startswith("VLLM_CPU_KVCACHE_SPACE="))
+    assert f" {vllm_py} -m vllm.entrypoints.openai.api_server " in launch, launch  # the python that runs it here
+    assert " --port 8000 " in launch and " --served-model-name smollm2-135m " in launch, launch
     port = free_port()
     log = tmp_path / "vllm.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     with open(log, "w") as f:
-        p = subprocess.Popen([*serve, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-                              "--max-model-len", "1024"], cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+        p = subprocess.Popen(["bash", "-c", "exec " + launch.replace(" --port 8000 ", f" --port {port} ")],
+                             cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_up(p, url, log)
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "smollm2-135m"
         r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-            "model": model, "max_tokens": 8, "temperature": 0,
+            "model": "smollm2-135m", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "Name three colors."}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        serve = shlex.split(launch)
         spec = json.loads(serve[serve.index("--speculative-config") + 1])
         assert spec["method"] == "eagle3" and Path(spec["model"]).is_relative_to(tmp_path), spec  # the chain's draft
     finally:

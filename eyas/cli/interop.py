@@ -35,9 +35,11 @@ def export(
         LaunchParams,
         check_export_target,
         export_draft,
+        served_name,
         target_embeddings,
-        vllm_module_command,
+        vllm_cpu_command,
     )
+    from ..vllm.env import vllm_python_path
 
     with user_errors():
         ckpt = load_draft(draft)
@@ -66,10 +68,12 @@ def export(
         typer.echo(f"warning: {w}")
     typer.echo("launch:")
     typer.echo(f"  {res.launch}")
-    module = vllm_module_command(res.launch)
-    if module is not None:
-        typer.echo("or, with vLLM's CPU build (`make vllm`: its python, e.g. .venv-vllm/bin/python):")
-        typer.echo(f"  {module}")
+    py = vllm_python_path()
+    cpu = vllm_cpu_command(res.launch, str(py) if py is not None else "python", served_name(res.manifest))
+    if cpu is not None:
+        typer.echo("or, with vLLM's CPU build on this machine (" + (f"{py}" if py is not None else
+                   "`make vllm` builds it; its python") + ", sized to the memory free now):")
+        typer.echo(f"  {cpu}")
 
 
 def import_(

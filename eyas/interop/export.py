@@ -107,6 +107,51 @@ def vllm_module_command(launch: str) -> str | None:
     return f"python -m vllm.entrypoints.openai.api_server --model {target} {rest}".rstrip()
 
 
+# vLLM's CPU build: its KV cache is VLLM_CPU_KVCACHE_SPACE GiB of host memory, and it refuses to start when its
+# memory share (--gpu-memory-utilization, 0.92 by default, of all memory) exceeds what is free
+CPU_KV_GIB = 2
+CPU_MAX_MODEL_LEN = 2048
+
+
+def memory_share(meminfo: str) -> float | None:
+    """The --gpu-memory-utilization vLLM's CPU build can start with: what is free now, less a 1 GiB margin, as a
+    share of all memory, rounded down to 0.05 (at most 0.9); None when /proc/meminfo cannot tell."""
+    kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in meminfo.splitlines()) if v.strip()}
+    total, free = kib.get("MemTotal"), kib.get("MemAvailable")
+    if not total or free is None:
+        return None
+    share = min(0.9, (free - (1 << 20)) / total)
+    return max(0.05, int(share * 20) / 20)
+
+
+def vllm_cpu_command(launch: str, python: str, name: str, port: int = 8000, meminfo: str | None = None) -> str | None:
+    """`vllm serve T ...` as vLLM's CPU build starts it here: the module form (the build's `vllm` command fails
+    at start: it asks for the version of a package named vllm, installed as vllm-cpu), its python, float32 (its
+    CPU kernels), eager mode (no minutes of torch.compile), a KV cache and memory share that fit the memory free
+    now, the port and a short model name clients send. None for a command of another form."""
+    module = vllm_module_command(launch)
+    if module is None:
+        return None
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            meminfo = ""
+    share = memory_share(meminfo)
+    util = f" --gpu-memory-utilization {share:.2f}" if share is not None else ""
+    args = module.removeprefix("python ")
+    return (f"VLLM_CPU_KVCACHE_SPACE={CPU_KV_GIB} {python} {args} --served-model-name {name} --host 127.0.0.1 "
+            f"--port {port} --dtype float32 --max-model-len {CPU_MAX_MODEL_LEN}{util} --enforce-eager")
+
+
+def served_name(manifest: dict[str, Any]) -> str:
+    """The short model name a launch serves under (what clients send): the target's eyas name, or its file or
+    folder name, as one shell word."""
+    spec = str(manifest.get("target_source") or manifest.get("serving_target") or "target")
+    name = spec if "/" not in spec else Path(spec).name.removesuffix(".gguf")
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name) or "target"
+
+
 def launch_command(fmt: str, target: str, draft_dir: str, p: LaunchParams) -> str:
     # vLLM loads speculators-format drafts natively (vllm/transformers_utils/configs/speculators/)
     return sglang_command(target, draft_dir, p) if fmt == "sglang" else vllm_command(target, draft_dir, p)
