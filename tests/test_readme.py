@@ -285,7 +285,7 @@ def test_readme_example3_draft_is_served_by_the_launch_command_export_prints(exa
     log = tmp_path / "vllm.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     with open(log, "w") as f:
-        p = subprocess.Popen(["bash", "-c", "exec " + launch.replace(" --port 8000 ", f" --port {port} ")],
+        p = subprocess.Popen(["bash", "-c", launch.replace(" --port 8000 ", f" --port {port} ")],
                              cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
