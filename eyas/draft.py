@@ -308,14 +308,13 @@ def bundled_draft_path(name: str = "default") -> Path:
     return Path(__file__).parent / "assets" / "drafts" / name
 
 
-def load_draft(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> DraftCheckpoint:
-    """Load an eyas draft folder. Foreign (SGLang/vLLM/speculators) folders go through `eyas import`."""
-    p = Path(path)
-    if str(path) == "default":
-        p = bundled_draft_path()
+def draft_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """An eyas draft folder ('default': the bundled one) and its checked manifest, read without the weights: what
+    load_draft reads first, and what a command checks before its target loads."""
+    p = bundled_draft_path() if str(path) == "default" else Path(path)
     if not p.is_dir():
-        raise DraftError(f"draft {path!r} is not a folder")
+        raise DraftError(f"--draft {path}: no such folder; expected an eyas draft folder (from `eyas train` or "
+                         "`eyas import`), 'default', 'random' or 'none'")
     man_path = p / MANIFEST
     if not man_path.exists():
         raise DraftError(
@@ -324,6 +323,13 @@ def load_draft(path: str | Path, device: str | torch.device = "cpu",
     manifest = read_metadata(man_path, DRAFT_MANIFEST, DraftError, "the checkpoint is corrupt — re-export it")
     if manifest["kind"] != "eyas-draft":
         raise DraftError(f"{man_path}: kind is {manifest['kind']!r}, expected 'eyas-draft'")
+    return p, manifest
+
+
+def load_draft(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> DraftCheckpoint:
+    """Load an eyas draft folder. Foreign (SGLang/vLLM/speculators) folders go through `eyas import`."""
+    p, manifest = draft_folder(path)
     layout = Layout.from_dict(manifest["layout"])
     cfg = DraftConfig.from_dict(manifest["draft_config"])
     if cfg.num_aux != layout.num_aux:
@@ -423,12 +429,14 @@ def save_random_draft(target: Target, path: str | Path, draft_vocab: int = 8192,
 
 
 def check_default_draft(spec: str, instead: str = "--draft none with --method plain") -> None:
-    """Fail before any model loads when --draft default is asked for but not shipped; `instead` is the
-    command's own way to run without a draft."""
+    """Fail before any model loads when --draft names nothing to load: the bundled draft not shipped (`instead`
+    is the command's own way to run without a draft), or a path that is not an eyas draft folder."""
     if spec == "default" and not bundled_draft_path().is_dir():
         raise DraftError(f"the bundled draft ({bundled_draft_path()}) is not shipped in this install: pass --draft "
                          "PATH (an eyas draft folder, e.g. from `eyas train`), --draft random (untrained: the "
                          f"plumbing, not the speed) or {instead}")
+    if spec not in ("default", "random", "none"):
+        draft_folder(spec)
 
 
 def recorded_template(spec: str | None) -> dict[str, Any] | None:

@@ -135,3 +135,17 @@ def test_recipe_eval_and_bench_share_the_device_defaults():
         tree = bench_spec(cfg, "tree")
         assert (tree.depth, tree.topk, tree.tokens, tree.lookup, tree.min_prob) == \
             (d["depth"], d["topk"], d["tokens"], 0, d["min_prob"])
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["bench", "--methods", "plain,tree"]])
+def test_a_wrong_draft_path_is_refused_before_the_target_loads(tmp_path, command):
+    """The draft is checked before the target: with a target that does not exist either, the draft is named."""
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    not_a_draft = tmp_path / "plain-folder"
+    not_a_draft.mkdir()
+    for draft, said in ((tmp_path / "nope", "no such folder"), (not_a_draft, "has no eyas_manifest.json")):
+        r = CliRunner().invoke(app, [*command, "--target", str(tmp_path / "no-target"), "--draft", str(draft)])
+        assert r.exit_code == 2 and said in r.output and "no-target" not in r.output, r.output
