@@ -200,9 +200,10 @@ class Trainer:
                     self.log(stats, lr, report)
                     if self.due(cfg.eval_every) and (m := self.evaluate()) is not None:
                         self.last_eval = m
-                        report.table(m, f"step {self.at.step}/{self.total}  epoch {self.at.epoch}  train loss "
-                                        f"{m['train_loss']:.4f} (mean of the last {m.get('train_loss_steps', 1)} "
-                                        f"steps)  {m['tokens_per_s']:.0f} tok/s")
+                        if self.at.step < self.total:  # the last step's metrics print once, as the final table
+                            report.table(m, f"step {self.at.step}/{self.total}  epoch {self.at.epoch}  train "
+                                            f"loss {m['train_loss']:.4f} (mean of the last "
+                                            f"{m.get('train_loss_steps', 1)} steps)  {m['tokens_per_s']:.0f} tok/s")
                     saved = self.due(cfg.save_every)
                     if saved:
                         self.save()

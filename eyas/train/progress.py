@@ -38,14 +38,24 @@ def weighted_loss(per_step: list[float]) -> float:
 
 
 def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     evals = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()] \
         if metrics_path.exists() else []
     log = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()] if log_path.exists() else []
+    fig = curves_figure(evals, log)
+    atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def curves_figure(evals: list[dict[str, Any]], log: list[dict[str, Any]]) -> Any:
+    """curves.png's figure: the loss (train log and held-out) and the held-out accuracy per TTT step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     if log:
         a1.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.6, alpha=0.6, label="train loss")
@@ -54,16 +64,18 @@ def write_curves(metrics_path: Path, log_path: Path, png: Path) -> None:
                  label="held-out loss")
         for j in range(len(evals[0]["heldout_acc"])):
             a2.plot([e["step"] for e in evals], [e["heldout_acc"][j] for e in evals], "o-", ms=3, label=f"step {j}")
-    a1.set_xlabel("optimizer step")
-    a1.set_title("loss per step (sum over TTT steps of 0.8^j x soft CE), as the log and tables print it")
-    a1.legend()
-    a2.set_xlabel("optimizer step")
-    a2.set_title("held-out accuracy per TTT step")
+    # short titles (a long one ran into the other panel), whole-number steps at any run length, and a legend only
+    # where something was drawn (matplotlib warns for an empty one)
+    a1.set_title("loss (sum over TTT steps j of 0.8^j x soft CE)", fontsize=10)
+    a2.set_title("held-out accuracy per TTT step", fontsize=10)
     a2.set_ylim(0, 1)
-    a2.legend(fontsize=7)
+    for ax in (a1, a2):
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
+    return fig
 
 
 class Report:
