@@ -16,6 +16,16 @@ def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = bench_figure(results)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def bench_figure(results: dict[str, Any]) -> Any:
+    """bench.png's figure: tok/s with each method's speedup (hatched where within the run's own noise), τ, and
+    the busy-machine warning when the text report gives it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,10 +49,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(max(11.0, 1.5 * len(methods)), 4.8))
     bars = a.bar(ticks, toks, color=["#888888" if m in HF_METHODS + VLLM_METHODS else "#2a6fb0"
                                      for m in methods])
+    noise = results["summary"].get("noise")
     for bar, m in zip(bars, methods, strict=True):
         sp = summ[m].get(base)
-        a.annotate(fmt(sp, ".2f", "x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                   ha="center", va="bottom", fontsize=9)
+        # a speedup plain's own repeat spans is no measured difference: hatched, and said on the bar
+        vague = m != "plain" and within_noise(summ[m].get("speedup_vs_plain"), noise)
+        if vague:
+            bar.set_hatch("//")
+            bar.set_alpha(0.6)
+        a.annotate(fmt(sp, ".2f", "x") + ("\nwithin noise" if vague else ""),
+                   (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
     a.set_ylabel("tokens / s")
     a.set_title(f"throughput (speedup vs {'HF greedy' if base == 'speedup_vs_hf' else 'eyas plain'})")
     taus = [summ[m]["tau"] or 0.0 for m in methods]
@@ -62,9 +78,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{cfg['bench']} x{results['num_prompts']}, {cfg['max_new_tokens']} new tokens, "
                  f"{results['target']['name']} {weights_ran(results, env)} on {env['device']} ({env['threads']} "
                  f"threads){flag}", fontsize=10)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
+    busy = load_note(env)
+    if busy:  # the figure travels without the text report: the warning goes with it
+        fig.text(0.5, 0.005, busy.removeprefix("warning: "), ha="center", va="bottom", fontsize=8, color="#b35c00",
+                 wrap=True)
+    fig.tight_layout(rect=(0, 0.06 if busy else 0, 1, 1))
+    return fig
 
 
 def weights_ran(results: dict[str, Any], env: dict[str, Any]) -> str:
