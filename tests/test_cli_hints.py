@@ -36,3 +36,18 @@ def test_the_console_entry_point_prints_the_hint_in_one_line():
                        timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --port is an option of `eyas serve`, and a command's options go after it: eyas serve --port 8000"]
+
+
+def test_every_commands_help_is_flowing_text():
+    """Typer keeps a docstring's line breaks, which broke `eyas --help` descriptions mid-sentence."""
+    from eyas.cli import app
+
+    def commands(t):
+        yield from t.registered_commands
+        for g in t.registered_groups:
+            yield from commands(g.typer_instance)
+
+    helps = {(c.name or c.callback.__name__): c.help for c in commands(app)}
+    assert len(helps) > 15 and all(h and "\n" not in h for h in helps.values()), helps
+    r = CliRunner().invoke(app, ["--help"])
+    assert "tau, acceptance, draft" in " ".join(r.output.split()), r.output

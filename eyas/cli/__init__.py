@@ -42,6 +42,21 @@ app.command()(data.ngram)
 app.command()(recipe.recipe)
 
 
+def whole_sentences(t: typer.Typer) -> None:
+    """Each command's help as flowing text: typer keeps a docstring's line breaks, so `eyas --help` broke
+    descriptions mid-sentence where the source wraps them."""
+    for c in t.registered_commands:
+        text = c.help or (c.callback.__doc__ if c.callback else None)
+        if text:
+            c.help = " ".join(text.split())
+    for g in t.registered_groups:
+        if g.typer_instance is not None:
+            whole_sentences(g.typer_instance)
+
+
+whole_sentences(app)
+
+
 def misplaced(argv: list[str]) -> str | None:
     """The one-line hint for the two slips new users make most: a command's option before the command, and
     generate's prompt without --prompt (click would only say "No such option" / "unexpected extra argument")."""

@@ -126,8 +126,8 @@ def bench(
     quiet: bool = typer.Option(False, "--quiet", help="no progress (per prompt and method, on stderr)"),
     **given: Any,
 ) -> None:
-    """HF greedy, eyas plain/chain/tree and HF prompt lookup side by side: tok/s, speedup, tau, acceptance,
-    draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
+    """HF greedy and eyas plain, chain, tree and lookup side by side (with the peers asked for): tok/s, speedup, tau,
+    acceptance, draft overhead, lossless check; JSON + PNG in --out. --sweep searches steps/depth/topk/tokens."""
     from ..bench.config import SweepGrid, parse_int_list, parse_methods
     from ..bench.run import run_bench
     from ..bench.sweep import run_sweep
