@@ -95,6 +95,8 @@ class Metrics:
         for phase in ("prefill", "draft", "verify"):
             self.inc("eyas_spec_seconds_total", getattr(stats, f"{phase}_s"), phase=phase)
         for d, (a, p) in enumerate(zip(stats.accepted_per_depth, stats.proposed_per_depth, strict=False), start=1):
+            if not p and not self.get("eyas_spec_proposed_tokens_total", depth=str(d)):
+                continue  # a depth nothing was proposed at yet (the stats are sized for the deepest possible path)
             self.inc("eyas_spec_accepted_tokens_total", a, depth=str(d))
             self.inc("eyas_spec_proposed_tokens_total", p, depth=str(d))
             prop = self.get("eyas_spec_proposed_tokens_total", depth=str(d))
