@@ -354,7 +354,7 @@ def test_num_extends_a_run(tmp_path, tiny_dir, conv_file):
     assert ids == [0, 1, 2, 3, 4, 6, 7] and m["counts"]["conversations"] == 7 and m["commands"] == ["a", "b"]
     logs = []
     m2 = run_datagen(cfg, command="c", progress=False, log=logs.append)
-    assert "nothing to do" in logs[0] and m2["shards"] == m["shards"]
+    assert "resuming" in logs[0] and "nothing to do" in logs[1] and m2["shards"] == m["shards"]
 
 
 def test_the_first_committed_chunk_estimates_the_rest(tmp_path, tiny_dir, conv_file):
@@ -368,6 +368,14 @@ def test_the_first_committed_chunk_estimates_the_rest(tmp_path, tiny_dir, conv_f
     logs.clear()
     run_datagen(_cfg(tmp_path / "small", tiny_dir, conv_file, num=4), command="a", progress=False, log=logs.append)
     assert not [line for line in logs if "take about" in line], logs
+
+
+def test_a_rerun_says_it_resumes_and_from_where(tmp_path, tiny_dir, conv_file):
+    run_datagen(_cfg(tmp_path / "out", tiny_dir, conv_file, num=3), command="a", progress=False, log=lambda s: None)
+    logs: list[str] = []
+    run_datagen(_cfg(tmp_path / "out", tiny_dir, conv_file, num=5), command="b", progress=False, log=logs.append)
+    assert any(line.startswith(f"resuming {tmp_path / 'out'}: 3 conversations in 1 shards are committed")
+               for line in logs), logs
 
 
 def test_duration_reads_as_a_person_would():

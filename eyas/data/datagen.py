@@ -161,10 +161,10 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
     run_t0, run_tokens, base_tokens = time.perf_counter(), 0, counts["tokens"]
     run_convs, estimated = 0, False
 
-    def postfix(phase: str) -> None:  # tokens captured so far (committed or not) and this run's rate
+    def postfix(phase: str) -> None:  # what is committed, and the tokens captured so far with this run's rate
         dt = time.perf_counter() - run_t0
-        bar.set_postfix_str(f"{phase} | {base_tokens + run_tokens} tok | {run_tokens / max(dt, 1e-9):.0f} tok/s",
-                            refresh=True)
+        bar.set_postfix_str(f"{phase} | committed {counts['conversations']} | captured {base_tokens + run_tokens} "
+                            f"tok, {run_tokens / max(dt, 1e-9):.0f} tok/s", refresh=True)
 
     # the bar is closed (its line ended) on every exit, so an error message starts on a line of its own
     try:

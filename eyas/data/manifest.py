@@ -98,6 +98,10 @@ def open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout,
         m["config"]["num"] = cfg.num  # --num may grow (extends the run) or change; it does not alter content
         for k in ("shard_samples", "shard_tokens", "threads"):  # speed settings only: may change on resume
             m["config"][k] = conf[k]
+        c = m.get("counts") or {}
+        if c.get("conversations"):
+            log(f"resuming {out}: {c.get('conversations', 0)} conversations in {len(m['shards'])} shards are "
+                f"committed; going on after source row {m['watermark']}")
     else:
         layout.norms = {}
         m = {
