@@ -391,7 +391,8 @@ def draft_misfit(ckpt: DraftCheckpoint, target: Target) -> list[str]:
     return problems
 
 
-def check_draft_for_target(ckpt: DraftCheckpoint, target: Target) -> None:
+def check_draft_for_target(ckpt: DraftCheckpoint, target: Target,
+                           instead: str = "decode this one without a draft (--method lookup or plain)") -> None:
     """Refuse a draft made for another target in one line naming both targets, what differs (draft's vs
     target's) and what to run instead."""
     problems = draft_misfit(ckpt, target)
@@ -402,9 +403,8 @@ def check_draft_for_target(ckpt: DraftCheckpoint, target: Target) -> None:
     more = f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""
     raise DraftError(f"{where} was trained for {_describe_identity(ckpt.layout.target, 'another target')}, not for "
                      f"{_describe_identity(target.identity, target.source)}: {'; '.join(problems[:4])}{more}. "
-                     "Use it with the target it "
-                     "was trained for, decode this one without a draft (--method lookup or plain), or train a draft "
-                     "for it (eyas datagen, then eyas train)")
+                     f"Use it with the target it was trained for, {instead}, or train a draft for it (eyas datagen, "
+                     "then eyas train)")
 
 
 # ---- which draft a command runs with (--draft) -------------------------------------------------------

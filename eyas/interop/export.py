@@ -144,6 +144,10 @@ def vllm_cpu_command(launch: str, python: str, name: str, port: int = 8000, memi
             f"--port {port} --dtype float32 --max-model-len {CPU_MAX_MODEL_LEN}{util} --enforce-eager")
 
 
+# what export suggests for a draft of another target (generate's advice, --method, is not an export flag)
+EXPORT_INSTEAD = "give export --target the model it was trained for"
+
+
 def served_name(manifest: dict[str, Any]) -> str:
     """The short model name a launch serves under (what clients send): the target's eyas name, or its file or
     folder name, as one shell word."""
@@ -399,7 +403,7 @@ def check_export_target(ckpt: DraftCheckpoint, spec: str | None) -> None:
     from ..target.load import load_target
 
     if spec:
-        check_draft_for_target(ckpt, load_target(spec, load_weights=False))
+        check_draft_for_target(ckpt, load_target(spec, load_weights=False), EXPORT_INSTEAD)
 
 
 def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
@@ -412,5 +416,5 @@ def target_embeddings(ckpt: DraftCheckpoint, spec: str | None) -> torch.Tensor:
     if not spec:
         raise ExportError("the draft records no target_source; pass --target (the model it was trained for)")
     t = load_target(spec)
-    check_draft_for_target(ckpt, t)
+    check_draft_for_target(ckpt, t, EXPORT_INSTEAD)
     return t.embed_tokens().weight.detach().float().cpu()
