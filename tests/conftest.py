@@ -106,3 +106,11 @@ def served(served_target):
     s = Served(*served_target)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """The doctor tests' clean tiny pair (tests/doctor_pair.py's Pair), trained once per run."""
+    from tests.doctor_pair import Pair
+
+    return Pair(tmp_path_factory.mktemp("doctor-pair"))
