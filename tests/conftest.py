@@ -114,3 +114,37 @@ def pair(tmp_path_factory):
     from tests.doctor_pair import Pair
 
     return Pair(tmp_path_factory.mktemp("doctor-pair"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(smollm2_tokenizer, tmp_path_factory):
+    """The datagen tests' tiny random Llama with the SmolLM2 tokenizer, saved as a HF folder."""
+    from tests.test_datagen import _save_tiny
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-target"), smollm2_tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dir):
+    from eyas.target.load import load_target
+
+    return load_target(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def conv_file(tmp_path_factory):
+    """60 real ShareGPT conversations (short opening question, so short --max-len keeps a reply) as JSONL with
+    two bad rows mixed in (row ids 5 and 11)."""
+    import json
+
+    from eyas.data.conversations import load_conversations
+
+    convs = [c for c in load_conversations("sharegpt", num=400)[0] if len(c.messages[0]["content"]) < 200][:60]
+    assert len(convs) == 60
+    lines = [json.dumps({"conversations": [{"from": m["role"], "value": m["content"]} for m in c.messages]})
+             for c in convs]
+    lines.insert(5, json.dumps({"conversations": [{"from": "human", "value": "unanswered"}]}))
+    lines.insert(11, "{broken")
+    p = tmp_path_factory.mktemp("data") / "convs.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
