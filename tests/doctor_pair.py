@@ -1,5 +1,5 @@
 """The doctor tests' tiny target+draft pair (a draft that really learned its layout, see tests/test_doctor.py)
-and the edits they make to copies of it. The session-scoped `pair` fixture that builds it is in
+and the edits they make to copies of it. The `pair` fixture that builds it once per run is in
 tests/conftest.py."""
 
 from __future__ import annotations
