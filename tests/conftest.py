@@ -69,3 +69,82 @@ def vllm_py():
         return vllm_python(needed_for="the vLLM tests")
     except VllmError as e:
         pytest.skip(f"no vLLM python: {e}")
+
+
+@pytest.fixture(scope="module")
+def served_target(smollm2_tokenizer, tmp_path_factory):
+    """A tiny random Llama with the SmolLM2 tokenizer, saved and reloaded as a target, plus a random draft (the
+    server tests' target)."""
+    from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+    from eyas.target.load import load_target
+    from tests.tiny import tiny_config
+
+    root = tmp_path_factory.mktemp("serve")
+    cfg, cls = tiny_config("llama", vocab=len(smollm2_tokenizer), hidden=32, layers=8)
+    cfg.max_position_embeddings = 2048
+    cfg.bos_token_id, cfg.eos_token_id = 1, 2  # <|im_start|>, <|im_end|>
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.config.architectures = [cls.__name__]
+    model.save_pretrained(root / "target", safe_serialization=True)
+    smollm2_tokenizer.save_pretrained(root / "target")
+    target = load_target(str(root / "target"))
+    dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=1024)
+    torch.manual_seed(1)
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab_map(torch.arange(1024))
+    save_draft(root / "draft", draft, target.default_layout())
+    return target, root / "draft"
+
+
+@pytest.fixture(scope="module")
+def served(served_target):
+    """A uvicorn server over served_target (tests/serving.py's Served), one per test module that asks for it."""
+    from tests.serving import Served
+
+    s = Served(*served_target)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """The doctor tests' clean tiny pair (tests/doctor_pair.py's Pair), trained once per run."""
+    from tests.doctor_pair import Pair
+
+    return Pair(tmp_path_factory.mktemp("doctor-pair"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(smollm2_tokenizer, tmp_path_factory):
+    """The datagen tests' tiny random Llama with the SmolLM2 tokenizer, saved as a HF folder."""
+    from tests.test_datagen import _save_tiny
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-target"), smollm2_tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dir):
+    from eyas.target.load import load_target
+
+    return load_target(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def conv_file(tmp_path_factory):
+    """60 real ShareGPT conversations (short opening question, so short --max-len keeps a reply) as JSONL with
+    two bad rows mixed in (row ids 5 and 11)."""
+    import json
+
+    from eyas.data.conversations import load_conversations
+
+    convs = [c for c in load_conversations("sharegpt", num=400)[0] if len(c.messages[0]["content"]) < 200][:60]
+    assert len(convs) == 60
+    lines = [json.dumps({"conversations": [{"from": m["role"], "value": m["content"]} for m in c.messages]})
+             for c in convs]
+    lines.insert(5, json.dumps({"conversations": [{"from": "human", "value": "unanswered"}]}))
+    lines.insert(11, "{broken")
+    p = tmp_path_factory.mktemp("data") / "convs.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p

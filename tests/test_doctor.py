@@ -4,7 +4,8 @@ test; the doctor must name each one (and pass the clean pair).
 The tiny target is a random Llama (8 layers, hidden 32, vocab 64) with init std 0.1 and its residual writes
 (o_proj, down_proj) scaled x3, so consecutive stream indices differ the way a real model's do (adjacent cosine
 ~0.5-0.9, norms growing with depth). Its own sampled text (temperature 0.7) is the data; the draft trains on
-stream [2, 4, 5] (the default for L = 8) with the training-time test for a few hundred steps."""
+stream [2, 4, 5] (the default for L = 8) with the training-time test for a few hundred steps.
+The pair is built by tests/doctor_pair.py; the layout faults are in tests/test_doctor_layout.py."""
 
 from __future__ import annotations
 
@@ -16,153 +17,24 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.data.shards import KIND, MANIFEST, Sample, is_heldout, write_shard
+from eyas.data.shards import MANIFEST, is_heldout, write_shard
 from eyas.doctor.checks import run_doctor
 from eyas.draft import DraftConfig, Eagle3Draft, bundled_draft_path, load_draft, save_draft
-from eyas.engine.forward import TargetModel
 from eyas.layout import Layout
-from eyas.probe import LayoutRanking, infer_layout, layout_candidates
 from eyas.target.convert import tensor_fingerprint
 from eyas.target.load import Target, identity_of
-from eyas.train.ttt import ttt_forward
-from eyas.vocab import vocab_hash
+from tests.doctor_pair import (
+    DRAFT_VOCAB,
+    LAYOUT,
+    H,
+    S,
+    V,
+    edit_json,
+    relabel_dir,
+    statuses,
+    tiny_target,
+)
 from tests.tiny import tiny_config
-
-V, H, LAYERS, S, N_SEQ = 64, 32, 8, 32, 512
-LAYOUT = [2, 4, 5]
-HELDOUT_PCT = 20.0
-DRAFT_VOCAB = 48
-
-
-def tiny_target(seed: int = 0) -> Target:
-    cfg, cls = tiny_config("llama", vocab=V, hidden=H, layers=LAYERS)
-    cfg.initializer_range = 0.1
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    m = cls(cfg).eval()
-    m.config.architectures = [cls.__name__]
-    with torch.no_grad():
-        for layer in m.model.layers:  # bigger residual writes: each stream index is its own thing
-            layer.self_attn.o_proj.weight.mul_(3.0)
-            layer.mlp.down_proj.weight.mul_(3.0)
-    m.requires_grad_(False)
-    return Target(model=m, tokenizer=None, identity=identity_of(m, tensor_fingerprint(m), "tiny"), source="tiny",
-                  path=None)
-
-
-@torch.no_grad()
-def sample_text(target: Target, n: int, length: int, seed: int) -> torch.Tensor:
-    """The target's own text: n sequences sampled at temperature 0.7 through eyas's engine forward."""
-    tm = TargetModel(target.model)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (n, 1), generator=g)
-    cache = tm.new_cache(n, length)
-    out = tm.forward(ids, torch.zeros(n, 1, dtype=torch.long), cache, logits="last")
-    cache.length = 1
-    for t in range(1, length):
-        nxt = torch.multinomial(torch.softmax(out.logits[:, -1] / 0.7, -1), 1, generator=g)
-        ids = torch.cat([ids, nxt], 1)
-        out = tm.forward(nxt, torch.full((n, 1), t), cache, logits="last")
-        cache.length = t + 1
-    return ids
-
-
-class Pair:
-    """The clean tiny pair: target, draft folder, held-out samples (token ids) and a shard folder of them."""
-
-    def __init__(self, root: Path):
-        torch.manual_seed(0)
-        self.target = tiny_target()
-        tm = TargetModel(self.target.model)
-        ids = sample_text(self.target, N_SEQ, S, seed=1)  # [N, S]
-        cap = tm.capture(ids, LAYOUT, logits="all")
-        self.rows = list(range(N_SEQ))
-        heldout = [r for r in self.rows if is_heldout(r, HELDOUT_PCT)]
-        train = [r for r in self.rows if not is_heldout(r, HELDOUT_PCT)]
-        self.ids, self.heldout = ids, heldout
-        # draft vocabulary: the most frequent target argmax tokens of the training rows
-        top = cap.logits.argmax(-1)[train].flatten()
-        vocab = torch.sort(torch.bincount(top, minlength=V).argsort(descending=True)[:DRAFT_VOCAB]).values
-        aux_tr = cap.aux[train]
-        norms = {str(k): float(aux_tr[..., i * H:(i + 1) * H].norm(dim=-1).mean()) for i, k in enumerate(LAYOUT)}
-        norms["final"] = float(cap.final_prenorm[train].norm(dim=-1).mean())
-        self.layout = Layout(aux_indices=LAYOUT, target=self.target.identity, norms=norms)
-
-        dc = DraftConfig.from_target_config(self.target.model.config, draft_vocab_size=DRAFT_VOCAB)
-        torch.manual_seed(0)
-        d = Eagle3Draft(dc)
-        d.set_embeddings(self.target.embed_tokens().weight)
-        d.set_vocab_map(vocab)
-        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=5e-3)
-        g = torch.Generator().manual_seed(2)
-        mask = torch.ones(N_SEQ, S, dtype=torch.bool)
-        tr = torch.tensor(train)
-        norm, head = self.target.final_norm(), self.target.lm_head()
-        for _ in range(300):
-            b = tr[torch.randint(0, len(tr), (32,), generator=g)]
-            o = ttt_forward(d, cap.aux[b], cap.final_prenorm[b], ids[b], mask[b], norm, head, 2)
-            opt.zero_grad()
-            o.loss.backward()
-            opt.step()
-        d.eval()
-        hb = torch.tensor(heldout)
-        with torch.no_grad():
-            o = ttt_forward(d, cap.aux[hb], cap.final_prenorm[hb], ids[hb], mask[hb], norm, head, 2)
-        self.heldout_acc = (o.step_correct / o.step_count).tolist()
-        extra = {"training": {"heldout_pct": HELDOUT_PCT, "ttt_steps": 2},
-                 "metrics": {"heldout_acc": self.heldout_acc, "heldout_rows": o.step_count.tolist()},
-                 "draft_vocab": {"size": DRAFT_VOCAB, "hash": vocab_hash(vocab)}}
-        self.draft_dir = save_draft(root / "draft", d, self.layout, extra=extra)
-        # a shard folder holding the held-out rows (bf16, like datagen's default)
-        self.shards = root / "shards"
-        self.shards.mkdir()
-        samples = [Sample(r, ids[r], mask[r], cap.aux[r], cap.final_prenorm[r]) for r in self.rows]
-        entry = write_shard(self.shards / "shard-00000.safetensors", samples)
-        man = {"kind": KIND, "format_version": 1, "layout": self.layout.to_dict(), "shards": [entry],
-               "counts": {"samples": len(samples)}}
-        (self.shards / MANIFEST).write_text(json.dumps(man))
-
-    def samples(self):
-        return [self.ids[r] for r in self.heldout]
-
-    def copy(self, dst: Path) -> Path:
-        shutil.copytree(self.draft_dir, dst)
-        return dst
-
-
-@pytest.fixture(scope="session")
-def pair(tmp_path_factory) -> Pair:
-    return Pair(tmp_path_factory.mktemp("doctor-pair"))
-
-
-
-
-
-
-def edit_json(path: Path, fn) -> None:
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d, indent=2))
-
-
-def relabel(pair: Pair, dst: Path, indices: list[int]) -> Path:
-    """A copy of the clean draft whose recorded layout (manifest + config.json ids) claims `indices`."""
-    return relabel_dir(pair.draft_dir, dst, indices)
-
-
-def relabel_dir(src: Path, dst: Path, indices: list[int]) -> Path:
-    shutil.copytree(src, dst)
-    old = load_draft(dst).layout
-    lay = Layout(aux_indices=indices, target=old.target, norms=old.norms)
-    edit_json(dst / "eyas_manifest.json", lambda m: m.update(layout=lay.to_dict()))
-    cfg = load_draft(dst).model.config.hf_config(lay)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-def statuses(report) -> dict[str, str]:
-    return {c.name: c.status for c in report.checks}
-
 
 # ---- the clean pair -------------------------------------------------------------------------------
 
@@ -184,125 +56,6 @@ def test_clean_pair_with_shards_is_paired_and_passes(pair):
     assert st["data_layout"] == "pass" and rep.check("data_layout").numbers["measured_indices"] == LAYOUT
     acc = rep.check("accuracy").numbers
     assert abs(acc["gap_points"][0]) <= 2.0  # bf16-stored vs fresh fp32 features: no skew
-
-
-# ---- layout faults: the doctor measures which layout the draft really reads -------------------------
-
-def test_shifted_ids_are_found_and_the_true_layout_ranked_first(pair, tmp_path):
-    d = relabel(pair, tmp_path / "shifted", [3, 5, 6])  # every id +1: the SGLang/vLLM off-by-one
-    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
-    c = rep.check("layout")
-    assert c.status == "fail", c.summary
-    assert rep.layout.best.indices == LAYOUT
-    assert "recorded shifted -1" in rep.layout.best.label
-    assert "[2, 4, 5]" in c.summary and "[3, 5, 6]" in c.summary
-    assert c.numbers["diff_points"] > 5
-    assert "--aux-indices 2,4,5" in c.fix
-    assert rep.exit_code == 1
-
-
-def test_wrong_ids_are_found(pair, tmp_path):
-    d = relabel(pair, tmp_path / "wrong", [1, 3, 7])
-    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
-    c = rep.check("layout")
-    assert c.status == "fail" and rep.layout.best.indices == LAYOUT, (c.summary, rep.layout[:3])
-    assert c.numbers["recorded_acc"] < c.numbers["best_acc"] - 0.05
-
-
-def test_embedding_included_is_found(pair, tmp_path):
-    # the story's misreading: cat([embed, low, mid]) where the draft was trained on cat([low, mid, high])
-    d = relabel(pair, tmp_path / "embed", [0, 2, 4])
-    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
-    c = rep.check("layout")
-    assert c.status == "fail" and rep.layout.best.indices == LAYOUT, (c.summary, rep.layout[:3])
-    assert "embedding" in c.summary
-
-
-def test_final_state_only_is_named(pair, tmp_path):
-    # config.json turns aux capture off: SGLang and vLLM then feed the 1xH final state, skipping fc
-    d = pair.copy(tmp_path / "final")
-    edit_json(d / "config.json", lambda c: c["eagle_config"].update(use_aux_hidden_state=False))
-    rep = run_doctor(pair.target, load_draft(d), samples=pair.samples())
-    c = rep.check("config_ids")
-    assert c.status == "fail" and "final state only" in c.summary, c.summary
-    final = next(s for s in rep.layout if s.indices == [])
-    assert "EAGLE instead of EAGLE3" in final.label
-    assert final.accuracy < rep.layout.find(LAYOUT).accuracy - 0.2  # measured: the draft is useless on it
-    assert rep.check("layout").status == "pass"  # the draft itself still reads its recorded layout
-
-
-def test_infer_layout_api(pair):
-    d = load_draft(pair.draft_dir)
-    r = infer_layout(pair.target, d.model, pair.samples()[:40], recorded=[3, 5, 6])
-    assert isinstance(r, LayoutRanking) and r.best.indices == LAYOUT
-    idx, label, acc, loss = r[0]  # (indices, label, accuracy, loss) tuples, ranked by held-out loss
-    assert idx == LAYOUT and 0 < acc <= 1 and label and loss > 0
-    assert all(s.loss >= loss for s in r if s.indices)
-    worse, diff, se = r.worse([3, 5, 6], LAYOUT)  # the shifted reading is worse beyond noise, paired
-    assert worse and diff > 4 * se > 0
-    assert r["aux_indices"] == LAYOUT and r.get("chosen") == label and r.tokens > 0
-    # explicit candidates (the import path): exactly those are ranked
-    r2 = infer_layout(pair.target, d.model, pair.samples()[:40], {"sglang reading": [3, 5, 6], "vllm reading": LAYOUT})
-    assert [s.indices for s in r2] == [LAYOUT, [3, 5, 6]]
-    assert r2["chosen"].startswith("vllm reading")
-
-
-def _unpaired(per: list[tuple[int, int]], metric: float = 0.40, rows: int = 20000):
-    """_check_accuracy without stored features: per-conversation (correct, count) at step 0 vs a recorded
-    training-time metric."""
-    from eyas.doctor.checks import _check_accuracy
-
-    c, n = sum(x for x, _ in per), sum(y for _, y in per)
-    serve = {"acc": [c / n], "count": [n], "sample_correct": [[x] for x, _ in per],
-             "sample_count": [[y] for _, y in per]}
-    return _check_accuracy(serve, None, [metric], [rows], "test path", paired=False)
-
-
-def test_unpaired_accuracy_uses_the_spread_between_conversations():
-    # 6 conversations at 33% (2,000 positions): 7 points below the training metric, far beyond
-    # both the binomial SE (~1.1) and the spread between conversations (none here) -> skew warning
-    assert _unpaired([(110, 333)] * 6).status == "warn"
-    # the same pooled 33% from conversations at 15..50%: within 2 SE over conversations -> no warning,
-    # although a binomial SE over the 2,000 positions alone would have warned
-    spread = [(50, 333), (167, 333), (60, 333), (150, 333), (80, 333), (153, 333)]
-    c = _unpaired(spread)
-    assert c.status == "pass" and c.numbers["gap_se_points"] > 3.4, c.numbers
-    # serving far better than at training (other, easier samples) is no sign of skew
-    assert _unpaired([(180, 333)] * 6).status == "pass"
-
-
-def test_ties_go_to_the_simplest_explanation():
-    from eyas.probe import LayoutScore
-
-    g = torch.Generator().manual_seed(0)
-    base = torch.rand(2000, generator=g) * 5
-    noise = lambda: base + 0.01 * torch.randn(2000, generator=g)  # noqa: E731
-    rows = {(1, 15, 27): noise() - 0.001, (2, 15, 27): noise(), (3, 16, 28): base + 0.3, (2, 14, 27): noise()}
-    scores = [LayoutScore(list(k), str(k), 0.3, float(v.mean())) for k, v in sorted(rows.items(),
-                                                                                   key=lambda kv: float(kv[1].mean()))]
-    r = LayoutRanking(scores, tokens=2000, rows=rows)
-    assert r.best.indices == [1, 15, 27] and not r.worse([2, 15, 27], [1, 15, 27])[0]
-    # recorded within noise of the lowest loss: the recorded layout is the verdict
-    assert r.simplest_among_ties([2, 15, 27]).best.indices == [2, 15, 27]
-    # a shifted record: the whole-layout shift back, not a one-index variant that only noise prefers
-    s = r.simplest_among_ties([3, 16, 28])
-    assert s.best.indices == [2, 15, 27] and len(s) == len(r) and s.rows.keys() == r.rows.keys()
-    assert r.simplest_among_ties([4, 17, 29], bases=[[1, 15, 27]]).best.indices == [1, 15, 27]  # a base
-    # beyond noise, the loss decides
-    rows[(1, 15, 27)] = base - 0.2
-    r = LayoutRanking(sorted(scores, key=lambda x: float(rows[tuple(x.indices)].mean())), rows=rows)
-    assert r.simplest_among_ties([2, 15, 27]).best.indices == [1, 15, 27]
-
-
-def test_layout_candidates_cover_the_brief():
-    c = dict((tuple(i), lab) for i, lab in layout_candidates([2, 15, 27], 30, 3))
-    assert "recorded" in c[(2, 15, 27)] and "default" in c[(2, 15, 27)]
-    assert "shifted +1" in c[(3, 16, 28)] and "shifted -1" in c[(1, 14, 26)]
-    assert "15->16" in c[(2, 16, 27)]
-    assert "embedding (0) in place of 2" in c[(0, 15, 27)]
-    assert "permuted" in c[(27, 15, 2)]
-    assert "final state only" in c[()]
-    assert all(len(k) in (0, 3) and all(0 <= x <= 30 for x in k) for k in c)
 
 
 # ---- config and vocab faults -------------------------------------------------------------------------

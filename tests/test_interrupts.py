@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_datagen import _args, _cfg, conv_file, tiny_dir  # noqa: F401 (fixtures)
+from tests.test_datagen import _args, _cfg
 from tests.test_train import world  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]

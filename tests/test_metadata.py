@@ -16,7 +16,7 @@ import torch
 
 from eyas import metadata as md
 from eyas.schema import INT_MAX, Field, Schema
-from tests.test_hardening import TRAIN_FLAGS
+from tests.test_hardening_artifacts import TRAIN_FLAGS
 
 CK = "run/checkpoint"
 
