@@ -495,5 +495,6 @@ def test_export_refuses_a_target_the_draft_was_not_trained_for(tmp_path, target)
     assert r.exit_code == 2 and len(lines) == 1, r.output
     line = lines[0]
     assert f"the draft {src} was trained for tiny (llama, {L} layers" in line and "not for" in line, line
-    assert "30 layers" in line and "train a draft" in line, line
+    assert "30 layers" in line and "train a draft" in line and "give export --target" in line, line
+    assert "--method" not in line, line  # generate's advice; export has no such flag
     assert not out.exists()
