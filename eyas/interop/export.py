@@ -342,7 +342,7 @@ def recorded_target(ckpt: DraftCheckpoint) -> str | None:
     from ..target.family import BUNDLED
 
     m = ckpt.manifest
-    t = m.get("target") if isinstance(m.get("target"), dict) else {}
+    t = m["target"] if isinstance(m.get("target"), dict) else {}
     name = ckpt.layout.target.name if ckpt.layout.target is not None else ""
     return m.get("target_source") or t.get("source") or (name if name in BUNDLED else None)
 
