@@ -29,7 +29,7 @@ norm(max(p-q, 0)) — the classic scheme, which gains when the draft spreads mas
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import torch
 
@@ -121,7 +121,7 @@ class Engine:
         assert self.last_result is not None
         return self.last_result
 
-    def stream(self, input_ids: list[int], params: SamplingParams | None = None) -> Iterator[list[int]]:
+    def stream(self, input_ids: list[int], params: SamplingParams | None = None) -> Generator[list[int], None, None]:
         """Yield the new token ids of each round; afterwards `last_result` holds the GenResult."""
         params = params or SamplingParams()
         params.validate()
@@ -165,7 +165,7 @@ class Engine:
         return Sequence(prompt, params, gen, self.model.new_cache(1, max_len), draft_cache, stats)
 
     # -- the round loop ----------------------------------------------------------------------------
-    def _iterate(self, seq: Sequence, drafter: TreeDrafter | None) -> Iterator[list[int]]:
+    def _iterate(self, seq: Sequence, drafter: TreeDrafter | None) -> Generator[list[int], None, None]:
         # a separate generator so that stream() validates its arguments when called, not at the first next()
         t0 = time.perf_counter()
         yield from self._prefill(seq)
