@@ -183,7 +183,7 @@ def _run_chunks(cfg: DatagenConfig, target: Target, layout: Layout, m: dict[str,
             counts["tokens"] += sum(len(s) for s in samples)
             counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
             counts["bytes"] += sum(e["bytes"] for e in entries)
-            counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)
+            counts["seconds"] = round(counts["seconds"] + time.perf_counter() - t0, 3)  # type: ignore[assignment]  # a float among the Counter's ints
             skipped.update(skips)
             list_skipped_rows(m, listed)
             layout.norms = norms.means()
