@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.eyas-installed
 
-.PHONY: setup demo test test-fast lint clean llama-cpp vllm
+.PHONY: setup demo test test-fast lint typecheck clean llama-cpp vllm
 
 setup: $(STAMP)
 
@@ -43,14 +43,18 @@ llama-cpp: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup lint
+# mypy over eyas/ (settings in pyproject.toml [tool.mypy]); part of test and test-fast, so CI runs it.
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: setup lint typecheck
 	$(VENV)/bin/pytest -q -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-# The inner loop (~3 min on a quiet 2-core AMD EPYC Zen 4): lint and every test but those marked integration (the real
+# The inner loop (~3 min on a quiet 2-core AMD EPYC Zen 4): lint, typecheck and every test but those marked integration (the real
 # bundled target), slow (over ~10 s), asset (the shipped draft and n-gram table) and vllm (a real vLLM server).
 # `make test` (CI) runs them all.
 FAST_MARKERS ?= not integration and not slow and not asset and not vllm
-test-fast: setup lint
+test-fast: setup lint typecheck
 	$(VENV)/bin/pytest -q -ra -m "$(FAST_MARKERS)"
 
 clean:

@@ -233,6 +233,7 @@ def sglang_ids(streams: list[int], num_layers: int, architecture: str | None) ->
 
     row = newest("sglang")
     want = sorted(streams)
+    ids: list[int] | None  # invert's answer is None when no ids can capture the streams
     if architecture not in row.rules:
         ids = [k - 1 for k in want]
         return ids, [f"target architecture {architecture or '(unknown)'}: no SGLang release read lists its rule; "

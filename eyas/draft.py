@@ -63,7 +63,7 @@ class DraftConfig:
         rope = getattr(tcfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         theta = theta or getattr(tcfg, "rope_theta", None) or 10000.0
-        cfg = dict(
+        cfg: dict[str, Any] = dict(
             hidden_size=H,
             target_hidden_size=H,
             num_attention_heads=nh,
@@ -172,6 +172,11 @@ class DraftLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
+    # buffers registered in __init__ (nn.Module's __getattr__ alone types them Tensor | Module)
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    embed_weight: torch.Tensor
+
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c

@@ -370,9 +370,9 @@ def config_keys(src: Source, rel: str) -> set[str]:
                 keys.add("eagle_config." + n.args[1].value)
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" \
                 and is_ec(n.func.value) and n.args and isinstance(n.args[0], ast.Constant):
-            keys.add(f"eagle_config.{n.args[0].value}")
+            keys.add(f"eagle_config.{n.args[0].value!s}")  # a constant key: str in practice
         elif isinstance(n, ast.Subscript) and is_ec(n.value) and isinstance(n.slice, ast.Constant):
-            keys.add(f"eagle_config.{n.slice.value}")
+            keys.add(f"eagle_config.{n.slice.value!s}")
     return keys
 
 

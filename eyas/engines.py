@@ -213,13 +213,13 @@ def num_aux(cfg: dict[str, Any], row: EngineRow) -> int:
     0.32 `num_aux_hidden_states`, else the length of eagle_config's ids, else 3."""
     if row.fc_width == "3":
         return 3
-    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    ec = cfg["eagle_config"] if isinstance(cfg.get("eagle_config"), dict) else {}
     ids = ec.get("eagle_aux_hidden_state_layer_ids")
     return int(cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3))
 
 
 def flag(cfg: dict[str, Any], key: str) -> bool:
-    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    ec = cfg["eagle_config"] if isinstance(cfg.get("eagle_config"), dict) else {}
     return bool(ec.get(key, cfg.get(key, False)))  # vLLM 0.32 reads norm_before_fc from eagle_config first
 
 

@@ -64,7 +64,7 @@ def write_fault(e: BaseException, path: str | Path | None = None, atomic: bool =
     return WriteError(f"cannot write {where or 'the output'}: {reason}{kept}; {fix}")
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:  # what write returns is unused
     """`write(tmp)` fills a sibling temporary file, which then replaces `path` in one rename. The temporary is
     `<name>.tmp-<pid>` (no longer matching `*.safetensors`-style globs), so a writer that infers a format from
     the suffix must be told it (matplotlib: savefig(..., format="png"))."""
@@ -106,7 +106,7 @@ def swap_folder(new: Path, out: Path) -> Path:
     return out
 
 
-def atomic_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
+def atomic_folder(out: str | Path, write: Callable[[Path], object]) -> Path:  # what write returns is unused
     """`write(tmp)` fills a fresh temporary folder, which then replaces `out` (see swap_folder). The temporaries a
     killed writer of the same `out` left behind are removed first (remove_stale_temps), so an export or a draft
     killed mid-write leaves nothing for good."""

@@ -3,7 +3,7 @@ dataclass is the one source of both (eyas.cli.common.config_options builds the t
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import field, fields
 from typing import Any
 
 
@@ -15,7 +15,7 @@ def option(flag: str, help: str, default: Any = None) -> Any:
 def option_like(config: type, name: str, default: Any) -> Any:
     """A field offered under `config`'s flag and help for its field `name` (one declaration of the option), with
     a default of its own: a pipeline's config reusing a stage's option (eyas recipe's --lr is eyas train's)."""
-    f = config.__dataclass_fields__[name]
+    f = next(f for f in fields(config) if f.name == name)
     return field(default=default, metadata={"flag": f.metadata["flag"], "help": f.metadata["help"]})
 
 

@@ -12,7 +12,7 @@ problem found is reported as "'<field>' should be <what>, found <value>", the fi
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,7 +128,7 @@ def check_value(v: Any, f: Field, name: str, folder: Path | None) -> str | None:
         if problem:
             return problem
     if f.each is not None or f.file_keys:
-        items = enumerate(v) if f.kind == "array" else v.items()
+        items: Iterable[tuple[Any, Any]] = enumerate(v) if f.kind == "array" else v.items()  # index or key
         for k, e in items:
             sub = child(name, k)
             if f.file_keys and folder is not None and (why := inside(folder, k)) is not None:

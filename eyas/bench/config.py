@@ -48,7 +48,9 @@ class BenchError(EyasError):
 
 def parse_int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     """'1,2,4' or '2-6' or '1-3,8' -> sorted unique ints (the sweep grid's flags)."""
-    return parse_ints(text, what, ranges=True, minimum=minimum, error=BenchError)
+    out = parse_ints(text, what, ranges=True, minimum=minimum, error=BenchError)
+    assert out is not None  # with a minimum, parse_ints returns a list (no text is refused)
+    return out
 
 
 def parse_methods(text: str) -> list[str]:

@@ -48,7 +48,7 @@ def hf_runner(target: Target, end_ids: list[int], lookup_tokens: int | None = No
     counted with a forward pre-hook (each verification of a lookup candidate is one forward)."""
     from transformers import GenerationConfig
 
-    model = target.model
+    model: Any = target.model  # a *ForCausalLM: generate comes from GenerationMixin, not PreTrainedModel
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else end_ids[0]
 
     @torch.no_grad()
@@ -133,6 +133,7 @@ def llama_cpp_c_runner(target: Target, end_ids: list[int], threads: int | None,
         return None
     from .llama_c import LlamaC
 
+    assert target.gguf is not None  # _llama_cpp_absent: a GGUF target
     llm = LlamaC(target.gguf, threads or torch.get_num_threads(), n_ctx)
     stop = set(end_ids)
 
@@ -162,7 +163,8 @@ def engine_runner(engine, end_ids: list[int], device: torch.device) -> Callable[
         stats["tau"] = s.tau
         return Output(ids, dt, int(s.target_forwards), res.finish_reason, stats)
 
-    run.engine = engine  # what --weights auto resolved to is read from it (results["weights"])
+    # what --weights auto resolved to is read from it (results["weights"]); a function attribute mypy cannot see
+    run.engine = engine  # type: ignore[attr-defined]
     return run
 
 

@@ -73,6 +73,7 @@ def run_vllm_method(py: Path, method: str, target: Target, draft_dir: Path | Non
                     say: Callable[[str], None]) -> dict[str, Any]:
     """One worker run: vLLM loads the target (and draft), then generates every prompt in `ids`."""
     longest = max((len(x) for x in ids), default=1)
+    assert target.path is not None  # run_vllm_peers refuses a target without a HF folder
     request = {
         "model": str(Path(target.path).resolve()), "draft": str(draft_dir.resolve()) if draft_dir else None,
         "k": k if draft_dir else 0,

@@ -71,6 +71,7 @@ def generate(
                 sys.stdout.write(delta)
                 sys.stdout.flush()
     res = engine.last_result
+    assert res is not None  # the stream ran to its end
     sys.stdout.write(res.text[shown.sent:] + "\n")
     for line in summary_lines(engine, res):
         typer.secho(line, fg="cyan", err=True)

@@ -177,6 +177,7 @@ def doctor_trace(
         if parts.template_warning:
             warn(parts.template_warning)
         ids = input_ids(parts.target.tokenizer, prompt, None, opts.raw)
+        assert parts.draft is not None  # tree and chain load a draft
         rep = trace(parts.target, parts.draft, ids, spec, max_new_tokens=max_new_tokens, max_rounds=rounds)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2))

@@ -117,13 +117,14 @@ def raw_items(target: Target, convs: list[Conversation], cfg: DatagenConfig, sta
     prompts: list[tuple[int, list[int]]] = []
     for c in convs:
         text = raw_prompt_text(c)
-        ids = raw_ids(tok, text if text is not None else plain_text(c), as_text=True)
+        # a list of ids, not the tensor `ids` above
+        prompt = raw_ids(tok, text if text is not None else plain_text(c), as_text=True)
         if text is None:
-            ids = ids[:RAW_DOC_PROMPT_TOKENS]
-        if len(ids) >= cfg.max_len:
+            prompt = prompt[:RAW_DOC_PROMPT_TOKENS]
+        if len(prompt) >= cfg.max_len:
             skips["prompt_fills_max_len"] += 1
             continue
-        prompts.append((c.row_id, ids))
+        prompts.append((c.row_id, prompt))
     if not prompts:
         return items
     on_progress("regen raw")
@@ -190,7 +191,9 @@ def write_chunk_shards(out: Path, first: int, samples: list[Sample], shard_token
                        store_dtype: torch.dtype) -> list[dict[str, Any]]:
     """A chunk's samples written as shard files numbered from `first`; returns their manifest entries."""
     # shards hold samples in source order, split so none exceeds shard_tokens
-    entries, group, group_tokens = [], [], 0
+    entries: list[dict[str, Any]] = []
+    group: list[Sample] = []
+    group_tokens = 0
     for s in sorted(samples, key=lambda s: s.row_id):
         if group and group_tokens + len(s) > shard_tokens:
             entries.append(write_shard(out / f"shard-{first + len(entries):05d}.safetensors",

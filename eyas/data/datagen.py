@@ -127,7 +127,7 @@ def count_chunk(counts: Counter[str], stats: Counter[str], rows: int, convs: int
     counts["tokens"] += sum(len(s) for s in samples)
     counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in samples)
     counts["bytes"] += sum(e["bytes"] for e in entries)
-    counts["seconds"] = round(counts["seconds"] + seconds, 3)
+    counts["seconds"] = round(counts["seconds"] + seconds, 3)  # type: ignore[assignment]  # a float among the ints
 
 
 def rest_estimate(done: int, num: int, seconds: float, run_convs: int) -> str:

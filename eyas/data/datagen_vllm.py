@@ -24,7 +24,8 @@ class LazySession:
     """The vLLM worker, started by the first command sent to it."""
 
     def __init__(self, start: Callable[[], VllmSession]):
-        self.start, self.session = start, None
+        self.start = start
+        self.session: VllmSession | None = None
 
     def call(self, op: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         if self.session is None:

@@ -116,8 +116,9 @@ def open_manifest(out: Path, cfg: DatagenConfig, target: Target, layout: Layout,
     if not m["commits"]:  # a new folder's empty start (or an older folder's state now): a point to roll back to
         m["commits"].append(commit_state(m))
     m = _redo_damaged(out, m, log)
-    for e in m["shards"]:  # a resume adds to these shards: their ids must fit this target (its digest cannot say)
-        read_fields(out / e["file"], ("input_ids",), target.identity.vocab_size)
+    # a resume adds to these shards: their ids must fit this target (its digest cannot say)
+    for entry in m["shards"]:  # not e: the exception name above
+        read_fields(out / entry["file"], ("input_ids",), target.identity.vocab_size)
     listed = {s["file"] for s in m["shards"]}
     for f in sorted(out.glob(SHARD_GLOB)):
         if f.name not in listed:  # committed shard file, uncommitted manifest: the chunk is redone

@@ -57,6 +57,7 @@ def build_ngram(cfg: NgramConfig, log: Callable[[str], None] = print) -> Path:
                 raise NgramError(f"no context reached --min-count {cfg.min_count} in {reply_tokens} reply tokens of "
                                  f"{', '.join(cfg.data)}: regenerate more replies or lower --min-count")
             seconds = round(time.perf_counter() - t0, 1)
+            assert ss.layout.target is not None  # datagen records the target in every shard folder's layout
             out = write_ngram(cfg.out, table, {
                 "target": ss.layout.target.to_dict(), "config": asdict(cfg), "sources": sources,
                 "data_hash": ss.hash(), "reply_tokens": reply_tokens, "command": portable_command(),

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
+from typing import cast
 
 import torch
 
@@ -152,7 +153,9 @@ class _Pool:
         p = self.prompts[j]
         one = self.model.new_cache(1, len(p))
         pos = torch.arange(len(p), device=self.model.device)[None]
-        logits = self.model.forward(torch.tensor([p], device=self.model.device), pos, one).logits[:, -1]
+        fo = self.model.forward(torch.tensor([p], device=self.model.device), pos, one)
+        assert fo.logits is not None  # logits="last", forward's default
+        logits = fo.logits[:, -1]
         self.cache.k[:, r, :, :len(p)] = one.k[:, 0]
         self.cache.v[:, r, :, :len(p)] = one.v[:, 0]
         self.rows[r] = _Row(j, len(p), [], _LoopWatch(self.repetition_limit), self.caps[j])
@@ -193,6 +196,7 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
         """Row r produced token t: record it, or finish the row's job and refill the row."""
         while t is not None:
             row = pool.rows[r]
+            assert row is not None  # a token comes from an admitted row
             if t in stops:
                 done[row.job] = (row.reply, "eos")
             else:
@@ -227,8 +231,9 @@ def engine_generate(model: TargetModel, prompts: list[list[int]], max_new: list[
         # row b sees its own slots [0, length_b] (the new token's included); an idle row sees slot 0 only
         mask = torch.arange(T, device=dev)[None, :] <= lengths[:, None]  # [B, T]
         ids = torch.tensor(pool.next, device=dev)[:, None]  # [B, 1]
-        logits = model.forward(ids, lengths[:, None], cache, attn_mask=mask[:, None, None], slots=lengths,
-                               logits="last").logits[:, -1]  # [B, V]
+        fo = model.forward(ids, lengths[:, None], cache, attn_mask=mask[:, None, None], slots=lengths, logits="last")
+        assert fo.logits is not None  # logits="last"
+        logits = fo.logits[:, -1]  # [B, V]
         nxt = sample(logits).tolist()
         for r, row in enumerate(rows):
             if row is not None:
@@ -247,10 +252,11 @@ def _loop_criteria(n: int, prompt_len: int):
         def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
             gen = input_ids[:, prompt_len:]  # [B, T]
             T = gen.shape[1]
+            # bool tensors; torch's stubs type them Tensor, HF's StoppingCriteria declares BoolTensor
             if T <= n:
-                return torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
+                return cast(torch.BoolTensor, torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device))
             earlier = gen[:, :T - 1].unfold(1, n, 1)  # [B, T-n, n] windows starting before the last one
-            return (earlier == gen[:, None, T - n:]).all(dim=-1).any(dim=-1)  # [B]
+            return cast(torch.BoolTensor, (earlier == gen[:, None, T - n:]).all(dim=-1).any(dim=-1))  # [B]
 
     return LoopStop()
 
@@ -277,7 +283,8 @@ def hf_generate(target: Target, prompts: list[list[int]], max_new: int, stop_ids
                           eos_token_id=stop_ids, pad_token_id=pad)
     crit = StoppingCriteriaList([_loop_criteria(repetition_limit, S)]) if repetition_limit > 0 else None
     torch.manual_seed(seed)
-    out = target.model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), generation_config=gc,
+    # a *ForCausalLM: generate is GenerationMixin's, which PreTrainedModel does not declare
+    out = target.model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), generation_config=gc,  # type: ignore[operator]
                                 stopping_criteria=crit)
     stops = set(stop_ids)
     results: list[Reply] = []

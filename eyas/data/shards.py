@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,7 @@ def read_fields(path: Path, need: tuple[str, ...], vocab: int | None = None,
         raise ShardError(f"{path}: {why}; the shard is damaged or was edited: rerun the `eyas datagen` that wrote "
                          "it into a new --out")
     if check:
+        assert vocab is not None  # check implies it
         check_token_ids(t["input_ids"], t["offsets"].tolist(), int(vocab), path, t["row_ids"].tolist(), BAD_IDS_FIX)
     return {k: t[k] for k in need}
 
@@ -194,7 +195,7 @@ def heldout_rows(row_ids: Iterable[int], heldout_pct: float) -> set[int]:
 class ShardSet:
     """One or more shard folders read as one dataset; all must share a layout (checked, named)."""
 
-    def __init__(self, folders: list[str | Path] | str | Path):
+    def __init__(self, folders: Sequence[str | Path] | str | Path):
         if isinstance(folders, (str, Path)):
             folders = [folders]
         self.folders = [Path(f) for f in folders]

@@ -345,9 +345,10 @@ def _verdict(rep: StreamsReport) -> None:
     if len(served) != len(t):
         rep.lines.append(f"cause: the server feeds {len(served)} streams and the draft's fc reads {len(t)}: the "
                          "id list given to --return-aux-hidden-state-layer-ids is not the draft's")
-    elif all(s - k == 1 for s, k in zip(served, t, strict=True)) or all(k - s == 1 for s, k in zip(served, t,
-                                                                                                    strict=True)):
-        side = "above" if served[0] > t[0] else "below"
+    # named: served, now known to hold no None (every slot was named above)
+    elif all(s - k == 1 for s, k in zip(named, t, strict=True)) or all(k - s == 1 for s, k in zip(named, t,
+                                                                                                  strict=True)):
+        side = "above" if named[0] > t[0] else "below"
         rep.lines.append(f"likely cause: off by one (every stream one {side}): the ids were written in the other "
                          "convention than this model class reads (SGLang's llama-family classes add +1, deepseek_v2 "
                          "only when the first id is 1, gpt_oss not when max(id) == layers); take the ids from "

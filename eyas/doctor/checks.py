@@ -179,8 +179,8 @@ def _check_layout(rank: LayoutRanking, recorded: list[int], L: int, configured: 
     nums = {"recorded": recorded, "recorded_acc": rec.accuracy if rec else None,
             "recorded_loss": rec.loss if rec else None, "best": best.indices, "best_label": best.label,
             "best_acc": best.accuracy, "best_loss": best.loss, "tokens": rank.tokens, "baseline": rank.baseline,
-            "configured": {k: {"indices": v, "acc": (rank.find(v).accuracy if rank.find(v) else None),
-                               "loss": (rank.find(v).loss if rank.find(v) else None)}
+            "configured": {k: {"indices": v, "acc": (fv.accuracy if (fv := rank.find(v)) else None),
+                               "loss": (fv.loss if fv else None)}
                            for k, v in configured.items()}}
     if math.isnan(top_acc) or 100 * (top_acc - rank.baseline) <= BASELINE_MARGIN_POINTS:
         return Check("layout", "skip", f"inconclusive: no candidate layout predicts better than always proposing the "
@@ -291,7 +291,9 @@ def run_doctor(target, ckpt: DraftCheckpoint, *, data: Sequence[str | Path] | No
                         [f.final for f in fresh], evs, K, [f.labels for f in fresh], want_logits=True)
     train = None
     if all(s.stored_aux is not None for s in evs):
-        train = score_draft(draft, target, [s.stored_aux for s in evs], [s.stored_final for s in evs], evs, K)
+        feats = [s.stored_aux for s in evs if s.stored_aux is not None]  # all of them (just checked)
+        finals = [s.stored_final for s in evs if s.stored_final is not None]  # set with stored_aux (probe.samples)
+        train = score_draft(draft, target, feats, finals, evs, K)
     metric = (man.get("metrics") or {}).get("heldout_acc")
     rows = (man.get("metrics") or {}).get("heldout_rows")
     checks.append(_check_accuracy(serve, train, metric[:K] if metric else None, rows, serving.path,
@@ -362,8 +364,8 @@ def _training_data(man: dict[str, Any]) -> dict[str, Any]:
     (its row ids are the shards' row ids, so the held-out split can be rebuilt), whether replies were
     regenerated, and the regenerated folders' share of the training tokens (a mix of original and regenerated
     folders is weighed by kept tokens; manifests from before per-folder configs know only the first folder)."""
-    d = man.get("data") if isinstance(man.get("data"), dict) else {}
-    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    d = man["data"] if isinstance(man.get("data"), dict) else {}
+    cfg = d["config"] if isinstance(d.get("config"), dict) else {}
     configs = [c if isinstance(c, dict) else {} for c in d.get("configs") or [cfg]]
     regen = [bool(c.get("regenerate")) for c in configs]
     toks = d.get("kept_tokens") or d.get("folder_tokens")

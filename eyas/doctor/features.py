@@ -96,13 +96,14 @@ def check_data_layout(shard_layout, ckpt: DraftCheckpoint, sample: EvalSample, s
         problems.append(str(e).splitlines()[0])
         lines += str(e).splitlines()[1:]
     recorded = list(shard_layout.aux_indices)
+    assert sample.stored_aux is not None and sample.stored_final is not None  # a sample read from the shards
     H = sample.stored_aux.shape[-1] // max(len(recorded), 1)
     found = []
     errs = []
     for j, k in enumerate(recorded):
         sl = sample.stored_aux[:, j * H:(j + 1) * H].to(streams[0].device).float()
         err = {kk: float((sl - v.float()).norm() / v.float().norm().clamp_min(1e-12)) for kk, v in streams.items()}
-        kbest = min(err, key=err.get)
+        kbest = min(err, key=err.__getitem__)
         found.append(kbest)
         errs.append(err[kbest])
         lines.append(f"slice {j} (manifest: stream {k}): closest stream {kbest} at {100 * err[kbest]:.2f}% error"

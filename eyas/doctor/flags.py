@@ -133,8 +133,8 @@ def _spellings(cmd: ServeCommand, key: str) -> list[str]:
 def _lint_sglang(cmd: ServeCommand, info: DraftInfo, row: EngineRow) -> FlagLint:
     checks: list[Check] = []
     argv = list(cmd.argv)
-    for n in cmd.notes:
-        checks.append(Check("option_spelling", "warn", n, fix="use the full option names (corrected command)"))
+    for note in cmd.notes:  # not n: n is an int below (SGLANG_AUTO_PARAMS)
+        checks.append(Check("option_spelling", "warn", note, fix="use the full option names (corrected command)"))
     # canonicalise abbreviations in the corrected command
     for key, used in cmd.spellings.items():
         full = next(s for s, k in SGLANG_OPTIONS.items() if k == key)

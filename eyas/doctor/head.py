@@ -76,7 +76,7 @@ def check_head(draft: Eagle3Draft, serve: dict[str, Any], rank: LayoutRanking | 
     absent = [n for n, s in sig.items() if s in ("all zeros", "non-finite")]
     fix = "train the draft (or load the trained checkpoint); a head at its init gives accept length ~1.0"
     if absent:
-        return Check("head", "fail", f"{' and '.join(absent)} absent ({', '.join(sig[n] for n in absent)})",
+        return Check("head", "fail", f"{' and '.join(absent)} absent ({', '.join(str(sig[n]) for n in absent)})",
                      numbers=nums, details=evidence, fix=fix)
     if any(sig.values()) and (near_uniform or no_better):
         names = " and ".join(n for n, s in sig.items() if s)

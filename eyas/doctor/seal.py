@@ -49,6 +49,7 @@ def record(folder: Path, name: str, old: dict[str, Any] | None, bad: list[str]) 
         raise SealError(f"{path}: {why}; a sealed artifact holds its own files only: copy the file in instead")
     want = recorded_digest(old)
     if want:
+        assert old is not None  # it holds the digest
         why = damaged(path, old)
         if why is not None:
             algo = want.split(":", 1)[0]
@@ -107,7 +108,8 @@ def seal_manifest(folder: Path) -> list[str]:
         if new is not None:
             files[path.name] = new
             done.append(path.name)
-    for owner in (m, state):  # a record of a file that is gone is damage too, not something to keep quiet about
+    # a record of a file that is gone is damage too, not something to keep quiet about
+    for owner in (m, state or {}):
         for name, rec in ((owner or {}).get("files") or {}).items():
             if not (folder / name).is_file() and recorded_digest(rec):
                 bad.append(f"{folder / name}: it is missing")

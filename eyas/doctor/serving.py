@@ -335,7 +335,7 @@ def check_server(url: str, target, draft_spec: str, rows: ReplayRows, k: int | N
     sent = send_rows(url, rows, m, k, api_key, timeout, say)
     k, model, got, failed, before, after = sent.k, sent.model, sent.got, sent.failed, sent.before, sent.after
     seconds = {"server": sent.seconds}
-    base = dict(url=sent.url, model=model, k=k, prompts=len(rows), max_new_tokens=m,
+    base: dict[str, Any] = dict(url=sent.url, model=model, k=k, prompts=len(rows), max_new_tokens=m,
                 rows={"path": str(rows.path) if rows.path else None, "numerics": rows.numerics,
                       "streams": rows.streams}, flags=[c.to_dict() for c in checks],
                 export=asdict(facts) if facts else None)

@@ -98,8 +98,8 @@ def resolve_shape(info: dict[str, Any] | None, command: list[str] | None, given:
     command or --sglang (with SGLang's topk-1 rewrite applied) must agree with them, or stand in for them."""
     runs = None
     if info is not None:
-        vals = [info.get(k) for k in ("speculative_num_steps", "speculative_eagle_topk",
-                                      "speculative_num_draft_tokens")]
+        vals: list[Any] = [info.get(k) for k in ("speculative_num_steps", "speculative_eagle_topk",
+                                                 "speculative_num_draft_tokens")]
         if all(isinstance(v, int) and v > 0 for v in vals):
             runs = (vals[0], vals[1], vals[2])
     asked = _asked(command, given)
@@ -288,7 +288,7 @@ def check_sglang(url: str, target, draft_spec, rows: ReplayRows, answer: EngineA
         seconds = {"server": time.perf_counter() - t0}
     finally:
         cl.close()
-    base = dict(url=cl.url, model=model, k=shape.steps, prompts=len(rows), max_new_tokens=m,
+    base: dict[str, Any] = dict(url=cl.url, model=model, k=shape.steps, prompts=len(rows), max_new_tokens=m,
                 rows={"path": str(rows.path) if rows.path else None, "numerics": rows.numerics,
                       "streams": rows.streams}, flags=[c.to_dict() for c in checks],
                 export=asdict(facts) if facts else None, engine="sglang",

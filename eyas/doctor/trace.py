@@ -70,6 +70,9 @@ def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_n
     from ..engine.params import SamplingParams, TreeSettings
 
     eng = make_engine(EngineParts(target, ckpt, None), spec or TreeSettings().spec("tree", None))
+    # Any: the trace patches methods on these instances (restored below), which their declared types forbid
+    d: Any
+    tm: Any
     d, tm, tok = eng.draft, eng.model, target.tokenizer
     idx = list(ckpt.layout.aux_indices)
     H = target.hidden_size

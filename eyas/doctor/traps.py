@@ -50,7 +50,8 @@ def size_check(info: DraftInfo, row: EngineRow) -> Check:
     rules += [("target_hidden_size", ht, k, 0, ht, None) for k in w if k.startswith("fc_norm.")]
     if info.target_vocab:
         rules.append(("vocab_size", c.get("vocab_size"), "t2d", 0, info.target_vocab, None))
-    bad, edits = [], {}
+    bad: list[str] = []
+    edits: dict[str, int] = {}
     for key, value, tensor, axis, want, inv in rules:
         shape = w.get(tensor)
         if shape is None or want is None or len(shape) <= axis or shape[axis] == want:

@@ -29,11 +29,11 @@ norm(max(p-q, 0)) — the classic scheme, which gains when the draft spreads mas
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import torch
 
-from ..draft import DraftCheckpoint, check_draft_for_target
+from ..draft import DraftCheckpoint, Eagle3Draft, check_draft_for_target
 from ..native import kernels
 from ..native.quant import quantize_draft_q8
 from ..target.device import sync_device as _sync
@@ -65,7 +65,7 @@ class Engine:
         self.weights = "fp32" if native is None else "native" if native.act == "q8" else "native-bf16"
         self.weights_note: str | None = self.model.fallback  # why auto did not run native, if it did not
         self.device = self.model.device
-        self.draft = None
+        self.draft: Eagle3Draft | None = None
         self.draft_layer: kernels.DraftLayer | None = None  # a q8 draft's layer in one C call
         self.draft_manifest: dict | None = draft.manifest if draft is not None else None  # its training record
         self.draft_weights: str | None = None  # what auto resolved to, with a draft
@@ -121,7 +121,7 @@ class Engine:
         assert self.last_result is not None
         return self.last_result
 
-    def stream(self, input_ids: list[int], params: SamplingParams | None = None) -> Iterator[list[int]]:
+    def stream(self, input_ids: list[int], params: SamplingParams | None = None) -> Generator[list[int], None, None]:
         """Yield the new token ids of each round; afterwards `last_result` holds the GenResult."""
         params = params or SamplingParams()
         params.validate()
@@ -144,6 +144,7 @@ class Engine:
         self.last_result = None
         drafter = None
         if self.drafts:
+            assert self.draft is not None  # a drafting method loads its draft (__init__)
             drafter = TreeDrafter(self.draft, self.draft_layer, self.draft_ids, V, shape, self.spec.min_prob,
                                   self.device)
         return self._iterate(self._new_sequence(prompt, params, gen, need, shape), drafter)
@@ -153,6 +154,7 @@ class Engine:
         depth, topk, _ = shape
         draft_cache = None
         if self.drafts:
+            assert self.draft is not None  # a drafting method loads its draft (__init__)
             d = self.draft.config
             # the committed rows, then one round's tree rows as scratch past them
             rows = max_len + max(depth - 1, 0) * topk + 1
@@ -163,7 +165,7 @@ class Engine:
         return Sequence(prompt, params, gen, self.model.new_cache(1, max_len), draft_cache, stats)
 
     # -- the round loop ----------------------------------------------------------------------------
-    def _iterate(self, seq: Sequence, drafter: TreeDrafter | None) -> Iterator[list[int]]:
+    def _iterate(self, seq: Sequence, drafter: TreeDrafter | None) -> Generator[list[int], None, None]:
         # a separate generator so that stream() validates its arguments when called, not at the first next()
         t0 = time.perf_counter()
         yield from self._prefill(seq)
@@ -194,11 +196,13 @@ class Engine:
             seq.cache.length = b
             st.target_forwards += 1
             if self.drafts:
+                assert fo.aux is not None  # capture=aux_indices (a draft has at least one)
                 parts.append(fo.aux)
             if b < n:
                 _sync(dev)
                 st.prefill_s += time.perf_counter() - t1
                 yield []  # between chunks: the caller may run other requests' rounds here
+        assert fo.logits is not None  # the last chunk asked for logits="last"
         seq.root = seq.pick(fo.logits[0, -1])
         _sync(dev)
         st.prefill_s += time.perf_counter() - t1
@@ -215,6 +219,7 @@ class Engine:
         fo = self.model.forward(torch.tensor([[seq.root]], device=self.device),
                                 torch.tensor([[n]], device=self.device), seq.cache, logits="last")
         seq.cache.length = n + 1
+        assert fo.logits is not None  # logits="last"
         seq.root = seq.pick(fo.logits[0, -1])
         seq.stats.verify_s += time.perf_counter() - t1
         return [seq.root]
@@ -230,6 +235,7 @@ class Engine:
         v = verify(self.model, seq, tree, self.aux_indices if self.drafts else None)
         accepted = [tree.nodes[i].token for i in v.path[1:]] + [v.bonus]
         if self.drafts:
+            assert v.out.aux is not None  # verify captured aux_indices
             seq.features = v.out.aux[:, v.path]  # [1, len(path), nA*H] features at the accepted positions
             seq.rows_tokens = accepted
         seq.root = v.bonus

@@ -12,9 +12,9 @@ k = L the last layer's output before the final norm. Capture is a by-product of 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,7 @@ class _Layer:
     gu (or g, u) and d, each DenseLinear over the HF weights or a native quantized kind."""
     ln1: torch.Tensor
     ln2: torch.Tensor
-    mats: dict[str, Matmul]
+    mats: Mapping[str, Matmul]
     qn: torch.Tensor | None  # qwen3 per-head q/k RMSNorm weights
     kn: torch.Tensor | None
     act: nn.Module | None  # None = silu (fast path)
@@ -147,7 +147,9 @@ class TargetModel:
     With `native` (see eyas/native/quant.py) the decoder matrices and the head run from the GGUF's quantized
     weights and attention runs through eyas's row-invariant kernel; everything else is shared."""
 
-    def __init__(self, model: nn.Module, native: NativeWeights | None = None, kernel_attention: bool = False):
+    # model: a HF *ForCausalLM; its submodules vary by family, which nn.Module's __getattr__ (Tensor | Module)
+    # cannot say, so it and its parts are Any here
+    def __init__(self, model: Any, native: NativeWeights | None = None, kernel_attention: bool = False):
         cfg = check_family(model)
         self.hf = model
         self.native = native
@@ -166,8 +168,11 @@ class TargetModel:
         # the MoE families in fp32 on the CPU run every product and attention through eyas's row-invariant
         # kernels, so a verified row is the bits of the same row alone (rowwise.py); row_note says why not
         self.ops, self.row_note = ops_for(cfg.model_type, model.dtype, model.device, native is not None)
+        embed: Any
+        norm: Any
+        layers: Any
         embed, layers, norm = decoder_parts(model)
-        self.embed_weight = embed.weight
+        self.embed_weight: torch.Tensor = embed.weight
         self.norm_weight = norm.weight
         self.eps = float(cfg.rms_norm_eps)
         head = model.get_output_embeddings()
@@ -350,6 +355,7 @@ class TargetModel:
             q, k, v = w["q"](h), w["k"](h), w["v"](h)
         q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
         if L.qn is not None:
+            assert L.kn is not None  # q_norm and k_norm come together (qwen3)
             q, k = self._norm(q, L.qn, self.qk_eps), self._norm(k, L.kn, self.qk_eps)
         cos, sin = rope
         q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, S, hd]
@@ -396,11 +402,11 @@ class TargetModel:
         return None
 
     def _window_masks(self, mask: torch.Tensor | None, position_ids: torch.Tensor, start: int, T: int,
-                      slot_is_position: bool) -> dict[int, torch.Tensor]:
+                      slot_is_position: bool) -> dict[int | None, torch.Tensor]:
         """Per sliding-window size w that some key falls outside of: the mask [B|1, 1, S, T] of `mask` (None =
         all T keys) with keys w or more positions behind the query hidden (HF: kv > q - w). Committed slots
         hold position == slot; new rows hold position_ids (every slot, with per-row slots)."""
-        out: dict[int, torch.Tensor] = {}
+        out: dict[int | None, torch.Tensor] = {}  # keyed like self.windows, whose None (no window) is never set
         dev = self.device
         for w in {w for w in self.windows if w}:
             if T <= w:  # the query at the last position is at most T-1 < w positions past any key
@@ -431,8 +437,11 @@ class TargetModel:
         cache = self.new_cache(B, S)
         pos = torch.arange(S, device=self.device).expand(B, S)
         out = self.forward(input_ids.to(self.device), pos, cache, capture=list(indices), logits=logits)
+        assert out.final is not None  # capture= was passed
         post = self._norm(out.final, self.norm_weight, self.eps)
-        return Capture(aux=out.aux, final_prenorm=out.final, final_postnorm=post, logits=out.logits)
+        # aux is None only for no indices (eyas.probe.streams asks for stream L alone, then never reads aux)
+        return Capture(aux=cast(torch.Tensor, out.aux), final_prenorm=out.final, final_postnorm=post,
+                       logits=out.logits)
 
 
 class Bf16Stack:
@@ -456,4 +465,5 @@ class Bf16Stack:
                                     slots)
             h = kernels.add_rms_bf16(x, w["o"].mm_bf16(o), L.ln2, self.eps)
             pending = w["d"].mm_bf16(kernels.silu_mul_bf16(w["gu"].mm_bf16(h)))
+        assert pending is not None  # the stack has at least one layer
         return x + pending.float()

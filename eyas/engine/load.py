@@ -73,6 +73,7 @@ class EngineOptions:
 
     def spec(self) -> SpecParams:
         opts = self.resolved()
+        assert opts.method is not None  # resolved() decides it
         return opts.tree.spec(opts.method, opts.device, weights=opts.weights, draft_weights=opts.draft_weights)
 
 

@@ -20,6 +20,7 @@ row's visible latents in slot order, so a verified row's output is the bits it g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ class MLA:
     ops: Ops = TORCH_OPS
 
 
-def mla_of(cfg, attn: nn.Module, ops: Ops = TORCH_OPS) -> MLA:
+def mla_of(cfg, attn: Any, ops: Ops = TORCH_OPS) -> MLA:  # attn: HF's MLA attention (Any: its projections)
     if attn.kv_b_proj.bias is not None:
         raise ModelError("this MLA target's kv_b_proj has a bias, which eyas's absorbed attention does not carry")
     return MLA(q=getattr(attn, "q_proj", None), q_a=attn.q_a_proj, q_a_norm=attn.q_a_layernorm, q_b=attn.q_b_proj,
@@ -66,7 +67,7 @@ def mla_of(cfg, attn: nn.Module, ops: Ops = TORCH_OPS) -> MLA:
                interleave=bool(getattr(cfg, "rope_interleave", True)), ops=ops)
 
 
-def _norm(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _norm(m: Any, x: torch.Tensor) -> torch.Tensor:  # m: HF's RMSNorm (weight, variance_epsilon)
     return _rms(x, m.weight, float(m.variance_epsilon))  # MLA's own norms keep their own eps (1e-6 in HF)
 
 
@@ -91,7 +92,12 @@ def mla_attention(w: MLA, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     def lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return w.ops.linear(x, m.weight, m.bias)
 
-    q = lin(w.q, h) if w.q_a is None else lin(w.q_b, _norm(w.q_a_norm, lin(w.q_a, h)))
+    if w.q_a is None:
+        assert w.q is not None  # mla_of: without q_lora_rank there is q_proj
+        q = lin(w.q, h)
+    else:
+        assert w.q_b is not None and w.q_a_norm is not None  # with q_lora_rank: q_a, its norm and q_b together
+        q = lin(w.q_b, _norm(w.q_a_norm, lin(w.q_a, h)))
     q = q.view(B, S, w.heads, w.nope + w.rope).transpose(1, 2)  # [B, nh, S, nope + rope]
     q_nope, q_rot = q.split([w.nope, w.rope], dim=-1)
     latent, k_rot = lin(w.kv_a, h).split([w.rank, w.rope], dim=-1)  # [B, S, rank], [B, S, rope]

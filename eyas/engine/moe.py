@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +117,7 @@ def _glu_experts(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, ops: 
     return expert
 
 
-def _clamped_swiglu_experts(ex: nn.Module, ops: Ops) -> Expert:
+def _clamped_swiglu_experts(ex: Any, ops: Ops) -> Expert:  # ex: HF's experts module (Any: family attributes)
     """gpt-oss: gate_up [E, H, 2I] with gate and up interleaved by column, down [E, I, H], both biased."""
     alpha, limit = float(ex.alpha), float(ex.limit)
 
@@ -129,7 +130,7 @@ def _clamped_swiglu_experts(ex: nn.Module, ops: Ops) -> Expert:
     return expert
 
 
-def _dense_mlp(m: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
+def _dense_mlp(m: Any, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:  # m: HF's gated MLP module
     def mlp(h: torch.Tensor) -> torch.Tensor:
         g = ops.pointwise(m.act_fn, ops.linear(h, m.gate_proj.weight, None))
         return ops.linear(g * ops.linear(h, m.up_proj.weight, None), m.down_proj.weight, None)
@@ -140,7 +141,7 @@ def moe_mlp(cfg, i: int, layer: nn.Module, ops: Ops = TORCH_OPS) -> MoE | None:
     """Layer i's routed MLP over its HF weights, or None for a dense layer (the engine's gated MLP runs it)."""
     if not sparse_layer(cfg, i):
         return None
-    m = layer.mlp
+    m: Any = layer.mlp  # HF's MoE block: gate, router, shared_experts vary by family
     ex = getattr(m, "experts", None)
     if ex is None or not isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor):
         raise ModelError(f"{cfg.model_type} layer {i}: expected HF's fused expert tensors (experts.gate_up_proj), "

@@ -61,7 +61,8 @@ class SamplingParams:
 # step ~15%, so only a small pruned tree plus lookup comes near plain decoding with today's draft; a GPU verifies
 # dozens of rows for about the price of one. CUDA's is the engine's full tree (SpecParams' own defaults, what the
 # doctor's trace follows).
-FULL_TREE = {"steps": 4, "depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}
+# Any: the int knobs and min_prob's float share one dict (SpecParams reads each as its own field type)
+FULL_TREE: dict[str, Any] = {"steps": 4, "depth": 4, "topk": 4, "tokens": 16, "lookup": 0, "min_prob": 0.0}
 TREE_DEFAULTS = {"cpu": {**FULL_TREE, "depth": 2, "topk": 2, "tokens": 3, "lookup": 4, "min_prob": 0.35},
                  "cuda": FULL_TREE}
 

@@ -45,5 +45,6 @@ def input_ids(tokenizer, prompt: str | None, messages: list[dict] | None, raw: b
     if messages is not None:
         return chat_input_ids(tokenizer, messages)
     if raw:
+        assert prompt is not None  # the commands take exactly one of --prompt and --messages
         return raw_ids(tokenizer, prompt)
     return chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])

@@ -5,7 +5,7 @@ sequences is a list of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -98,8 +98,9 @@ class Sequence:
 
     def find_stop(self, tokenizer: PreTrainedTokenizerBase) -> int | None:
         """Smallest token count whose text contains a stop string (only counts not yet searched)."""
-        hit = stop_cut(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), self.out, self.params.stop,
-                       self.text_checked + 1)
+        # decode of one id list is a str (transformers types it str | list[str], for batches too)
+        hit = stop_cut(lambda ids: cast(str, tokenizer.decode(ids, skip_special_tokens=True)), self.out,
+                       self.params.stop, self.text_checked + 1)
         if hit is not None:
             k, self.stop_text = hit
             return k
@@ -107,6 +108,7 @@ class Sequence:
         return None
 
     def result(self, tokenizer: PreTrainedTokenizerBase) -> GenResult:
-        text = self.stop_text if self.stop_text is not None else tokenizer.decode(self.out, skip_special_tokens=True)
+        text = self.stop_text if self.stop_text is not None else \
+            cast(str, tokenizer.decode(self.out, skip_special_tokens=True))
         return GenResult(token_ids=list(self.out), text=text, finish_reason=self.finish or "length",
                          stats=self.stats)

@@ -99,6 +99,7 @@ class TreeDrafter:
         """Rows hidden [1,R,H], ids/pos [1,R] written at draft-cache rows [slot, slot+R) -> layer out [1,R,H].
         mask [1,1,R,slot+R] bool over cache+new."""
         d, cache = self.draft, seq.draft_cache
+        assert cache is not None  # the drafter runs on sequences that have a draft
         seq.stats.draft_forwards += 1
         if self.layer is not None:
             return self.layer(hidden, d.embed(ids), pos, cache.keys, cache.values, slot, mask)
@@ -128,6 +129,7 @@ class TreeDrafter:
     def _catch_up(self, seq: Sequence) -> tuple[int, torch.Tensor]:
         """Step 0 over the rows accepted since the last round -> (committed rows n, the root's output [1, 1, H])."""
         d, dev, cache = self.draft, self.device, seq.draft_cache
+        assert cache is not None and seq.features is not None  # a drafted sequence: its prefill set both
         m, n0 = len(seq.rows_tokens), cache.length
         n = n0 + m  # == target cache length; the root x_n sits at position n
         pos = torch.arange(n0, n, device=dev)[None]

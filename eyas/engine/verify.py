@@ -34,6 +34,7 @@ def verify(model: TargetModel, seq: Sequence, tree: Tree, capture: list[int] | N
     ids = torch.tensor([[c.token for c in nodes]], device=dev)  # [1, S]
     pos = (torch.tensor([c.depth for c in nodes], device=dev) + n)[None]  # [1, S]
     fo = model.forward(ids, pos, seq.cache, tree_mask=tree.ancestor_mask().to(dev), capture=capture, logits="all")
+    assert fo.logits is not None  # logits="all"
     logits = fo.logits[0]  # [S, V]
     if seq.gen is None:
         path, bonus = greedy_walk(tree, logits, seq.stats)

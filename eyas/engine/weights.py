@@ -73,6 +73,7 @@ def native_weights(target: Target, act: str = "q8") -> NativeWeights:
 
     cached = target.native_cache if target.native_cache is not None and target.native_cache.act == act else None
     if cached is None:
+        assert target.gguf is not None  # engine_model asks for native weights of a GGUF target only
         check_family(target.model)
         cfg = text_config(target.model.config)
         heads = int(cfg.num_attention_heads)

@@ -211,6 +211,7 @@ def export_draft(draft: str | Path | DraftCheckpoint, fmt: str, out: str | Path,
     ckpt = draft if isinstance(draft, DraftCheckpoint) else load_draft(draft)
     cfg = ckpt.model.config
     layout, order = export_layout(ckpt.layout, fmt)
+    assert layout.target is not None  # export_layout refuses a layout without one
     L, aux = layout.target.num_layers, list(ckpt.layout.aux_indices)
     recorded = target or recorded_target(ckpt) or layout.target.name or "TARGET"
     serve_as = serving_target(str(recorded))
@@ -274,6 +275,7 @@ def installed_sglang_ids(config: dict[str, Any], layout: Layout) -> list[str]:
     from ..aux_rules import invert, newest
     from ..doctor.installed import derived_rules, installed_source
 
+    assert layout.target is not None  # an export layout (export_layout)
     src, arch, L = installed_source("sglang"), layout.target.architecture, layout.target.num_layers
     if src is None or not arch:
         return []
@@ -336,6 +338,7 @@ def export_layout(layout: Layout, fmt: str) -> tuple[Layout, list[int]]:
     if order != list(range(len(aux))):
         layout = Layout(aux_indices=[aux[i] for i in order], capture_final=layout.capture_final,
                         target=layout.target, norms=dict(layout.norms))
+    assert layout.target is not None  # checked above; the reordered copy keeps it
     try:
         if fmt == "sglang":  # what SGLang can capture depends on the release and the target's model class
             sglang_ids(layout.aux_indices, L, layout.target.architecture)
@@ -391,7 +394,7 @@ def recorded_target(ckpt: DraftCheckpoint) -> str | None:
     from ..target.family import BUNDLED
 
     m = ckpt.manifest
-    t = m.get("target") if isinstance(m.get("target"), dict) else {}
+    t = m["target"] if isinstance(m.get("target"), dict) else {}
     name = ckpt.layout.target.name if ckpt.layout.target is not None else ""
     return m.get("target_source") or t.get("source") or (name if name in BUNDLED else None)
 

@@ -222,7 +222,7 @@ def detect_format(config: dict[str, Any]) -> tuple[str, str]:
 # ---- draft config from a foreign config + its weights --------------------------------------------
 
 def _rope_theta(c: dict[str, Any], notes: list[str]) -> float:
-    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    rp = c["rope_parameters"] if isinstance(c.get("rope_parameters"), dict) else {}
     scaling = c.get("rope_scaling")
     for what, kind in (("rope_scaling", (scaling or {}).get("rope_type") or (scaling or {}).get("type")),
                        ("rope_parameters", rp.get("rope_type"))):
@@ -240,7 +240,7 @@ def _rope_theta(c: dict[str, Any], notes: list[str]) -> float:
 def _check_norm_flags(config: dict[str, Any], notes: list[str]) -> None:
     """Refuse the norms eyas's draft does not have (norm_before_fc anywhere, speculators' norm_output: the post-norm
     state fed back); fc_norm (EAGLE 3.1) is eyas's own."""
-    ec = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    ec = config["eagle_config"] if isinstance(config.get("eagle_config"), dict) else {}
     if config.get("norm_before_fc") or ec.get("norm_before_fc"):
         raise FormatError("norm_before_fc: true (one RMSNorm over the concatenated aux states): eyas's draft has the "
                           "per-state fc_norm of EAGLE 3.1 instead, so its outputs would differ")

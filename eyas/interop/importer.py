@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from safetensors.torch import load_file
@@ -140,7 +140,11 @@ def _decide_layout(readings: Readings, foreign: Foreign, found: IdsFound, aux_in
     decided_by, stream = None, None
     if aux_indices is not None or aux_ids is not None:
         try:
-            stream = list(aux_indices) if aux_indices is not None else from_engine_ids(aux_ids, ids_convention, L)
+            if aux_indices is not None:
+                stream = list(aux_indices)
+            else:
+                assert aux_ids is not None and ids_convention is not None  # the if above; check_import_options
+                stream = from_engine_ids(aux_ids, ids_convention, L)
         except LayoutError as e:
             raise ExportError(str(e)) from e
         decided_by = ("--aux-indices" if aux_indices is not None
@@ -258,7 +262,7 @@ def _as_captured(stream: list[int], decided_by: str, n_aux: int, notes: list[str
 
 
 def _refuse_undecided(why: str, found: IdsFound, readings: Readings, inference: dict[str, Any] | None,
-                      infer: bool) -> None:
+                      infer: bool) -> NoReturn:
     """No layout could be decided: name every reading, what inference found, and the flags that pick one."""
     lines = [f"cannot tell which target layers this draft reads ({why}; ids found: {found.to_dict()})."]
     lines += [f"  - {n}: stream {s}" for n, s in readings.candidates.items()]
@@ -309,6 +313,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     notes += readings.notes
     stream, decided_by = _decide_layout(readings, foreign, found, aux_indices, aux_ids, ids_convention, L, warnings)
     if n_aux != (len(stream) if stream is not None else n_aux):
+        assert stream is not None  # the condition
         raise ExportError(f"fc.weight takes {n_aux} x {Ht} inputs but the layout has {len(stream)} indices {stream}")
     cfg = draft_config_from(foreign.config, sd, n_aux, notes)
     if cfg.target_hidden_size != Ht:
@@ -322,6 +327,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     if infer and (readings.ambiguous or stream is None or len(readings.candidates) > 1):
         inference = _inference(target, model, readings, found, n_aux, infer_samples)
     if inference is not None:
+        best: Any  # the chosen stream indices when inference is confident
         chosen, best = inference.get("chosen"), inference.get("aux_indices")
         if stream is None and inference["confident"]:
             stream, decided_by = list(best), f"doctor inference: {chosen}"
@@ -332,6 +338,7 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
         _refuse_undecided(why, found, readings, inference, infer)
     if readings.ambiguous and inference is None and decided_by and not decided_by.startswith("--"):
         warnings.append(f"the ids were ambiguous; using {decided_by} because you passed --format {fmt}")
+    assert decided_by is not None  # set with stream
     stream = _as_captured(stream, decided_by, n_aux, notes)
     layout = Layout(aux_indices=stream, target=ident)
     info = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class AutoChoice:
     why: str
 
 
-def probe(isa: str) -> dict[str, float]:
+def probe(isa: str) -> dict[str, Any]:  # native_s, fp32_s; isa and shape for the record
     """Seconds for one [1, K] x [N, K]^T product: eyas's 4-bit kernel (8-bit activations) and torch's fp32, each
     the minimum of PROBE_RUNS after one warm-up."""
     N, K = PROBE_SHAPE
@@ -65,7 +66,7 @@ def probe(isa: str) -> dict[str, float]:
             "fp32_s": best(lambda: torch.nn.functional.linear(x, w)), "isa": isa, "shape": [N, K]}
 
 
-def measured(isa: str) -> dict[str, float]:
+def measured(isa: str) -> dict[str, Any]:
     """The probe for variant `isa`, from the cache when this library has run it before."""
     path = cache_dir() / "kernels" / f"{PREFIX}{kernels.library_key()['tag']}.speed.json"
     try:

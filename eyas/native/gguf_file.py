@@ -71,7 +71,7 @@ def _read(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
         if pos + size > len(buf):
             raise GGUFError(f"{path}: the GGUF header ends early at byte {pos} (a truncated download?); "
                             "fetch the file again")
-        v = struct.unpack_from(fmt, buf, pos)[0]
+        v = struct.unpack_from(fmt, buf, pos)[0]  # type: ignore[arg-type]  # numpy types __buffer__ on 3.12+ only
         pos += size
         return v
 

@@ -12,6 +12,7 @@ import ctypes
 import os
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -330,7 +331,10 @@ class DraftLayer:
     draft step instead of ~60 torch ops. q|k|v and gate|up are fused once here; RoPE comes from a cached table."""
 
     def __init__(self, draft: torch.nn.Module):
-        c, L = draft.config, draft.midlayer
+        # The midlayer's matrices are Q8Linear swapped in by quantize_draft_q8, so typed lookups through
+        # nn.Module.__getattr__ (Tensor | Module) say nothing useful here.
+        c: Any = draft.config
+        L: Any = draft.midlayer
         a, m = L.self_attn, L.mlp
         mats = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
         if any(not hasattr(x, "q") or x.bias is not None for x in mats):

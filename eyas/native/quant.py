@@ -18,10 +18,10 @@ stores q/k rows permuted for its RoPE layout).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -236,7 +236,9 @@ def native_misfit(gguf: Path, num_layers: int) -> str | None:
     return None
 
 
-def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torch.nn.Module, num_heads: int,
+# head_module: HF's output head, Any because its bias is None or a Tensor by family (nn.Module's __getattr__
+# types both Tensor | Module)
+def load_native(gguf: Path, layers: Iterable[torch.nn.Module], head_module: Any, num_heads: int,
                 num_kv_heads: int, act: str = "q8") -> NativeWeights:
     """Read `gguf`'s quantized matrices for `layers` and `head_module` (the decoder layers and output head of
     the HF model transformers loaded from that file).
@@ -247,6 +249,7 @@ def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torc
     tensors = read_gguf_tensors(gguf)
     types: dict[str, int] = {}
     out: list[dict[str, QLinear]] = []
+    t: GGUFTensor | None  # a layer's tensor below, then the head's, which may be absent
     short = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "g",
              "ffn_up": "u", "ffn_down": "d"}
     for i, layer in enumerate(layers):
@@ -271,8 +274,8 @@ def load_native(gguf: Path, layers: Sequence[torch.nn.Module], head_module: torc
         for fused, names in (("qkv", "qkv"), ("gu", "gu")):
             kinds = {parts[c][0] for c in names}
             if len(kinds) == 1:
-                mats[fused] = _pack(act, kinds.pop(), *(torch.cat([parts[c][j] for c in names]) for j in (1, 2, 3)),
-                                    _cat_bias([parts[c] for c in names]))
+                q, d, m = (torch.cat([parts[c][j] for c in names]) for j in (1, 2, 3))
+                mats[fused] = _pack(act, kinds.pop(), q, d, m, _cat_bias([parts[c] for c in names]))
             else:
                 mats.update({c: _pack(act, *parts[c]) for c in names})
         out.append(mats)
@@ -300,6 +303,10 @@ class Q8Linear(torch.nn.Module):
     draft per step, and integer dot products.
     The draft only proposes tokens, so this cannot change what the target accepts, only how often."""
 
+    q: torch.Tensor  # buffers registered in __init__ (nn.Module's __getattr__ alone types them Tensor | Module)
+    d: torch.Tensor
+    t: torch.Tensor
+
     def __init__(self, lin: torch.nn.Linear):
         super().__init__()
         w = lin.weight.detach().float().cpu()
@@ -324,7 +331,10 @@ class Q8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_draft_q8(model: torch.nn.Module) -> torch.nn.Module:
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def quantize_draft_q8(model: _M) -> _M:
     """A copy of a draft with every nn.Linear replaced by Q8Linear (CPU, fp32 activations)."""
     import copy
 

@@ -107,7 +107,7 @@ def _read(tokenizer, source: str, num: int, max_len: int, heldout_pct: float | N
     from ..data.conversations import DataError, iter_source, tokenize_conversation
     from ..data.shards import is_heldout
 
-    convs = []
+    convs: list[Any] = []  # what iter_source yields that has messages (a Conversation)
     seen = 0
     for item in iter_source(source):
         seen += 1

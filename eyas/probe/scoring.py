@@ -120,8 +120,8 @@ def score_draft(draft: Eagle3Draft, target, feats: list[torch.Tensor], finals: l
                 ent_n += int(valid.sum())
     correct, count = per_correct.sum(0), per_count.sum(0)  # [steps]
     acc = [(int(c) / int(n)) if n else float("nan") for c, n in zip(correct, count, strict=True)]
-    out = {"correct": correct.tolist(), "count": count.tolist(), "acc": acc,
-           "sample_correct": per_correct.tolist(), "sample_count": per_count.tolist()}
+    out: dict[str, Any] = {"correct": correct.tolist(), "count": count.tolist(), "acc": acc,
+                           "sample_correct": per_correct.tolist(), "sample_count": per_count.tolist()}
     if want_rows:
         out["rows"] = torch.cat(rows) if rows else torch.zeros(0)
         out["loss"] = float(out["rows"].mean()) if out["rows"].numel() else float("nan")

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..draft import Eagle3Draft
 from ..train.ttt import target_labels
 from .samples import EvalSample
+
+if TYPE_CHECKING:
+    from ..engine.forward import TargetModel
 
 
 class Serving:
@@ -26,7 +30,7 @@ class Serving:
         # only the family decides the fallback: any other refusal (a --weights mode that cannot apply) is the
         # user's to see, not a silent switch to another forward
         if engine_covers(target.identity.model_type):
-            self.fwd = engine_model(target, weights)
+            self.fwd: TargetModel | None = engine_model(target, weights)
             mode = "native GGUF weights" if self.fwd.native is not None else "fp32 weights"
             self.path = f"eyas.engine.forward.TargetModel (the engine's forward, {mode})"
             self.short = "engine forward"

@@ -204,6 +204,7 @@ def capture_rows_eyas(target, prompts: list[list[int]], max_new_tokens: int, str
         fo = tm.forward(torch.tensor([seq[:n]], device=tm.device), torch.arange(n, device=tm.device)[None], cache,
                         capture=streams, logits="none")
         toks.append(seq)
+        assert fo.aux is not None  # capture=streams, the draft's (never empty)
         states.append(fo.aux[0].reshape(n, len(streams), H).float().cpu())  # [n, n_streams, H]
     return ReplayRows(tokens=toks, prompt_lens=[len(p) for p in prompts], states=states, streams=list(streams),
                       max_new_tokens=max_new_tokens, eos=eos, identity=target.identity,

@@ -109,10 +109,12 @@ def tokenize(req: GenRequest, tokenizer: Any, lock: threading.Lock) -> list[int]
     alone — the engine worker decodes with its own, so tokenizing never waits on a generation)."""
     with lock:
         if req.kind == "chat":
+            assert req.messages is not None  # a validated chat request has them
             try:
                 return list(chat_input_ids(tokenizer, req.messages))
             except (EngineError, EyasError) as e:  # EyasError: the template's TemplateError (raise_exception)
                 raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        assert isinstance(req.prompt, str)  # prepare tokenizes text prompts only
         return raw_ids(tokenizer, req.prompt)
 
 
@@ -124,6 +126,7 @@ async def prepare(req: GenRequest, cfg: ServeConfig, encode: Callable[[GenReques
         check_text_size(req, cfg)
         input_ids = await asyncio.to_thread(encode, req)
     else:
+        assert req.prompt is not None  # a validated completion request has one
         bad = [t for t in req.prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"'prompt' token ids must be in 0..{vocab - 1}; found {bad[:5]}.", param="prompt",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -233,8 +233,11 @@ def protocol_class() -> type:
 
     connection = connection_class()
 
-    class BoundedH11Protocol(half_close_mixin(), H11Protocol):
+    # the mixin is a class made at call time (h11 is imported lazily), which mypy cannot take as a base
+    class BoundedH11Protocol(half_close_mixin(), H11Protocol):  # type: ignore[misc]
         head_deadline: asyncio.TimerHandle | None = None
+        transport: Any  # a LingeringTransport (connection_made)
+        conn: Any  # a HeadBoundConnection (connection_class)
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any):
             super().__init__(config, *args, **kwargs)
@@ -256,7 +259,8 @@ def protocol_class() -> type:
                 self.transport.close()
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(LingeringTransport(transport, self.loop))
+            # duck-typed: it forwards what it does not override to the real transport
+            super().connection_made(cast(asyncio.Transport, LingeringTransport(transport, self.loop)))
             self.arm()
 
         def data_received(self, data: bytes) -> None:
@@ -287,7 +291,8 @@ def protocol_class() -> type:
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self.arm()
 
-        def eof_received(self) -> bool | None:
+        # asyncio.Protocol's eof_received returns bool | None (True: keep the socket open); uvicorn's says None
+        def eof_received(self) -> bool | None:  # type: ignore[override]
             if self.transport.lingering:  # the client read the response and closed its side
                 self.transport.close_now()
                 return None

@@ -140,7 +140,8 @@ def enable_faulthandler() -> None:
     try:
         faulthandler.enable(file=sys.stderr, all_threads=True)
     except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr replaced by an object without a fd
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        if sys.__stderr__ is not None:  # None without a console: no stream to write a crash to
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 
 @contextmanager

@@ -50,7 +50,7 @@ class Metrics:
         "eyas_spec_seconds_total": ("counter", "engine time by phase (prefill, draft, verify)"),
     }
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple, float]] = {}
         self._hist: dict[str, dict[tuple, list[float]]] = {}  # per label set: bucket counts + [sum, count]

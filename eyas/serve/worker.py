@@ -29,8 +29,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..engine.params import EngineError
@@ -189,7 +190,7 @@ class Worker:
                 self._end(job, Event("error", error=shutting_down()))
             elif job.cancelled.is_set():  # the client left while it waited: never start it
                 self.abandoned(job, "queued", "before it started")
-            elif (run := self._guard(job, lambda job=job: _Running(self, job))) is not None:
+            elif (run := self._guard(job, partial(_Running, self, job))) is not None:
                 started.append(run)
                 short += not job.long
         started.sort(key=lambda r: len(r.job.input_ids))
@@ -264,7 +265,7 @@ class _Running:
         self.ts = TextStream(worker.tokenizer, job.stop, job.params.max_new_tokens)
         # the engine applies the same stop sequences and token limit, so it ends on the round where the
         # text ends and its GenResult (acceptance stats) is complete
-        self.stream: Iterator[list[int]] = worker.engine.stream(job.input_ids, job.params)
+        self.stream: Generator[list[int], None, None] = worker.engine.stream(job.input_ids, job.params)
         self.prefilling = True  # no token yet: its rounds so far were prefill chunks
         self.chunks = 0  # prefill chunks run (for the line logged if its client leaves)
         worker.metrics.inc("eyas_generations_started_total")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,8 +13,11 @@ from torch import nn
 from ..layout import Layout
 from .family import TargetError
 
+if TYPE_CHECKING:  # transformers loads with the target (eyas.target.load), after hub_offline()
+    from transformers import PreTrainedModel
 
-def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+
+def decoder_parts(model: PreTrainedModel) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
     """(embedding, decoder layer list, final norm) of a HF decoder-only model."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -38,7 +41,7 @@ def _first_tensor(x):
 
 
 @contextmanager
-def stream_hooks(model: nn.Module, indices: list[int]):
+def stream_hooks(model: PreTrainedModel, indices: list[int]):
     """Record stream indices (and post-norm final) into a dict during a forward."""
     _, layers, norm = decoder_parts(model)
     L = len(layers)
@@ -69,7 +72,7 @@ def stream_hooks(model: nn.Module, indices: list[int]):
 
 
 @torch.no_grad()
-def capture(model: nn.Module, input_ids: torch.Tensor, layout: Layout | list[int],
+def capture(model: PreTrainedModel, input_ids: torch.Tensor, layout: Layout | list[int],
             attention_mask: torch.Tensor | None = None, logits: str = "none") -> Capture:
     """One forward; returns features by the layout. logits: 'none' | 'last' | 'all'."""
     indices = layout.aux_indices if isinstance(layout, Layout) else list(layout)
@@ -91,7 +94,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, layout: Layout | list[int
 
 
 @torch.no_grad()
-def stream_norms(model: nn.Module, input_ids_list: list[torch.Tensor], indices: list[int]) -> dict[str, float]:
+def stream_norms(model: PreTrainedModel, input_ids_list: list[torch.Tensor], indices: list[int]) -> dict[str, float]:
     """Mean per-token L2 norm of each stream index (and the final pre-norm) over some prompts."""
     _, layers, _ = decoder_parts(model)
     L = len(layers)

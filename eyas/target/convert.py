@@ -74,7 +74,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     except Exception as e:  # noqa: BLE001 - as above
         raise unreadable(e) from e
     # the quantizer would otherwise be saved into config.json and demand the GGUF again at load
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # set by transformers' loader, undeclared on the model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 

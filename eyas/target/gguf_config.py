@@ -21,7 +21,7 @@ from .family import TargetError
 
 # llama.cpp `general.architecture` values whose keys this module reads (transformers' model_type differs for gemma3)
 _ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the converter computes the divisors in float32
+_TOL: dict[str, Any] = dict(rtol=1e-5, atol=1e-6)  # fp32: the converter computes the divisors in float32
 
 
 def llama3_divisors(theta: float, dim: int, factor: float, low: float, high: float, orig: float) -> torch.Tensor:
@@ -151,7 +151,7 @@ def gguf_overrides(gguf: Path) -> dict[str, Any]:
     Raises TargetError for a file whose model eyas cannot compute as llama.cpp does."""
     from ..native.gguf_file import read_gguf_metadata, read_gguf_tensors
 
-    meta = read_gguf_metadata(gguf)
+    meta: dict[str, Any] = read_gguf_metadata(gguf)  # scalars and strings by key: each read as its type below
     arch = meta.get("general.architecture")
     if arch == "qwen3moe":  # transformers' GGUF reader leaves the experts' width at Qwen3MoeConfig's default
         width = meta.get("qwen3moe.expert_feed_forward_length")

@@ -7,10 +7,13 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is imported at load time, after hub_offline()
+    from transformers import PreTrainedModel
 
 from ..files import cache_dir, read_json
 from ..layout import Layout, TargetIdentity
@@ -44,7 +47,7 @@ def _check_weight_files(paths: list[Path], fix: str) -> None:
 
 @dataclass
 class Target:
-    model: nn.Module  # a HF *ForCausalLM
+    model: PreTrainedModel  # a HF *ForCausalLM
     tokenizer: Any
     identity: TargetIdentity
     source: str  # what the user passed
@@ -78,7 +81,7 @@ class Target:
         return Layout.default_for(self.identity, aux_indices)
 
     def embed_tokens(self) -> nn.Embedding:
-        return self.model.get_input_embeddings()
+        return cast(nn.Embedding, self.model.get_input_embeddings())  # an nn.Embedding (or a scaled subclass)
 
     def final_norm(self) -> nn.Module:
         return decoder_parts(self.model)[2]
@@ -149,7 +152,7 @@ def end_token_ids(tokenizer: Any, model: nn.Module | None = None, needed_for: st
     return sorted(ids)
 
 
-def identity_of(model: nn.Module, fingerprint: str, name: str = "") -> TargetIdentity:
+def identity_of(model: PreTrainedModel, fingerprint: str, name: str = "") -> TargetIdentity:
     cfg = model.config
     cfg = text_config(cfg)
     return TargetIdentity(
@@ -181,7 +184,7 @@ def _cache_entry_ok(folder: Path, fp: str, gguf: Path | None = None) -> bool:
     return gguf is None or overrides_hold(saved, gguf_overrides(gguf))
 
 
-def _meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+def _meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -242,6 +245,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         raise TargetError(f"transformers could not load the tokenizer of {folder} ({type(e).__name__}: "
                           f"{_first_line(e)}); the folder needs the model's tokenizer files (tokenizer.json, "
                           "tokenizer_config.json: save the tokenizer into it with save_pretrained)") from e
+    model: PreTrainedModel
     try:
         if load_weights:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype,
@@ -253,7 +257,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
         # unknown architecture, wrong field types, weights of other shapes): the user's folder, not a bug in eyas
         raise TargetError(f"transformers could not load a causal LM from {folder} ({type(e).__name__}: "
                           f"{_first_line(e)}); {fix}") from e
-    model.to(dev).eval()
+    model.to(dev).eval()  # type: ignore[arg-type]  # transformers: @wraps(nn.Module.to) types it unbound
     model.requires_grad_(False)
     ident = identity_of(model, fp, name)
     return Target(model=model, tokenizer=tok, identity=ident, source=spec, path=folder,

@@ -35,6 +35,7 @@ def warm_start(cfg: TrainConfig, layout: Layout, counts: torch.Tensor,
     at the mean of the old rows (an average logit), rows of dropped tokens go."""
     from ..draft import DraftError, load_draft
 
+    assert cfg.init_from is not None  # called for --init-from only (prepare)
     try:
         ck = load_draft(cfg.init_from)
     except DraftError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -88,7 +88,7 @@ class StepStats:
         steps = self.ce_sum.numel()
         head = torch.tensor([self.loss, float(self.tokens)], dtype=torch.float64)
         flat = dd.sum_(torch.cat([head, self.ce_sum, self.correct, self.count]).to(device)).cpu()
-        (loss, tokens), ce, correct, count = flat[:2].tolist(), *flat[2:].split(steps)
+        (loss, tokens), (ce, correct, count) = flat[:2].tolist(), flat[2:].split(steps)
         return StepStats(loss, ce, correct, count, int(tokens))
 
 
@@ -150,10 +150,11 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, source, refs: lis
     else:  # more ranks than samples in this batch: zero gradients, but join every reduction
         dd.sum_(torch.zeros(steps, dtype=torch.long, device=device))
     if dd.world > 1:  # sum (not average): each rank's loss is already divided by the global counts
-        flat = dd.sum_(torch.cat([p.grad.reshape(-1) for p in params]))
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # never None: the loop allocates them up front
+        flat = dd.sum_(torch.cat([grad.reshape(-1) for grad in grads]))
         off = 0
-        for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+        for p, grad in zip(params, grads, strict=True):
+            grad.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
         stats = stats.all_reduce(dd, device)
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

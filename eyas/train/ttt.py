@@ -36,10 +36,11 @@ class TTTOutput:
     step_loss: torch.Tensor  # [steps] mean soft CE per step over its valid rows (detached; 0 where none)
     step_correct: torch.Tensor  # [steps] long: draft argmax (as target id) == target full-vocab argmax
     step_count: torch.Tensor  # [steps] long: valid rows per step
-    step_loss_sum: torch.Tensor = None  # [steps] summed CE per step (detached), for exact aggregation
+    # required (ttt_forward always sets them), keyword-only so that they may follow logits' default
+    step_loss_sum: torch.Tensor = field(kw_only=True)  # [steps] summed CE per step (detached), for exact aggregation
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, S_j, Vd] when return_logits
-    row_correct: torch.Tensor = None  # [B, steps] long: step_correct per batch row (per conversation)
-    row_count: torch.Tensor = None  # [B, steps] long: step_count per batch row
+    row_correct: torch.Tensor = field(kw_only=True)  # [B, steps] long: step_correct per batch row (per conversation)
+    row_count: torch.Tensor = field(kw_only=True)  # [B, steps] long: step_count per batch row
 
 
 @torch.no_grad()
@@ -181,6 +182,7 @@ def ttt_forward(draft: Eagle3Draft, aux: torch.Tensor, final: torch.Tensor, inpu
         else:
             diag_k = [d[:, :, :n] for d in diag_k] + [k]
             diag_v = [d[:, :, :n] for d in diag_v] + [v]
+        assert k0 is not None and v0 is not None  # set at j == 0
         attn = ttt_attend(q, k0[:, :, :n], v0[:, :, :n], diag_k, diag_v)
         out = draft.finish(attn, hidden)  # [B, n, H]
         logits = draft.logits(out).float()  # [B, n, Vd]

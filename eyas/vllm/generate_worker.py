@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 SPEC_COUNTERS = {  # vllm/v1/spec_decode/metrics.py names -> result keys
     "vllm:spec_decode_num_drafts": "drafts",
@@ -36,7 +37,7 @@ def spec_counters(llm, k: int) -> dict:
     accepted_per_pos[i] = drafts whose token at draft position i was accepted (so its prefix was too)."""
     from vllm.v1.metrics.reader import Counter, Vector
 
-    out = {key: 0 for key in SPEC_COUNTERS.values()}
+    out: dict[str, Any] = {key: 0 for key in SPEC_COUNTERS.values()}  # counts, and accepted_per_pos's list
     per_pos = [0] * k
     for m in llm.get_metrics():
         if isinstance(m, Counter) and m.name in SPEC_COUNTERS:
@@ -93,14 +94,15 @@ def main(request_path: str, out_dir: str) -> None:
         o = res.outputs[0]
         ids = [int(x) for x in o.token_ids]
         outputs.append({"token_ids": ids, "seconds": dt, "finish_reason": o.finish_reason,
-                        "spec": diff(spec_counters(llm, k), before) if k else None})
+                        "spec": diff(spec_counters(llm, k), before) if before is not None else None})  # k > 0
         print(f"vllm worker: prompt {i + 1}/{len(prompts)}: {len(ids)} tokens in {dt:.2f}s "
               f"({len(ids) / dt if dt > 0 else 0:.1f} tok/s)", file=sys.stderr, flush=True)
     result = {
         "vllm_version": vllm.__version__, "torch_version": torch.__version__, "load_seconds": load_s,
         "speculative_config": spec, "dtype": req.get("dtype", "float32"),
         "outputs": outputs,
-        "spec_total": diff(spec_counters(llm, k), start) if k else None,  # the timed prompts, warm-up excluded
+        # the timed prompts, warm-up excluded (start is None exactly when k == 0)
+        "spec_total": diff(spec_counters(llm, k), start) if start is not None else None,
     }
     tmp = out / "result.json.tmp"
     tmp.write_text(json.dumps(result))
