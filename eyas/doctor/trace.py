@@ -71,14 +71,12 @@ def trace(target, ckpt: DraftCheckpoint, prompt_ids: list[int], spec=None, max_n
 
     eng = make_engine(EngineParts(target, ckpt, None), spec or TreeSettings().spec("tree", None))
     # Any: the trace patches methods on these instances (restored below), which their declared types forbid
-    d: Any
-    tm: Any
-    d, tm, tok = eng.draft, eng.model, target.tokenizer
-    idx = list(ckpt.layout.aux_indices)
-    H = target.hidden_size
+    d: Any = eng.draft
+    tm: Any = eng.model
+    tok = target.tokenizer
+    idx, H = list(ckpt.layout.aux_indices), target.hidden_size
     events: list[TraceEvent] = []
-    rnd = [0]
-    depth = [0]
+    rnd, depth = [0], [0]
 
     def ev(stage: str, x: torch.Tensor | None = None, note: str = "") -> None:
         events.append(TraceEvent(rnd[0], stage, list(x.shape) if x is not None else None,

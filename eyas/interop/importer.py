@@ -341,22 +341,11 @@ def import_draft(src: str | Path, target, out: str | Path, fmt: str = "auto", al
     assert decided_by is not None  # set with stream
     stream = _as_captured(stream, decided_by, n_aux, notes)
     layout = Layout(aux_indices=stream, target=ident)
-    info = {
-        "source": str(src),
-        "format": fmt,
-        "format_detected_by": why,
-        "weight_files": foreign.weight_files,
-        "source_config_sha256": sha256_of(Path(src) / "config.json"),
-        "ids_found": found.to_dict(),
-        "readings": readings.candidates,
-        "ambiguous": readings.ambiguous,
-        "decided_by": decided_by,
-        "aux_indices": stream,
-        "inference": inference,
-        "notes": notes,
-        "warnings": warnings,
-        "dropped_target_owned": sorted(extra),
-    }
+    info = {"source": str(src), "format": fmt, "format_detected_by": why, "weight_files": foreign.weight_files,
+            "source_config_sha256": sha256_of(Path(src) / "config.json"), "ids_found": found.to_dict(),
+            "readings": readings.candidates, "ambiguous": readings.ambiguous, "decided_by": decided_by,
+            "aux_indices": stream, "inference": inference, "notes": notes, "warnings": warnings,
+            "dropped_target_owned": sorted(extra)}
     extra_manifest = {"import": info, "target_source": target.source,
                       "commands": [command or portable_command()], "eyas_version": __version__}
     out = Path(out)

@@ -29,7 +29,8 @@ BODY_IDLE_TIMEOUT_S = 15.0  # no body byte for this long: 408
 BODY_TOTAL_TIMEOUT_S = 120.0  # the whole body, however it trickles in: 408 (16 MiB at ~140 KB/s still fits)
 HEADER_TIMEOUT_S = 15.0  # from connect (or the previous response) to a complete request head: the socket is closed
 MAX_HEADER_BYTES = 32 << 10  # the request head (request line + headers), however it arrives: 431 above it
-LINGER_S = 2.0  # after a response that closes the connection: how long unread request bytes are still drained
+LINGER_S = 10.0  # after a response that closes the connection: how long unread request bytes are still drained
+# (a client still sending a 16 MiB body on a loaded 2-core machine can take longer than 2 s: its 413 was lost)
 # a client that ended its input while its request runs may have half-closed (it still reads) or closed for good:
 # only a write tells them apart (a closed socket answers it with a reset), so a request whose answer has not
 # started is probed this often with an interim "100 Continue" (RFC 9110 15.2: clients must accept unexpected 1xx),
@@ -232,7 +233,6 @@ def protocol_class() -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     connection = connection_class()
-
     # the mixin is a class made at call time (h11 is imported lazily), which mypy cannot take as a base
     class BoundedH11Protocol(half_close_mixin(), H11Protocol):  # type: ignore[misc]
         head_deadline: asyncio.TimerHandle | None = None
