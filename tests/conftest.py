@@ -76,20 +76,10 @@ def served_target(smollm2_tokenizer, tmp_path_factory):
     """A tiny random Llama with the SmolLM2 tokenizer, saved and reloaded as a target, plus a random draft (the
     server tests' target)."""
     from eyas.draft import DraftConfig, Eagle3Draft, save_draft
-    from eyas.target.load import load_target
-    from tests.tiny import tiny_config
+    from tests.serving import chat_target
 
     root = tmp_path_factory.mktemp("serve")
-    cfg, cls = tiny_config("llama", vocab=len(smollm2_tokenizer), hidden=32, layers=8)
-    cfg.max_position_embeddings = 2048
-    cfg.bos_token_id, cfg.eos_token_id = 1, 2  # <|im_start|>, <|im_end|>
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    model.config.architectures = [cls.__name__]
-    model.save_pretrained(root / "target", safe_serialization=True)
-    smollm2_tokenizer.save_pretrained(root / "target")
-    target = load_target(str(root / "target"))
+    target = chat_target(smollm2_tokenizer, root / "target", layers=8, context=2048)
     dcfg = DraftConfig.from_target_config(target.config, draft_vocab_size=1024)
     torch.manual_seed(1)
     draft = Eagle3Draft(dcfg)

@@ -26,6 +26,26 @@ MAX_NEW = 512
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
 
 
+def chat_target(tokenizer, folder, layers: int, context: int):
+    """A tiny random Llama with `tokenizer` (SmolLM2's: <|im_start|> 1, <|im_end|> 2), saved to `folder` and
+    loaded back as an eyas target."""
+    import torch
+
+    from eyas.target.load import load_target
+    from tests.tiny import tiny_config
+
+    cfg, cls = tiny_config("llama", vocab=len(tokenizer), hidden=32, layers=layers)
+    cfg.max_position_embeddings = context
+    cfg.bos_token_id, cfg.eos_token_id = 1, 2
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.config.architectures = [cls.__name__]
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return load_target(str(folder))
+
+
 def serve_in_thread(server: uvicorn.Server) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Run `server` on a free localhost port in a daemon thread; return once it accepts connections."""
     sock = socket.socket()

@@ -11,7 +11,6 @@ import copy
 import json
 import select
 import socket
-import threading
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from eyas.serve import bounds
 from eyas.serve.app import ServeConfig, create_app
 from eyas.serve.launch import make_server
+from tests.serving import serve_in_thread
 
 MODEL, KEY = "stub", "sekrit"
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
@@ -71,17 +71,9 @@ class Server:
         self.engine = SlowEngine(token) if slow else StubEngine(token)
         self.app = create_app(self.engine, tok, ServeConfig(model_name=MODEL, api_key=api_key, max_prompt_tokens=200,
                                                             max_new_tokens=3000 if slow else 8))
-        self.server = make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
+        self.url, self.server, self.thread = serve_in_thread(
+            make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        self.port = int(self.url.rsplit(":", 1)[1])
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
 

@@ -11,22 +11,19 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import h11
 import httpx
 import pytest
-import torch
 
 from eyas.engine.decode import Engine
 from eyas.engine.params import SpecParams
 from eyas.serve import bounds
 from eyas.serve.app import ServeConfig, create_app
 from eyas.serve.launch import make_server
-from eyas.target.load import load_target
-from tests.tiny import tiny_config
+from tests.serving import chat_target, serve_in_thread
 
 MODEL = "tiny-clients"
 CHUNK = 16  # the smallest prefill chunk the server takes: a long prompt is many chunks
@@ -80,17 +77,10 @@ class Served:
                           context_length=target.config.max_position_embeddings)
         self.app = create_app(self.engine, target.tokenizer, cfg)
         self.metrics = self.app.state.metrics
-        self.server = make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
+        url, self.server, self.thread = serve_in_thread(
+            make_server(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        self.port = int(url.rsplit(":", 1)[1])
+        self.http = httpx.Client(base_url=url, timeout=120)
 
     def wait_idle(self) -> None:
         deadline = time.time() + 60
@@ -107,16 +97,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(smollm2_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("clients")
-    cfg, cls = tiny_config("llama", vocab=len(smollm2_tokenizer), hidden=32, layers=2)
-    cfg.max_position_embeddings = 4096
-    cfg.bos_token_id, cfg.eos_token_id = 1, 2
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    model.config.architectures = [cls.__name__]
-    model.save_pretrained(root / "target", safe_serialization=True)
-    smollm2_tokenizer.save_pretrained(root / "target")
-    s = Served(load_target(str(root / "target")))
+    s = Served(chat_target(smollm2_tokenizer, root / "target", layers=2, context=4096))
     yield s
     s.close()
 
