@@ -20,18 +20,13 @@ from typer.testing import CliRunner
 from eyas.cli import app
 from eyas.files import file_record, save_safetensors
 from eyas.vocab import TokenIdError, check_token_ids
+from tests.test_hardening_artifacts import one_error_line
 
 BAD = 10**9  # the repro's id: far past any vocabulary, still an int32
 FLAGS = ["--draft-vocab", "64", "--ttt-steps", "2", "--lr", "3e-3", "--batch-tokens", "512", "--max-len", "64",
          "--heldout-pct", "20", "--eval-every", "1000", "--save-every", "1000", "--quiet", "--threads", "1"]
 
 
-def one_error_line(argv: list[str]) -> str:
-    r = CliRunner().invoke(app, argv)
-    assert r.exception is None or isinstance(r.exception, SystemExit), f"{type(r.exception).__name__}: {r.exception}"
-    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
-    return errors[0]
 
 
 def plant(file: Path, field: str, row: int, pos: int, records: dict) -> None:
