@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.eyas-installed
 
-.PHONY: setup demo test test-fast lint typecheck clean llama-cpp vllm
+.PHONY: setup demo test test-fast lint typecheck contracts clean llama-cpp vllm
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ lint: setup
 # mypy over eyas/ (settings in pyproject.toml [tool.mypy]); part of test and test-fast, so CI runs it.
 typecheck: setup
 	$(VENV)/bin/mypy
+
+# docs/CONTRACTS.md's metadata tables, regenerated from the schemas in eyas/metadata.py (a test checks they agree).
+contracts: setup
+	$(PY) tests/test_contracts.py
 
 test: setup lint typecheck
 	$(VENV)/bin/pytest -q -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

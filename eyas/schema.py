@@ -28,6 +28,11 @@ WORDS = {"object": "a JSON object", "array": "a JSON array", "string": "a string
 INT_MAX = 2**63 - 1
 
 
+def bound(x: float) -> str:
+    """A bound as an error shows it: whole numbers in full (a vocab ceiling is 2147483647, not 2.14748e+09)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 @dataclass(frozen=True)
 class Field:
     key: str
@@ -55,14 +60,18 @@ class Field:
             return word + (f", each {self.each.describe()}" if self.each is not None else "")
         if self.pattern is not None:
             return f"{word} like {self.pattern!r}"
+        if self.file_keys:
+            word += " keyed by file names inside the folder"
+        if self.kind == "object" and self.each is not None and not self.each.fields:
+            return f"{word}, each value {self.each.describe()}"
         low = self.low
         high = self.high if self.high is not None and self.high < INT_MAX else None
         if low is not None and high is not None:
-            return f"{word} in {low:g}..{high:g}"
+            return f"{word} in {bound(low)}..{bound(high)}"
         if low is not None:
-            return f"{word} >= {low:g}"
+            return f"{word} >= {bound(low)}"
         if high is not None:
-            return f"{word} <= {high:g}"
+            return f"{word} <= {bound(high)}"
         return word
 
 
@@ -163,3 +172,54 @@ def check_schema(data: dict[str, Any], schema: Schema, folder: Path | None = Non
         if problem:
             break
     return problem
+
+
+def undeclared(data: Any, fields: tuple[Field, ...], where: str = "") -> str | None:
+    """The first key of `data` that no field declares, by its path (None when all are declared). An object field
+    with neither fields nor `each` is free-form (a foreign tool's structure recorded whole); a map's keys are data."""
+    if not isinstance(data, dict):
+        return None
+    known = {f.key: f for f in fields}
+    for k, v in data.items():
+        name = child(where, k)
+        f = known.get(k)
+        if f is None:
+            return name
+        if f.kind == "object" and f.fields and f.each is None:
+            problem = undeclared(v, f.fields, name)
+        elif f.kind == "array" and f.entries and isinstance(v, list):
+            problem = next((p for i, e in enumerate(v) if (p := undeclared(e, f.entries, child(name, i)))), None)
+        elif f.kind == "object" and f.each is not None and f.each.fields and isinstance(v, dict):
+            problem = next((p for k2, e in v.items() if (p := undeclared(e, f.each.fields, child(name, k2)))), None)
+        else:
+            problem = None
+        if problem:
+            return problem
+    return None
+
+
+def field_rows(fields: tuple[Field, ...], where: str = "") -> list[tuple[str, str, bool]]:
+    """(path, what it holds, required) for every field, nested ones after their parent: the reference table."""
+    rows: list[tuple[str, str, bool]] = []
+    for f in fields:
+        name = child(where, f.key) if f.key else where
+        rows.append((name, f.describe() + (", or null" if f.nullable else ""), f.required))
+        if f.fields:
+            rows += field_rows(f.fields, name)
+        if f.entries:
+            rows += field_rows(f.entries, f"{name}[i]")
+        if f.each is not None and f.each.fields:
+            rows += field_rows(f.each.fields, f"{name}[key]" if f.kind == "object" else f"{name}[i]")
+    return rows
+
+
+def schema_markdown(schema: Schema, title: str) -> str:
+    """A schema as the Markdown table docs/CONTRACTS.md holds (generated, so the doc cannot drift)."""
+    lines = [f"### {title} — {schema.what}", "", "| field | holds | required |", "|---|---|---|"]
+    for name, what, required in field_rows(schema.fields):
+        cell = what.replace("|", r"\|")  # a regex alternation would end the table cell
+        lines.append(f"| `{name}` | {cell} | {'yes' if required else ''} |")
+    if schema.rules:
+        lines += ["", "Across fields: " + "; ".join((r.__doc__ or r.__name__).split("\n")[0].strip()
+                                                    for r in schema.rules)]
+    return "\n".join(lines)

@@ -37,3 +37,26 @@ def test_every_cited_name_imports():
         except (ModuleNotFoundError, AttributeError) as e:
             missing.append(f"{name} ({e})")
     assert not missing, "docs/CONTRACTS.md cites names that do not exist:\n" + "\n".join(missing)
+
+
+def spliced(doc: str) -> str:
+    """docs/CONTRACTS.md with its metadata tables replaced by the ones the schemas generate now."""
+    from eyas.metadata import BEGIN, END, contracts_section
+
+    head, _, rest = doc.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return head + contracts_section() + tail
+
+
+def test_metadata_tables_are_the_schemas():
+    from eyas.metadata import BEGIN, END
+
+    doc = DOC.read_text()
+    assert doc.count(BEGIN) == 1 and doc.count(END) == 1, "docs/CONTRACTS.md lost its metadata-table markers"
+    assert spliced(doc) == doc, "docs/CONTRACTS.md's metadata tables differ from eyas/metadata.py: run `make contracts`"
+    assert "| `shards[i].file` | a file name inside the folder |" in doc  # nested entries are listed too
+
+
+if __name__ == "__main__":  # `make contracts`: regenerate the tables after a schema change
+    DOC.write_text(spliced(DOC.read_text()))
+    print(f"wrote {DOC}")
