@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from . import heartbeat
 from .interrupt import EXIT_CODE, StoppedNow
 
 
@@ -25,9 +26,11 @@ def say_stopped(e: KeyboardInterrupt) -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    heartbeat.start(" ".join(["eyas", *sys.argv[1:2]]))
     try:
         from .cli import main as cli
 
+        heartbeat.stage("working (no progress to show yet)")
         cli()
     except KeyboardInterrupt as e:  # while the CLI was imported
         say_stopped(e)

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from ..engine.load import EngineOptions
+from ..heartbeat import during
 from .common import (
     ChatTemplateOpt,
     DeviceOpt,
@@ -66,8 +67,10 @@ def doctor(
         mismatch = draft_template_warning(ck.manifest, tgt.chat_template)
         if mismatch:
             warn(mismatch)
-        rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples, max_len=max_len,
-                         steps=steps, heldout_pct=heldout_pct, quick=quick, weights=weights)
+        with during(f"measuring the draft on {samples} samples (captures, layout ranking, accuracy; minutes on a "
+                    "CPU)"):
+            rep = run_doctor(tgt, ck, data=data or None, source=data_source, num_samples=samples,
+                             max_len=max_len, steps=steps, heldout_pct=heldout_pct, quick=quick, weights=weights)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=2, default=str))
     else:

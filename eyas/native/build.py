@@ -26,6 +26,7 @@ from functools import cache
 from pathlib import Path
 
 from ..files import atomic_write, atomic_write_json, cache_dir, file_digest
+from ..heartbeat import during
 from .boundary import KernelError
 
 COMPILE_TIMEOUT_S = 300  # a cold build takes about a second; five minutes means a wedged compiler
@@ -160,7 +161,8 @@ def cached_library(cc: str, sources: Sequence[Path], flags: Sequence[str]) -> tu
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if verified(so, key) is not None:
-            atomic_write(so, lambda tmp: compile_library(cc, flags, sources, tmp))
+            with during("compiling eyas's CPU kernels (first use on this CPU and compiler only)"):
+                atomic_write(so, lambda tmp: compile_library(cc, flags, sources, tmp))
             atomic_write_json(_sidecar(so), {"key": key, "digest": file_digest(so)})
             remove_stale(folder, key["tag"])
             why = verified(so, key)

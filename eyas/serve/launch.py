@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from ..engine.decode import Engine
 from ..engine.load import EngineOptions, EngineUse, load_engine
+from ..heartbeat import stage
 from ..target.family import text_config
 from ..target.load import Target
 from ..target.template import draft_template_warning
@@ -180,6 +181,7 @@ def exit_logged() -> Iterator[None]:
 
 
 def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    stage(None)  # waiting for requests is idle, not silent
     make_server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5).run()
 
 

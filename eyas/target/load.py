@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # transformers is imported at load time, after hub_offline()
     from transformers import PreTrainedModel
 
 from ..files import cache_dir, read_json
+from ..heartbeat import during
 from ..layout import Layout, TargetIdentity
 from ..option import DEFAULT_TARGET
 from .capture import decoder_parts
@@ -214,7 +215,8 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "fp32", d
             from ..native.gguf_file import read_gguf_tensors
 
             read_gguf_tensors(gguf)  # a truncated or foreign file: one clear error before transformers reads it
-            convert_gguf(gguf, folder)
+            with during(f"converting {gguf.name} to a safetensors folder (first use only; minutes on a CPU)"):
+                convert_gguf(gguf, folder)
         name = spec if spec in BUNDLED else gguf.name
         fix = f"the converted copy of {gguf.name} is damaged: delete {folder} and rerun (eyas converts it again)"
     else:

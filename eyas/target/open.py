@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..heartbeat import during
 from .family import check_gguf_architecture, gguf_of
 from .load import Target, load_target
 from .template import (
@@ -57,7 +58,8 @@ class TargetChoice:
         if choice is None:
             choice = self.template(check_files=target is None)
         if target is None:
-            target = load_target(self.spec, dtype=self.dtype, device=self.device, load_weights=load_weights)
+            with during(f"loading the target {self.spec}" + ("" if load_weights else " (its config only)")):
+                target = load_target(self.spec, dtype=self.dtype, device=self.device, load_weights=load_weights)
         try:
             use_template(target, choice)
         except TemplateError:

@@ -25,6 +25,7 @@ import torch
 from .. import __version__
 from ..draft import Eagle3Draft, save_draft
 from ..files import portable_command, remove_stale_temps
+from ..heartbeat import during
 from ..interrupt import Interrupted, stop_on_signals
 from ..replay.heldout import heldout_replay, simulated_length
 from ..vocab import DraftVocab
@@ -93,8 +94,9 @@ class Trainer:
         self.dd, self.device = init_dist(cfg.device)
         check_options(cfg)
         self.t_start = time.perf_counter()
-        self.data = open_data(cfg, target)
-        self.draft, self.vocab, self.fnorm = build_draft(cfg, self.data, self.dd, self.device)
+        with during("reading the training data (shard digests, the draft vocab's token counts)"):
+            self.data = open_data(cfg, target)
+            self.draft, self.vocab, self.fnorm = build_draft(cfg, self.data, self.dd, self.device)
         self.opt = make_optimizer(self.draft, cfg)
         self.groups = self.data.source.groups()
         self.steps_per_epoch = len(self.plan(0))
