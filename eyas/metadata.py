@@ -159,7 +159,8 @@ def _shard_rules(m: dict[str, Any]) -> str | None:
 
 SHARD_MANIFEST = Schema("shard manifest", (
     text("kind", required=True), Field("format_version", "int", low=1), LAYOUT,
-    arr("shards", required=True, entries=SHARD_ENTRY), obj("config", *DATAGEN_CONFIG), COUNTS, SKIPPED, COMMANDS,
+    arr("shards", required=True, entries=SHARD_ENTRY), obj("config", *DATAGEN_CONFIG), COUNTS, SKIPPED,
+    obj("skipped_rows", each=ints("")), COMMANDS,
     whole("watermark", -1), flag("complete"), NORM_SUMS, whole("norm_tokens"),
     arr("commits", entries=COMMIT), TEMPLATE, obj("target", *IDENTITY), text("target_source", nullable=True),
     VERSIONS), rules=(_shard_rules,))
