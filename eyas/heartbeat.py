@@ -6,11 +6,12 @@ doing (`stage("loading the target smollm2-135m")`), and a stage of None is quiet
 not silent, it is idle). Any write to stdout or stderr counts as life, so a command that reports its own progress
 never sees these lines; one whose progress bar stalls, or whose library works without a word (a model load, a
 conversion, a compile), does. Library use (tests, `import eyas`) never starts the watch: `stage` is then a no-op
-record.
+record. EYAS_HEARTBEAT=1 or 0 forces it on or off (see `wanted`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -96,9 +97,15 @@ def _watch(poll_s: float) -> None:
             return
 
 
+def wanted(env: str | None, tty: bool) -> bool:
+    """EYAS_HEARTBEAT=1 turns the watch on, 0 off; unset, it is on where stderr is a terminal (a person waiting),
+    and off where it is a pipe (a script or test reading the output, which the lines would change)."""
+    return env == "1" if env in ("0", "1") else tty
+
+
 def start(command: str, first: str = "starting (importing torch)", poll_s: float = POLL_S) -> None:
-    """Watch this process's stdout and stderr from now on (once; the `eyas` command calls it)."""
-    if _state.running:
+    """Watch this process's stdout and stderr from now on (once; the `eyas` command calls it), where `wanted`."""
+    if _state.running or not wanted(os.environ.get("EYAS_HEARTBEAT"), sys.stderr.isatty()):
         return
     _state.running = True
     _state.command = command

@@ -3,6 +3,7 @@ command writes or is idle on purpose."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,8 @@ from eyas import heartbeat
 def run(body: str) -> str:
     code = ("import time, eyas.heartbeat as h\nh.QUIET_S = 0.6\nh.start('eyas demo', 'sleeping', poll_s=0.05)\n"
             + body)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "EYAS_HEARTBEAT": "1"})
     assert r.returncode == 0, r.stderr
     return r.stderr
 
@@ -41,3 +43,12 @@ def test_during_restores_the_stage_before_it_and_line_waits_for_the_silence():
     assert later is not None and later.startswith("eyas: still outer (")
     heartbeat.stage(None)
     assert heartbeat.line(time.monotonic() + 1000) is None
+
+
+def test_on_for_a_terminal_off_for_a_pipe_unless_forced():
+    assert heartbeat.wanted(None, tty=True) and not heartbeat.wanted(None, tty=False)
+    assert heartbeat.wanted("1", tty=False) and not heartbeat.wanted("0", tty=True)
+    code = "import time, eyas.heartbeat as h\nh.QUIET_S = 0.3\nh.start('eyas demo', poll_s=0.05)\ntime.sleep(0.8)\n"
+    env = {k: v for k, v in os.environ.items() if k != "EYAS_HEARTBEAT"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "still" not in r.stderr, r.stderr  # a pipe: a script reads this output
