@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EyasError
-from .files import atomic_write_json
-from .schema import INT_MAX, Field, Schema, check_schema, schema_markdown, undeclared
+from .schema import INT_MAX, Field, Schema, check_schema, schema_markdown
 
 # generous ceilings: beyond them a value is damage, whatever model it claims to describe
 DIM = 1 << 20  # a hidden, head or MLP width
@@ -312,24 +311,6 @@ def read_metadata(path: str | Path, schema: Schema, error: type[EyasError], fix:
     if problem:
         raise error(f"{path}: {problem}; {fix}")
     return data
-
-
-class MetadataWriteError(EyasError):
-    """eyas was about to write a metadata file its own reader would refuse: a bug in eyas, never in the input."""
-
-
-def write_metadata(path: str | Path, data: dict[str, Any], schema: Schema) -> Path:
-    """Write `data` to `path` atomically, after checking it against `schema` as `read_metadata` will, and that
-    every key in it is one the schema declares: so each file's schema is the one list of what eyas writes there,
-    and a field written but never declared (never checked when read back) cannot appear."""
-    path = Path(path)
-    problem = check_schema(data, schema, path.parent)
-    if problem is None and (extra := undeclared(data, schema.fields)) is not None:
-        problem = f"'{extra}' is not a field of the {schema.what} (declare it in eyas/metadata.py)"
-    if problem:
-        raise MetadataWriteError(f"eyas would write {path} that its own reader refuses: {problem}. This is a bug "
-                                 "in eyas; please report it with the command you ran")
-    return atomic_write_json(path, data)
 
 
 # the files in the order docs/CONTRACTS.md lists them, with where each lives

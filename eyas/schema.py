@@ -174,30 +174,6 @@ def check_schema(data: dict[str, Any], schema: Schema, folder: Path | None = Non
     return problem
 
 
-def undeclared(data: Any, fields: tuple[Field, ...], where: str = "") -> str | None:
-    """The first key of `data` that no field declares, by its path (None when all are declared). An object field
-    with neither fields nor `each` is free-form (a foreign tool's structure recorded whole); a map's keys are data."""
-    if not isinstance(data, dict):
-        return None
-    known = {f.key: f for f in fields}
-    for k, v in data.items():
-        name = child(where, k)
-        f = known.get(k)
-        if f is None:
-            return name
-        if f.kind == "object" and f.fields and f.each is None:
-            problem = undeclared(v, f.fields, name)
-        elif f.kind == "array" and f.entries and isinstance(v, list):
-            problem = next((p for i, e in enumerate(v) if (p := undeclared(e, f.entries, child(name, i)))), None)
-        elif f.kind == "object" and f.each is not None and f.each.fields and isinstance(v, dict):
-            problem = next((p for k2, e in v.items() if (p := undeclared(e, f.each.fields, child(name, k2)))), None)
-        else:
-            problem = None
-        if problem:
-            return problem
-    return None
-
-
 def field_rows(fields: tuple[Field, ...], where: str = "") -> list[tuple[str, str, bool]]:
     """(path, what it holds, required) for every field, nested ones after their parent: the reference table."""
     rows: list[tuple[str, str, bool]] = []
