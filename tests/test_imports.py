@@ -4,7 +4,7 @@ included) has no cycle, and no module imports from a stage above its own.
 Stages, lowest first (a module may import its own stage and any lower one; stages of equal rank may not
 import each other). Each line names its modules, every one of them: test_stages_named_as_they_are holds this
 list to the files.
-  core     eyas/: errors, files, schema, metadata, option, interrupt, text, layout, rope, vocab, conventions,
+  core     eyas/: errors, files, schema, metadata, option, interrupt, heartbeat, text, layout, rope, vocab, conventions,
            engine_views, id_readings, engines, aux_rules, engine_source -- the
            contracts every stage builds on (atomic writes, stream indices, each engine's aux-id convention and
            versioned behaviour)
